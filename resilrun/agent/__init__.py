@@ -1,0 +1,126 @@
+"""The agent: the composition root of one node (store, rendezvous, supervision).
+
+``run(config)`` resolves the node's facts (worker count, advertised address, log directory), opens
+the rendezvous store (hosting it when this node owns the endpoint), runs the supervisor, and, when
+it hosts the store, stays until every other node has seen the job end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+from resilrun.agent.procs import HANDLED_SIGNALS
+from resilrun.agent.supervisor import NodeSetup, SignalFlag, Supervisor
+from resilrun.config import Config
+from resilrun.env import agent_environ
+from resilrun.errors import ConfigError, ResilrunError, ShutdownRequested
+from resilrun.rendezvous.c10d import C10dBackend, open_store, route_address
+from resilrun.rendezvous.executor import RendezvousClient
+from resilrun.rendezvous.protocol import NodeInfo
+
+__all__ = ["resolve_nproc", "run"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_nproc(value: str) -> int:
+    """torchrun's ``--nproc-per-node``: a number, ``cpu``, ``gpu`` or ``auto``."""
+    value = value.strip().lower()
+    if value.isdigit():
+        return int(value)
+    if value == "cpu":
+        return os.cpu_count() or 1
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if value in ("gpu", "cuda"):
+        if gpus == 0:
+            raise ConfigError("--nproc-per-node gpu, but no CUDA device is visible", hint="use a number or cpu")
+        return gpus
+    return gpus or os.cpu_count() or 1
+
+
+def run(config: Config) -> None:
+    """Run this node's part of the job; returns on success.
+
+    Raises:
+        ResilrunError: the job failed (the subclass says how); ShutdownRequested on a signal.
+    """
+    nproc = resolve_nproc(config.nproc_per_node)
+    min_nodes, max_nodes = config.node_range
+    host, port = config.endpoint
+    rdzv_conf = config.rdzv
+    signals = SignalFlag()
+    previous = {sig: signal.signal(sig, signals.handler) for sig in HANDLED_SIGNALS}
+    try:
+        store, hosting = open_store(
+            host, port, is_host=rdzv_conf.is_host, timeout=_seconds(rdzv_conf.read_timeout_s)
+        )
+        endpoint = f"{host}:{store.port if hosting else port}"
+        backend = C10dBackend(store, endpoint)
+        addr = config.local_addr or route_address(host, port)
+        me = NodeInfo(
+            node_id=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
+            addr=addr,
+            local_world_size=nproc,
+            requested_rank=config.node_rank,
+            hostname=socket.gethostname(),
+        )
+        rdzv = RendezvousClient(
+            backend, config.rdzv_id, me, min_nodes=min_nodes, max_nodes=max_nodes,
+            join_timeout=_seconds(rdzv_conf.join_timeout_s), last_call_timeout=_seconds(rdzv_conf.last_call_timeout_s),
+        )
+        log_root = _log_root(config)
+        logger.info(
+            "resilrun agent: run %s, %s store %s, nnodes %s, %d worker(s) on this node, logs in %s",
+            config.rdzv_id, "hosting" if hosting else "using", endpoint, config.nnodes, nproc, log_root,
+        )
+        setup = NodeSetup(nproc=nproc, addr=addr, log_root=log_root, base_env=agent_environ())
+        supervisor = Supervisor(config, setup, rdzv, signals)
+        try:
+            supervisor.run()
+            logger.info("job finished: all workers exited 0")
+        finally:
+            if hosting:
+                _linger_for_peers(rdzv, supervisor, rdzv_conf.close_timeout_s)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _linger_for_peers(rdzv: RendezvousClient, supervisor: Supervisor, close_timeout_s: float) -> None:
+    """The store host leaves last, so other nodes can read the job's end (bounded wait)."""
+    state = supervisor.last_state
+    expected = len(state.participants) if state is not None else 1
+    deadline = time.monotonic() + close_timeout_s
+    try:
+        if not rdzv.state().closed:
+            return
+        while time.monotonic() < deadline and rdzv.closed_acks() < expected:
+            time.sleep(0.05)
+    except (ResilrunError, ShutdownRequested):
+        pass
+
+
+def _log_root(config: Config) -> Path:
+    if config.log_dir:
+        root = Path(config.log_dir) / config.rdzv_id
+    else:
+        root = Path(tempfile.mkdtemp(prefix=f"resilrun_{config.rdzv_id}_"))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--log-dir '{config.log_dir}' cannot be created: {exc.strerror}") from exc
+    return root
+
+
+def _seconds(value: float) -> timedelta:
+    return timedelta(seconds=value)

@@ -1,0 +1,125 @@
+"""Worker failures: what each failed process tells us, and the job's root-cause report.
+
+A failure record is a small JSON dict so it can travel through the rendezvous store to every node;
+the root cause is the earliest failure (by the time the worker raised, or the agent saw it die).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessFailure:
+    """One worker that ended with a non-zero exit code or a signal."""
+
+    global_rank: int
+    local_rank: int
+    node_rank: int
+    host: str
+    pid: int
+    exit_code: int
+    timestamp: float
+    message: str
+    traceback: str | None = None
+    error_file: str | None = None
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exit_code >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exit_code).name
+        except ValueError:
+            return f"signal {-self.exit_code}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProcessFailure:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def collect_failure(
+    *, global_rank: int, local_rank: int, node_rank: int, pid: int, exit_code: int, observed_at: float, error_file: Path
+) -> ProcessFailure:
+    """Build the record of a failed worker, preferring its own error file's account."""
+    message, tb, timestamp = _describe_exit(pid, exit_code), None, observed_at
+    try:
+        data = json.loads(error_file.read_text(encoding="utf-8"))
+        inner = data.get("message", {})
+        if isinstance(inner, dict):
+            message = str(inner.get("message", message))
+            extra = inner.get("extraInfo", {}) or {}
+            tb = extra.get("py_callstack")
+            timestamp = float(extra.get("timestamp", timestamp))
+        else:
+            message = str(inner)
+    except (OSError, ValueError, TypeError):
+        pass
+    return ProcessFailure(
+        global_rank=global_rank,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        host=socket.gethostname(),
+        pid=pid,
+        exit_code=exit_code,
+        timestamp=timestamp,
+        message=message,
+        traceback=tb,
+        error_file=str(error_file) if error_file.exists() else None,
+    )
+
+
+def _describe_exit(pid: int, exit_code: int) -> str:
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        return f"Signal {-exit_code} ({name}) received by PID {pid}"
+    return f"exited with code {exit_code} (no error file: the script failed outside Python, or called sys.exit)"
+
+
+def root_cause(failures: list[ProcessFailure]) -> ProcessFailure | None:
+    return min(failures, key=lambda f: f.timestamp) if failures else None
+
+
+def format_report(title: str, failures: list[ProcessFailure]) -> str:
+    """A readable block in the spirit of torchrun's ChildFailedError summary."""
+    cause = root_cause(failures)
+    if cause is None:
+        return f"{title}: no failure record"
+    lines = [f"{title}", "Root cause (first observed failure):"]
+    lines += _entry(cause)
+    others = [f for f in sorted(failures, key=lambda f: f.timestamp) if f is not cause]
+    if others:
+        lines.append(f"Other failures ({len(others)}):")
+        for failure in others:
+            lines.append(
+                f"  rank {failure.global_rank} (local {failure.local_rank}) on node {failure.node_rank}: "
+                f"{failure.message.splitlines()[0] if failure.message else ''}"
+            )
+    return "\n".join(lines)
+
+
+def _entry(failure: ProcessFailure) -> list[str]:
+    code = f"{failure.exit_code}" + (f" ({failure.signal_name})" if failure.signal_name else "")
+    lines = [
+        f"  rank:       {failure.global_rank} (local_rank {failure.local_rank}, node_rank {failure.node_rank})",
+        f"  host:       {failure.host}",
+        f"  exit code:  {code} (pid {failure.pid})",
+        f"  message:    {failure.message}",
+    ]
+    if failure.error_file:
+        lines.append(f"  error file: {failure.error_file}")
+    if failure.traceback:
+        lines.append("  traceback:")
+        lines += [f"    {line}" for line in failure.traceback.rstrip().splitlines()]
+    return lines

@@ -1,0 +1,90 @@
+"""The command-line interface: the only package that imports typer/rich and prints.
+
+``resilrun SCRIPT ...`` means ``resilrun run SCRIPT ...`` (``run`` is the default command). Errors
+from any layer are rendered once, in ``main``, as a one-line message, a hint and an exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+import typer
+
+from resilrun import __version__
+from resilrun.cli import run as run_cmd
+from resilrun.cli._errors import render
+from resilrun.cli._output import Output
+from resilrun.errors import ExitCode
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="resilrun",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    help="A torchrun-compatible launcher for distributed PyTorch training that survives failures.",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        Output().data(f"resilrun {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """A torchrun-compatible launcher for distributed PyTorch training that survives failures."""
+
+
+app.command("run", context_settings=run_cmd.CONTEXT)(run_cmd.run)
+
+_TOP_LEVEL = {"--help", "-h", "--version", "--install-completion", "--show-completion"}
+
+
+def _with_default_command(argv: list[str]) -> list[str]:
+    """Insert ``run`` when the first word is neither a command nor a top-level option."""
+    if not argv:
+        return argv
+    commands = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]  # a click Group
+    first = argv[0]
+    if first in commands or first in _TOP_LEVEL:
+        return argv
+    return ["run", *argv]
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[resilrun %(asctime)s %(levelname)s] %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("resilrun")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point; never shows a traceback for a user mistake."""
+    args = _with_default_command(list(sys.argv[1:] if argv is None else argv))
+    _setup_logging()
+    out = Output()
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args, prog_name="resilrun", standalone_mode=False)
+        sys.exit(int(code or 0) if isinstance(code, int) else 0)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(int(ExitCode.INTERRUPTED))
+    except click.UsageError as exc:
+        hint = "run 'resilrun run --help' for the options" if args[:1] == ["run"] else "run 'resilrun --help'"
+        out.error(exc.format_message(), hint)
+        sys.exit(int(ExitCode.USAGE))
+    except BaseException as exc:  # noqa: BLE001 - the one place errors become exit codes
+        if isinstance(exc, SystemExit):
+            raise
+        sys.exit(render(exc, out))

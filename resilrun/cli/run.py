@@ -1,0 +1,74 @@
+"""``resilrun [run] [OPTIONS] SCRIPT [ARGS...]``: launch and supervise this node's workers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from resilrun.cli import _options as o
+from resilrun.errors import ConfigError
+
+CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+
+
+def _int(flag: str, value: str | None) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{flag} '{value}' is not an integer") from None
+
+
+def _float(flag: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{flag} '{value}' is not a number of seconds") from None
+
+
+def run(
+    script: Annotated[str, typer.Argument(help="Training script (or module with -m, program with --no-python).")],
+    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script untouched.")] = None,
+    nnodes: o.Nnodes = "1:1",
+    nproc_per_node: o.NprocPerNode = "1",
+    node_rank: o.NodeRank = None,
+    rdzv_backend: o.RdzvBackend = "c10d",
+    rdzv_endpoint: o.RdzvEndpoint = "",
+    rdzv_id: o.RdzvId = "none",
+    rdzv_conf: o.RdzvConf = "",
+    standalone: o.Standalone = False,
+    master_addr: o.MasterAddr = "127.0.0.1",
+    master_port: o.MasterPort = "29500",
+    local_addr: o.LocalAddr = None,
+    max_restarts: o.MaxRestarts = "0",
+    monitor_interval: o.MonitorInterval = "0.1",
+    module: o.Module = False,
+    no_python: o.NoPython = False,
+    role: o.Role = "default",
+    start_method: o.StartMethod = "spawn",
+    log_dir: o.LogDir = None,
+    redirects: o.Redirects = "0",
+    tee: o.Tee = "0",
+    local_ranks_filter: o.LocalRanksFilter = "",
+    shutdown_timeout: o.ShutdownTimeout = "30",
+) -> None:
+    """Launch SCRIPT on this node's workers and supervise them (torchrun's flags and semantics)."""
+    from resilrun.config import Config
+
+    if script.startswith("-") and not no_python:
+        raise ConfigError(f"unknown option '{script}'", hint="run 'resilrun run --help' for the options")
+    config = Config.from_cli(
+        nnodes=nnodes, nproc_per_node=nproc_per_node, node_rank=_int("--node-rank", node_rank),
+        rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, rdzv_conf=rdzv_conf,
+        standalone=standalone, master_addr=master_addr, master_port=_int("--master-port", master_port),
+        local_addr=local_addr, max_restarts=_int("--max-restarts", max_restarts),
+        monitor_interval_s=_float("--monitor-interval", monitor_interval), module=module, no_python=no_python,
+        role=role, start_method=start_method, log_dir=log_dir, redirects=redirects, tee=tee,
+        local_ranks_filter=local_ranks_filter, shutdown_timeout_s=_float("--shutdown-timeout", shutdown_timeout),
+        script=script, script_args=tuple(script_args or ()),
+    )
+    from resilrun import agent
+
+    agent.run(config)

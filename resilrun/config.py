@@ -1,0 +1,361 @@
+"""The launch configuration: one frozen dataclass, its flags, environment names and validation.
+
+Invariants: a ``Config`` that exists has been validated (``from_cli`` is the only way the CLI makes
+one); nothing here reads the environment, touches the network or spawns anything, so every usage
+error is reported before a socket or a process exists. Seconds are floats with an ``_s`` suffix
+here and ``timedelta`` everywhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import IntEnum
+from typing import Any
+
+from resilrun.errors import ConfigError
+
+DEFAULT_RDZV_PORT = 29400
+
+
+class Std(IntEnum):
+    """Which worker streams go to log files (torchrun's ``--redirects``/``--tee`` values)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+def _meta(flag: str, panel: str, help: str, *, pet: bool = True) -> dict[str, Any]:
+    name = flag.lstrip("-").replace("-", "_").upper()
+    envs = [f"RESILRUN_{name}"] + ([f"PET_{name}"] if pet else [])
+    return {"flag": flag, "env": envs, "panel": panel, "help": help}
+
+
+R, P, H = "Rendezvous", "Processes", "Health"
+
+
+@dataclass(frozen=True, slots=True)
+class RdzvConf:
+    """Typed ``--rdzv-conf`` keys; unknown keys are an error, never silently dropped."""
+
+    # 600 s as torchrun: large clusters take minutes to schedule every node.
+    join_timeout_s: float = 600.0
+    # Extra wait once MIN nodes joined, so nodes scheduled a little later still make the round.
+    last_call_timeout_s: float = 30.0
+    close_timeout_s: float = 30.0
+    # Store connect / operation timeout; 60 s as torchrun (a cold cluster's DNS and SYN retries).
+    read_timeout_s: float = 60.0
+    is_host: bool | None = None
+
+
+# Keys torchrun accepts that have no effect here; accepted so torchrun command lines keep working.
+_ACCEPTED_RDZV_KEYS = {
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "heartbeat_timeout",
+    "timeout",
+    "store_type",
+    "use_libuv",
+}
+
+
+def parse_rdzv_conf(value: str) -> RdzvConf:
+    """Parse ``k1=v1,k2=v2`` into :class:`RdzvConf`.
+
+    Raises:
+        ConfigError: on an unknown key or a value of the wrong type.
+    """
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep:
+            raise ConfigError(
+                f"--rdzv-conf entry '{item}' has no '='",
+                hint="write key=value pairs separated by commas, e.g. join_timeout=900",
+            )
+        raw = raw.strip()
+        if key in ("join_timeout", "last_call_timeout", "close_timeout", "read_timeout"):
+            kwargs[f"{key}_s"] = _positive_float(f"--rdzv-conf {key}", raw)
+        elif key == "is_host":
+            kwargs["is_host"] = _parse_bool(f"--rdzv-conf {key}", raw)
+        elif key == "store_type" and raw != "tcp":
+            raise ConfigError(
+                f"--rdzv-conf store_type '{raw}' is not supported",
+                hint="resilrun's c10d backend uses a TCPStore (store_type=tcp)",
+            )
+        elif key not in _ACCEPTED_RDZV_KEYS:
+            known = "join_timeout, last_call_timeout, close_timeout, read_timeout, is_host"
+            raise ConfigError(f"--rdzv-conf key '{key}' is unknown", hint=f"known keys: {known}")
+    return RdzvConf(**kwargs)
+
+
+def _positive_float(what: str, raw: str) -> float:
+    try:
+        number = float(raw)
+    except ValueError:
+        raise ConfigError(f"{what} '{raw}' is not a number", hint="give seconds, e.g. 30") from None
+    if not number > 0:
+        raise ConfigError(f"{what} ({raw}) must be > 0")
+    return number
+
+
+def _parse_bool(what: str, raw: str) -> bool:
+    lowered = raw.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{what} '{raw}' is not a boolean", hint="use true or false")
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """Parse ``N`` or ``MIN:MAX`` into ``(min_nodes, max_nodes)``."""
+    parts = value.split(":")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(
+            f"--nnodes '{value}' is not N or MIN:MAX",
+            hint="e.g. --nnodes 4, or --nnodes 2:4 for an elastic job",
+        )
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1:
+        raise ConfigError(f"--nnodes min ({low}) must be >= 1")
+    if low > high:
+        raise ConfigError(f"--nnodes min ({low}) must be <= max ({high})")
+    return low, high
+
+
+def parse_endpoint(value: str, default_port: int = DEFAULT_RDZV_PORT) -> tuple[str, int]:
+    """Parse ``host[:port]`` (IPv6 as ``[addr]:port``) into ``(host, port)``."""
+    match = re.fullmatch(r"\[(?P<v6>[^\]]+)\](?::(?P<p6>\d+))?|(?P<host>[^:\[\]]+)(?::(?P<port>\d+))?", value.strip())
+    if not match:
+        raise ConfigError(
+            f"--rdzv-endpoint '{value}' is not host[:port]",
+            hint="e.g. --rdzv-endpoint head-node:29400",
+        )
+    host = match.group("v6") or match.group("host")
+    port_text = match.group("p6") or match.group("port")
+    port = int(port_text) if port_text else default_port
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--rdzv-endpoint port ({port}) must be in 0..65535")
+    return host, port
+
+
+def parse_std_map(value: str, flag: str) -> dict[int, Std] | Std:
+    """Parse torchrun's ``0..3`` or ``local_rank:0..3,...`` stream selection."""
+    value = value.strip() or "0"
+    try:
+        if ":" not in value:
+            return Std(int(value))
+        result: dict[int, Std] = {}
+        for item in value.split(","):
+            rank, _, std = item.partition(":")
+            result[int(rank)] = Std(int(std))
+        return result
+    except ValueError:
+        raise ConfigError(
+            f"{flag} '{value}' is not 0-3 or a list like 0:1,1:3",
+            hint="0 none, 1 stdout, 2 stderr, 3 both",
+        ) from None
+
+
+def resolve_std(spec: dict[int, Std] | Std, local_rank: int) -> Std:
+    """The stream selection of one local rank."""
+    return spec.get(local_rank, Std.NONE) if isinstance(spec, dict) else spec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """Everything one node's agent needs to launch and supervise its share of the job."""
+
+    # Rendezvous
+    nnodes: str = field(default="1:1", metadata=_meta("--nnodes", R, "Number of nodes: N or MIN:MAX."))
+    nproc_per_node: str = field(
+        default="1", metadata=_meta("--nproc-per-node", P, "Workers per node: N, auto, cpu or gpu.")
+    )
+    node_rank: int | None = field(
+        default=None, metadata=_meta("--node-rank", R, "This node's rank (default: assigned at rendezvous).")
+    )
+    rdzv_backend: str = field(default="c10d", metadata=_meta("--rdzv-backend", R, "c10d, etcd or static."))
+    rdzv_endpoint: str = field(default="", metadata=_meta("--rdzv-endpoint", R, "Rendezvous host[:port]."))
+    rdzv_id: str = field(default="none", metadata=_meta("--rdzv-id", R, "Job id shared by all nodes."))
+    rdzv_conf: str = field(default="", metadata=_meta("--rdzv-conf", R, "Extra rendezvous settings k=v,..."))
+    standalone: bool = field(
+        default=False, metadata=_meta("--standalone", R, "One node, embedded store on a free port.")
+    )
+    master_addr: str = field(default="127.0.0.1", metadata=_meta("--master-addr", R, "Store host for --rdzv-backend static."))
+    master_port: int = field(default=29500, metadata=_meta("--master-port", R, "Store port for --rdzv-backend static."))
+    local_addr: str | None = field(default=None, metadata=_meta("--local-addr", R, "Address this node advertises."))
+    # Processes
+    max_restarts: int = field(default=0, metadata=_meta("--max-restarts", P, "Whole-job restarts before giving up."))
+    monitor_interval_s: float = field(
+        default=0.1, metadata=_meta("--monitor-interval", P, "Seconds between worker polls.")
+    )
+    module: bool = field(default=False, metadata=_meta("--module", P, "Run SCRIPT as a module (python -m)."))
+    no_python: bool = field(default=False, metadata=_meta("--no-python", P, "Execute SCRIPT directly, not with python."))
+    role: str = field(default="default", metadata=_meta("--role", P, "Role name of the workers (ROLE_NAME)."))
+    start_method: str = field(default="spawn", metadata=_meta("--start-method", P, "Accepted for torchrun compatibility."))
+    log_dir: str | None = field(default=None, metadata=_meta("--log-dir", P, "Base directory of per-rank logs."))
+    redirects: str = field(default="0", metadata=_meta("--redirects", P, "Streams to files only: 0-3 or 0:1,1:3."))
+    tee: str = field(default="0", metadata=_meta("--tee", P, "Streams to files and console: 0-3 or 0:1,1:3."))
+    local_ranks_filter: str = field(
+        default="", metadata=_meta("--local-ranks-filter", P, "Local ranks shown on the console, e.g. 0,1.")
+    )
+    shutdown_timeout_s: float = field(
+        default=30.0, metadata=_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.")
+    )
+    # What to run
+    script: str = ""
+    script_args: tuple[str, ...] = ()
+
+    # -- derived, pure views ------------------------------------------------------------------
+    @property
+    def node_range(self) -> tuple[int, int]:
+        return parse_nnodes(self.nnodes)
+
+    @property
+    def rdzv(self) -> RdzvConf:
+        return parse_rdzv_conf(self.rdzv_conf)
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        if self.rdzv_backend == "static" and not self.rdzv_endpoint:
+            return self.master_addr, self.master_port
+        return parse_endpoint(self.rdzv_endpoint or "localhost:0")
+
+    @property
+    def monitor_interval(self) -> timedelta:
+        return timedelta(seconds=self.monitor_interval_s)
+
+    @property
+    def shutdown_timeout(self) -> timedelta:
+        return timedelta(seconds=self.shutdown_timeout_s)
+
+    @property
+    def redirects_spec(self) -> dict[int, Std] | Std:
+        return parse_std_map(self.redirects, "--redirects")
+
+    @property
+    def tee_spec(self) -> dict[int, Std] | Std:
+        return parse_std_map(self.tee, "--tee")
+
+    @property
+    def ranks_filter(self) -> frozenset[int] | None:
+        text = self.local_ranks_filter.strip()
+        if not text:
+            return None
+        try:
+            return frozenset(int(part) for part in text.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--local-ranks-filter '{text}' is not a list of local ranks", hint="e.g. 0 or 0,1"
+            ) from None
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_cli(cls, **values: Any) -> Config:
+        """Build and validate a Config from parsed CLI values (strings already typed by the CLI).
+
+        ``--standalone`` forces an embedded store on a free loopback port and a fresh run id, as
+        torchrun does.
+        """
+        values = {k: v for k, v in values.items() if v is not None or k in ("node_rank", "log_dir", "local_addr")}
+        values["rdzv_backend"] = (values.get("rdzv_backend") or "c10d").lower()
+        if values.get("standalone"):
+            values.update(rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_id=str(uuid.uuid4()))
+        if values.get("script_args") is not None:
+            values["script_args"] = tuple(values["script_args"])
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Check every value; raise :class:`ConfigError` naming the first bad one.
+
+        Raises:
+            ConfigError: a value is invalid, the script is missing, or flags conflict.
+        """
+        min_nodes, max_nodes = self.node_range
+        if self.rdzv_backend not in ("c10d", "static", "etcd"):
+            raise ConfigError(
+                f"--rdzv-backend '{self.rdzv_backend}' is unknown", hint="use c10d (default), static or etcd"
+            )
+        if self.rdzv_backend == "etcd":
+            raise ConfigError(
+                "--rdzv-backend etcd is not available in this version",
+                hint="use --rdzv-backend c10d with --rdzv-endpoint HOST:PORT",
+            )
+        if self.standalone and max_nodes != 1:
+            raise ConfigError(f"--standalone runs one node, but --nnodes is '{self.nnodes}'")
+        self.rdzv  # noqa: B018 - parses and validates
+        host, port = self.endpoint
+        if port == 0 and max_nodes > 1:
+            raise ConfigError(
+                f"--rdzv-endpoint '{self.rdzv_endpoint}' has port 0, which other nodes cannot find",
+                hint="give a fixed port for a multi-node job, e.g. --rdzv-endpoint head:29400",
+            )
+        if max_nodes > 1 and not self.rdzv_endpoint and self.rdzv_backend != "static":
+            raise ConfigError(
+                f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT",
+                hint="every node must point at the same endpoint; or use --standalone for one node",
+            )
+        if self.node_rank is not None and not 0 <= self.node_rank < max_nodes:
+            raise ConfigError(f"--node-rank ({self.node_rank}) must be in 0..{max_nodes - 1}")
+        if self.rdzv_backend == "static" and self.node_rank is None:
+            raise ConfigError("--rdzv-backend static needs --node-rank", hint="give each node its rank")
+        if self.rdzv_backend == "static" and min_nodes != max_nodes:
+            raise ConfigError(f"--rdzv-backend static needs a fixed --nnodes, not '{self.nnodes}'")
+        self._validate_processes()
+        self._validate_script()
+
+    def _validate_processes(self) -> None:
+        nproc = self.nproc_per_node.strip().lower()
+        if nproc not in ("auto", "cpu", "gpu", "cuda") and not (nproc.isdigit() and int(nproc) > 0):
+            raise ConfigError(
+                f"--nproc-per-node '{self.nproc_per_node}' is not a positive number, auto, cpu or gpu"
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts ({self.max_restarts}) must be >= 0")
+        if not self.monitor_interval_s > 0:
+            raise ConfigError(f"--monitor-interval ({self.monitor_interval_s}) must be > 0")
+        if self.shutdown_timeout_s < 0:
+            raise ConfigError(f"--shutdown-timeout ({self.shutdown_timeout_s}) must be >= 0")
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port ({self.master_port}) must be in 0..65535")
+        if self.start_method not in ("spawn", "fork", "forkserver"):
+            raise ConfigError(f"--start-method '{self.start_method}' is not spawn, fork or forkserver")
+        self.redirects_spec  # noqa: B018 - parses and validates
+        self.tee_spec  # noqa: B018
+        self.ranks_filter  # noqa: B018
+
+    def _validate_script(self) -> None:
+        if not self.script:
+            raise ConfigError("no training script given", hint="usage: resilrun [OPTIONS] SCRIPT [ARGS...]")
+        if self.module and self.no_python:
+            raise ConfigError("--module and --no-python cannot be combined")
+        if self.module:
+            return
+        if self.no_python:
+            if shutil.which(self.script) is None and not os.path.isfile(self.script):
+                raise ConfigError(f"program '{self.script}' was not found", hint="check the path or PATH")
+            return
+        if not os.path.isfile(self.script):
+            raise ConfigError(
+                f"training script '{self.script}' does not exist",
+                hint="give a path to a .py file, or use -m for a module",
+            )
+
+    def with_changes(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+CONFIG_FIELDS: tuple[dataclasses.Field[Any], ...] = tuple(
+    f for f in dataclasses.fields(Config) if "flag" in f.metadata
+)

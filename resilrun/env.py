@@ -1,0 +1,87 @@
+"""The agent-to-worker environment contract.
+
+These are exactly the variables torchrun gives its workers (same names, same meanings), plus
+``RESILRUN_*`` ones for resilrun's own worker library. Nothing else in the package builds worker
+environments, so a diff of this module is a diff of the contract.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerEnv:
+    """The identity and bootstrap data of one worker process."""
+
+    global_rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    role_name: str
+    role_rank: int
+    role_world_size: int
+    master_addr: str
+    master_port: int
+    run_id: str
+    restart_count: int
+    max_restarts: int
+    error_file: str
+    round: int
+
+    def to_env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The full environment of the worker: ``base`` (the agent's) plus the contract."""
+        env = dict(base)
+        env.update(
+            {
+                "RANK": str(self.global_rank),
+                "LOCAL_RANK": str(self.local_rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_WORLD_SIZE": str(self.local_world_size),
+                "GROUP_RANK": str(self.node_rank),
+                "GROUP_WORLD_SIZE": str(self.num_nodes),
+                "ROLE_RANK": str(self.role_rank),
+                "ROLE_NAME": self.role_name,
+                "ROLE_WORLD_SIZE": str(self.role_world_size),
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port),
+                "TORCHELASTIC_RUN_ID": self.run_id,
+                "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+                "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+                "TORCHELASTIC_ERROR_FILE": self.error_file,
+                # Each round has a fresh store hosted by the round leader's agent: workers connect
+                # as clients, and no key of an earlier attempt can be read (the stale-address trap).
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                "RESILRUN_RUN_ID": self.run_id,
+                "RESILRUN_ROUND": str(self.round),
+            }
+        )
+        return env
+
+
+def omp_threads_default(base: Mapping[str, str], nproc_per_node: int) -> dict[str, str]:
+    """torchrun sets OMP_NUM_THREADS=1 when unset and more than one worker shares a node."""
+    if "OMP_NUM_THREADS" in base or nproc_per_node <= 1:
+        return {}
+    return {"OMP_NUM_THREADS": "1"}
+
+
+def agent_environ() -> dict[str, str]:
+    """A copy of the agent's own environment, the base of every worker's."""
+    return dict(os.environ)
+
+
+def resilrun_debug() -> bool:
+    return os.environ.get("RESILRUN_DEBUG", "") not in ("", "0", "false")
+
+
+def python_exec() -> str:
+    """The interpreter for Python workers; torchrun honours PYTHON_EXEC too."""
+    import sys
+
+    return os.environ.get("PYTHON_EXEC") or sys.executable

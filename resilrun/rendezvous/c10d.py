@@ -1,0 +1,134 @@
+"""The TCPStore rendezvous backend and the store's lifecycle (host or connect).
+
+All torch store errors are translated in one place (``_call``) into StoreConnectionError, so a dead
+or unreachable store host reads the same everywhere. The store host is chosen as torchrun does: the
+node whose address matches the endpoint binds it; if binding fails (another local agent won the
+race) it connects as a client.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, TypeVar
+
+from resilrun.errors import StoreConnectionError
+from resilrun.rendezvous.api import RendezvousBackend
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+T = TypeVar("T")
+# A sentinel stored in place of "absent": TCPStore.compare_set treats an empty expected value as
+# "key missing", so real values are framed with a one-byte prefix to keep b"" distinguishable.
+_FRAME = b"v"
+
+
+def _call(endpoint: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except StoreConnectionError:
+        raise
+    except Exception as exc:  # torch raises RuntimeError subclasses (DistStoreError, ...)
+        raise StoreConnectionError(
+            f"rendezvous store at {endpoint} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            hint="the node hosting the store may have stopped; check --rdzv-endpoint and that node's log",
+        ) from exc
+
+
+class C10dBackend(RendezvousBackend):
+    """See base class. Wraps a connected ``torch.distributed.TCPStore``."""
+
+    def __init__(self, store: TCPStore, endpoint: str) -> None:
+        self.store = store
+        self.endpoint = endpoint
+
+    def get(self, key: str) -> bytes | None:
+        def read() -> bytes | None:
+            if not self.store.check([key]):
+                return None
+            raw = self.store.get(key)
+            return raw[1:] if raw.startswith(_FRAME) else raw
+
+        return _call(self.endpoint, read)
+
+    def set(self, key: str, value: bytes) -> None:
+        _call(self.endpoint, lambda: self.store.set(key, _FRAME + value))
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
+        want = b"" if expected is None else _FRAME + expected
+        new = _FRAME + desired
+        result = _call(self.endpoint, lambda: self.store.compare_set(key, want, new))
+        return bytes(result) == new
+
+    def add(self, key: str, amount: int) -> int:
+        return int(_call(self.endpoint, lambda: self.store.add(key, amount)))
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (we can bind to it)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((sockaddr[0], 0))
+                return True
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    return True
+    return False
+
+
+def route_address(host: str, port: int) -> str:
+    """The local address this machine uses to reach ``host``: what peers can reach us on."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port or 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.getfqdn()
+
+
+def host_store(host: str, port: int, timeout: timedelta) -> TCPStore:
+    """Bind a TCPStore server on ``port`` (0 = any free port)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def connect_store(host: str, port: int, timeout: timedelta) -> TCPStore:
+    """Connect to a TCPStore server, failing with a clear error after ``timeout``."""
+    from torch.distributed import TCPStore
+
+    endpoint = f"{host}:{port}"
+
+    def connect() -> TCPStore:
+        return TCPStore(host, port, is_master=False, timeout=timeout)
+
+    try:
+        return _call(endpoint, connect)
+    except StoreConnectionError as exc:
+        raise StoreConnectionError(
+            f"could not reach the rendezvous store at {endpoint} within {timeout.total_seconds():g} s",
+            hint="check --rdzv-endpoint, that the first node is up, and firewalls; "
+            "raise the wait with --rdzv-conf read_timeout=SECONDS",
+        ) from exc.__cause__
+
+
+def open_store(host: str, port: int, *, is_host: bool | None, timeout: timedelta) -> tuple[TCPStore, bool]:
+    """Host or connect to the rendezvous store; returns ``(store, hosting)``."""
+    if is_host is None:
+        is_host = port == 0 or is_local_address(host)
+    if is_host:
+        try:
+            return host_store(host, port, timeout), True
+        except Exception as exc:  # bind failed: another local agent hosts it
+            if port == 0:
+                raise StoreConnectionError(f"could not host a rendezvous store: {exc}") from exc
+    return connect_store(host, port, timeout), False

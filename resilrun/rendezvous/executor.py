@@ -1,0 +1,134 @@
+"""Applies the pure rendezvous decisions against a backend, with deadlines.
+
+Optimistic concurrency: read the state, decide, compare-and-set; a node that loses a race simply
+reads the newer state and decides again. Every loop is bounded by the join deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from resilrun import keys
+from resilrun.clock import Clock, SystemClock
+from resilrun.errors import RendezvousClosedError, RendezvousTimeoutError
+from resilrun.rendezvous import protocol
+from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.rendezvous.protocol import NodeInfo, RdzvState, Verdict
+
+logger = logging.getLogger(__name__)
+
+# Poll period while waiting for other nodes: short enough that a restart re-forms in well under a
+# second, long enough that 1,000 waiting nodes do not flood the store.
+_POLL_S = 0.05
+
+
+class RendezvousClient:
+    """One node's view of the job's rendezvous."""
+
+    def __init__(
+        self,
+        backend: RendezvousBackend,
+        run_id: str,
+        me: NodeInfo,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        join_timeout: timedelta,
+        last_call_timeout: timedelta,
+        clock: Clock | None = None,
+    ) -> None:
+        self.backend = backend
+        self.run_id = run_id
+        self.me = me
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.join_timeout = join_timeout
+        self.last_call_timeout = last_call_timeout
+        self.clock = clock or SystemClock()
+        self._key = keys.rdzv_state(run_id)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def read(self) -> tuple[RdzvState, bytes | None]:
+        raw = self.backend.get(self._key)
+        return RdzvState.from_bytes(raw), raw
+
+    def state(self) -> RdzvState:
+        return self.read()[0]
+
+    # -- writes ---------------------------------------------------------------------------------
+    def _update(self, decide: Callable[[RdzvState], RdzvState | None]) -> RdzvState:
+        """Apply ``decide`` until it returns None or our write lands; returns the final state."""
+        while True:
+            state, raw = self.read()
+            proposed = decide(state)
+            if proposed is None:
+                return state
+            if self.backend.compare_set(self._key, raw, proposed.to_bytes()):
+                return proposed
+
+    def join(self, on_wait: Callable[[], None] | None = None) -> RdzvState:
+        """Block until this node is a participant of a complete round.
+
+        Args:
+            on_wait: called on every poll (e.g. to check for a shutdown request).
+
+        Raises:
+            RendezvousClosedError: the job was closed while waiting.
+            RendezvousTimeoutError: not enough nodes joined before the join deadline.
+        """
+        deadline = self.clock.monotonic() + self.join_timeout.total_seconds()
+        min_seen: tuple[int, float] | None = None  # (round, when MIN nodes were first seen)
+        while True:
+            state, raw = self.read()
+            now = self.clock.monotonic()
+            if protocol.has_reached_min(state, self.me.node_id, self.min_nodes):
+                if min_seen is None or min_seen[0] != state.round:
+                    min_seen = (state.round, now)
+            else:
+                min_seen = None
+            elapsed = min_seen is not None and now - min_seen[1] >= self.last_call_timeout.total_seconds()
+            decision = protocol.decide_join(
+                state, self.me, min_nodes=self.min_nodes, max_nodes=self.max_nodes, last_call_elapsed=elapsed
+            )
+            if decision.verdict is Verdict.FINISH:
+                return state
+            if decision.verdict is Verdict.CLOSED:
+                raise closed_error(state)
+            if decision.verdict is Verdict.UPDATE and decision.state is not None:
+                self.backend.compare_set(self._key, raw, decision.state.to_bytes())
+                continue
+            if now >= deadline:
+                self._update(lambda s: protocol.decide_leave(s, self.me.node_id))
+                joined = len(state.participants)
+                raise RendezvousTimeoutError(
+                    f"only {joined} of {self.min_nodes} required nodes joined round {state.round} "
+                    f"within {self.join_timeout.total_seconds():g} s",
+                    hint="start resilrun on every node with the same --rdzv-endpoint and --rdzv-id, "
+                    "or raise --rdzv-conf join_timeout=SECONDS",
+                )
+            if on_wait is not None:
+                on_wait()
+            self.clock.sleep(_POLL_S)
+
+    def next_round(self, observed_round: int, *, failure: dict[str, Any] | None, max_restarts: int) -> RdzvState:
+        """Open the next round (or close the job as failed when no restart is left)."""
+        return self._update(
+            lambda s: protocol.decide_next_round(s, observed_round, failure=failure, max_restarts=max_restarts)
+        )
+
+    def close(self, outcome: str, failure: dict[str, Any] | None = None) -> RdzvState:
+        return self._update(lambda s: protocol.decide_close(s, outcome, failure))
+
+    def ack_closed(self) -> int:
+        return self.backend.add(keys.job_closed_ack(self.run_id), 1)
+
+    def closed_acks(self) -> int:
+        return self.backend.add(keys.job_closed_ack(self.run_id), 0)
+
+
+def closed_error(state: RdzvState) -> RendezvousClosedError:
+    outcome = state.outcome or "stopped"
+    return RendezvousClosedError(f"the job was closed by another node ({outcome})", outcome=outcome)

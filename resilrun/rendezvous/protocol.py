@@ -1,0 +1,183 @@
+"""Pure rendezvous decisions: (state, this node, observations) -> action.
+
+The shared state is one JSON document updated by compare-and-set; every function here is pure, so
+the whole protocol is table-tested without a store. Transitions of one round:
+
+    (open, incomplete) --MAX joined, or MIN joined and last call elapsed--> (complete)
+    (complete) --failure / membership change--> round+1 (open, incomplete, empty)
+    any --close--> closed (outcome: succeeded | failed | stopped)
+
+Node ranks: a node that asked for a rank (``--node-rank``) gets it; the others fill the free ranks
+in the order they joined. No cross-machine timestamps: the last-call window is judged by each
+node on its own monotonic clock.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+from resilrun.errors import RendezvousError
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What a node tells the others about itself when it joins."""
+
+    node_id: str
+    addr: str
+    local_world_size: int
+    requested_rank: int | None = None
+    hostname: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RdzvState:
+    """The rendezvous document. ``participants`` is in node-rank order once ``complete``."""
+
+    round: int = 0
+    complete: bool = False
+    participants: tuple[NodeInfo, ...] = ()
+    waiting: tuple[str, ...] = ()
+    closed: bool = False
+    outcome: str | None = None
+    restarts: int = 0
+    failure: dict[str, Any] | None = field(default=None, compare=True)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | None) -> RdzvState:
+        if raw is None:
+            return cls()
+        data = json.loads(raw)
+        data["participants"] = tuple(NodeInfo(**p) for p in data["participants"])
+        data["waiting"] = tuple(data["waiting"])
+        return cls(**data)
+
+    def node_rank(self, node_id: str) -> int | None:
+        for rank, node in enumerate(self.participants):
+            if node.node_id == node_id:
+                return rank
+        return None
+
+    def has_participant(self, node_id: str) -> bool:
+        return self.node_rank(node_id) is not None
+
+
+class Verdict(Enum):
+    """What a joining node does next."""
+
+    FINISH = "finish"  # I am in a complete round
+    UPDATE = "update"  # try to write the proposed state, then decide again
+    WAIT = "wait"  # poll again later
+    CLOSED = "closed"  # the job is over
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    verdict: Verdict
+    state: RdzvState | None = None
+
+
+def assign_ranks(nodes: tuple[NodeInfo, ...]) -> tuple[NodeInfo, ...]:
+    """Order nodes by rank: requested ranks are honoured, the rest fill gaps in join order.
+
+    Raises:
+        RendezvousError: two nodes asked for the same rank, or a rank outside the round.
+    """
+    size = len(nodes)
+    slots: list[NodeInfo | None] = [None] * size
+    for node in nodes:
+        if node.requested_rank is None:
+            continue
+        if node.requested_rank >= size:
+            raise RendezvousError(
+                f"node {node.hostname or node.node_id} asked for --node-rank {node.requested_rank}, "
+                f"but the round has {size} nodes"
+            )
+        if slots[node.requested_rank] is not None:
+            raise RendezvousError(
+                f"--node-rank {node.requested_rank} was given to two nodes",
+                hint="give every node a distinct --node-rank, or none to assign them automatically",
+            )
+        slots[node.requested_rank] = node
+    free = iter(n for n in nodes if n.requested_rank is None)
+    return tuple(slot if slot is not None else next(free) for slot in slots)
+
+
+def decide_join(
+    state: RdzvState, me: NodeInfo, *, min_nodes: int, max_nodes: int, last_call_elapsed: bool
+) -> Decision:
+    """One step of a node joining the current round."""
+    if state.closed:
+        return Decision(Verdict.CLOSED)
+    joined = state.has_participant(me.node_id)
+    if state.complete:
+        if joined:
+            return Decision(Verdict.FINISH)
+        if len(state.participants) < max_nodes and me.node_id not in state.waiting:
+            # Asking to join makes the running nodes open a new round (a membership change).
+            return Decision(Verdict.UPDATE, replace(state, waiting=(*state.waiting, me.node_id)))
+        return Decision(Verdict.WAIT)
+    if not joined:
+        if len(state.participants) >= max_nodes:
+            return Decision(Verdict.WAIT)
+        participants = (*state.participants, me)
+        if len(participants) == max_nodes:
+            return Decision(Verdict.UPDATE, _complete(state, participants))
+        return Decision(Verdict.UPDATE, replace(state, participants=participants))
+    if len(state.participants) >= min_nodes and last_call_elapsed:
+        return Decision(Verdict.UPDATE, _complete(state, state.participants))
+    return Decision(Verdict.WAIT)
+
+
+def _complete(state: RdzvState, participants: tuple[NodeInfo, ...]) -> RdzvState:
+    waiting = tuple(w for w in state.waiting if w not in {p.node_id for p in participants})
+    return replace(state, participants=assign_ranks(participants), complete=True, waiting=waiting)
+
+
+def has_reached_min(state: RdzvState, me: str, min_nodes: int) -> bool:
+    """Whether this node should start (or keep) its last-call timer."""
+    return not state.complete and state.has_participant(me) and len(state.participants) >= min_nodes
+
+
+def decide_leave(state: RdzvState, me: str) -> RdzvState | None:
+    """Remove a node from an incomplete round (join timed out); None when nothing changes."""
+    if state.complete or state.closed or not state.has_participant(me):
+        return None
+    return replace(state, participants=tuple(p for p in state.participants if p.node_id != me))
+
+
+def decide_next_round(
+    state: RdzvState,
+    observed_round: int,
+    *,
+    failure: dict[str, Any] | None,
+    max_restarts: int,
+) -> RdzvState | None:
+    """Open the next round after a failure (counts a restart) or a membership change (free).
+
+    When the restart budget is spent the job is closed as failed instead. Returns None when
+    another node already moved the job on (the caller then follows the state it reads).
+    """
+    if state.closed or state.round != observed_round:
+        return None
+    if failure is not None and state.restarts >= max_restarts:
+        return replace(state, closed=True, outcome="failed", failure=failure)
+    return RdzvState(
+        round=state.round + 1,
+        restarts=state.restarts + (1 if failure is not None else 0),
+        waiting=state.waiting,
+        failure=failure if failure is not None else state.failure,
+    )
+
+
+def decide_close(state: RdzvState, outcome: str, failure: dict[str, Any] | None = None) -> RdzvState | None:
+    """Close the job for every node; the first close wins."""
+    if state.closed:
+        return None
+    return replace(state, closed=True, outcome=outcome, failure=failure or state.failure)
