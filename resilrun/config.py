@@ -190,7 +190,9 @@ class Config:
     standalone: bool = field(
         default=False, metadata=_meta("--standalone", R, "One node, embedded store on a free port.")
     )
-    master_addr: str = field(default="127.0.0.1", metadata=_meta("--master-addr", R, "Store host for --rdzv-backend static."))
+    master_addr: str = field(
+        default="127.0.0.1", metadata=_meta("--master-addr", R, "Store host for --rdzv-backend static.")
+    )
     master_port: int = field(default=29500, metadata=_meta("--master-port", R, "Store port for --rdzv-backend static."))
     local_addr: str | None = field(default=None, metadata=_meta("--local-addr", R, "Address this node advertises."))
     # Processes
@@ -199,9 +201,13 @@ class Config:
         default=0.1, metadata=_meta("--monitor-interval", P, "Seconds between worker polls.")
     )
     module: bool = field(default=False, metadata=_meta("--module", P, "Run SCRIPT as a module (python -m)."))
-    no_python: bool = field(default=False, metadata=_meta("--no-python", P, "Execute SCRIPT directly, not with python."))
+    no_python: bool = field(
+        default=False, metadata=_meta("--no-python", P, "Execute SCRIPT directly, not with python.")
+    )
     role: str = field(default="default", metadata=_meta("--role", P, "Role name of the workers (ROLE_NAME)."))
-    start_method: str = field(default="spawn", metadata=_meta("--start-method", P, "Accepted for torchrun compatibility."))
+    start_method: str = field(
+        default="spawn", metadata=_meta("--start-method", P, "Accepted for torchrun compatibility.")
+    )
     log_dir: str | None = field(default=None, metadata=_meta("--log-dir", P, "Base directory of per-rank logs."))
     redirects: str = field(default="0", metadata=_meta("--redirects", P, "Streams to files only: 0-3 or 0:1,1:3."))
     tee: str = field(default="0", metadata=_meta("--tee", P, "Streams to files and console: 0-3 or 0:1,1:3."))
@@ -318,9 +324,7 @@ class Config:
     def _validate_processes(self) -> None:
         nproc = self.nproc_per_node.strip().lower()
         if nproc not in ("auto", "cpu", "gpu", "cuda") and not (nproc.isdigit() and int(nproc) > 0):
-            raise ConfigError(
-                f"--nproc-per-node '{self.nproc_per_node}' is not a positive number, auto, cpu or gpu"
-            )
+            raise ConfigError(f"--nproc-per-node '{self.nproc_per_node}' is not a positive number, auto, cpu or gpu")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts ({self.max_restarts}) must be >= 0")
         if not self.monitor_interval_s > 0:
@@ -356,6 +360,4 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-CONFIG_FIELDS: tuple[dataclasses.Field[Any], ...] = tuple(
-    f for f in dataclasses.fields(Config) if "flag" in f.metadata
-)
+CONFIG_FIELDS: tuple[dataclasses.Field[Any], ...] = tuple(f for f in dataclasses.fields(Config) if "flag" in f.metadata)

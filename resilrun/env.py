@@ -57,6 +57,8 @@ class WorkerEnv:
                 # as clients, and no key of an earlier attempt can be read (the stale-address trap).
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                # torchrun exports the signals it forwards; scripts (and SLURM wrappers) read it.
+                "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
                 "RESILRUN_RUN_ID": self.run_id,
                 "RESILRUN_ROUND": str(self.round),
             }

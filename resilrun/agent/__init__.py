@@ -22,7 +22,7 @@ from resilrun.agent.supervisor import NodeSetup, SignalFlag, Supervisor
 from resilrun.config import Config
 from resilrun.env import agent_environ
 from resilrun.errors import ConfigError, ResilrunError, ShutdownRequested
-from resilrun.rendezvous.c10d import C10dBackend, open_store, route_address
+from resilrun.rendezvous.c10d import C10dBackend, open_store
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import NodeInfo
 
@@ -61,12 +61,11 @@ def run(config: Config) -> None:
     signals = SignalFlag()
     previous = {sig: signal.signal(sig, signals.handler) for sig in HANDLED_SIGNALS}
     try:
-        store, hosting = open_store(
-            host, port, is_host=rdzv_conf.is_host, timeout=_seconds(rdzv_conf.read_timeout_s)
-        )
+        store, hosting = open_store(host, port, is_host=rdzv_conf.is_host, timeout=_seconds(rdzv_conf.read_timeout_s))
         endpoint = f"{host}:{store.port if hosting else port}"
         backend = C10dBackend(store, endpoint)
-        addr = config.local_addr or route_address(host, port)
+        # As torchrun: the FQDN unless --local-addr says otherwise (workers reach rank 0 there).
+        addr = config.local_addr or socket.getfqdn()
         me = NodeInfo(
             node_id=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
             addr=addr,
@@ -75,13 +74,23 @@ def run(config: Config) -> None:
             hostname=socket.gethostname(),
         )
         rdzv = RendezvousClient(
-            backend, config.rdzv_id, me, min_nodes=min_nodes, max_nodes=max_nodes,
-            join_timeout=_seconds(rdzv_conf.join_timeout_s), last_call_timeout=_seconds(rdzv_conf.last_call_timeout_s),
+            backend,
+            config.rdzv_id,
+            me,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            join_timeout=_seconds(rdzv_conf.join_timeout_s),
+            last_call_timeout=_seconds(rdzv_conf.last_call_timeout_s),
         )
         log_root = _log_root(config)
         logger.info(
             "resilrun agent: run %s, %s store %s, nnodes %s, %d worker(s) on this node, logs in %s",
-            config.rdzv_id, "hosting" if hosting else "using", endpoint, config.nnodes, nproc, log_root,
+            config.rdzv_id,
+            "hosting" if hosting else "using",
+            endpoint,
+            config.nnodes,
+            nproc,
+            log_root,
         )
         setup = NodeSetup(nproc=nproc, addr=addr, log_root=log_root, base_env=agent_environ())
         supervisor = Supervisor(config, setup, rdzv, signals)

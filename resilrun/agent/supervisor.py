@@ -99,8 +99,14 @@ class Supervisor:
         world = sum(p.local_world_size for p in state.participants)
         logger.info(
             "round %d formed: %d node(s), world size %d, this node rank %d runs ranks %d-%d (restart %d/%d)",
-            state.round, len(state.participants), world, node_rank, specs[0].global_rank,
-            specs[-1].global_rank, state.restarts, self.config.max_restarts,
+            state.round,
+            len(state.participants),
+            world,
+            node_rank,
+            specs[0].global_rank,
+            specs[-1].global_rank,
+            state.restarts,
+            self.config.max_restarts,
         )
         workers = [procs.spawn(spec) for spec in specs]
         try:
@@ -149,8 +155,12 @@ class Supervisor:
         procs.stop(workers, signal.SIGTERM, self.config.shutdown_timeout_s)
         failures = [
             collect_failure(
-                global_rank=w.spec.global_rank, local_rank=w.spec.local_rank, node_rank=node_rank,
-                pid=w.pid, exit_code=w.popen.returncode, observed_at=w.exit_observed_at or time.time(),
+                global_rank=w.spec.global_rank,
+                local_rank=w.spec.local_rank,
+                node_rank=node_rank,
+                pid=w.pid,
+                exit_code=w.popen.returncode,
+                observed_at=w.exit_observed_at or time.time(),
                 error_file=w.spec.error_file,
             )
             for w in failed
@@ -158,7 +168,8 @@ class Supervisor:
         self._record_failures(state.round, failures)
         cause = root_cause(failures)
         logger.error(
-            "rank %d failed (%s): stopping the job's workers", cause.global_rank if cause else -1,
+            "rank %d failed (%s): stopping the job's workers",
+            cause.global_rank if cause else -1,
             cause.message.splitlines()[0] if cause and cause.message else "?",
         )
         new = self.rdzv.next_round(
@@ -251,7 +262,14 @@ class Supervisor:
         if cfg.no_python:
             command: tuple[str, ...] = (cfg.script,)
         else:
-            command = (python_exec(), "-u", "-m", "resilrun.worker._bootstrap", *(("-m",) if cfg.module else ()), cfg.script)
+            command = (
+                python_exec(),
+                "-u",
+                "-m",
+                "resilrun.worker._bootstrap",
+                *(("-m",) if cfg.module else ()),
+                cfg.script,
+            )
         ranks_filter = cfg.ranks_filter
         specs = []
         for local_rank in range(nproc):
@@ -263,16 +281,32 @@ class Supervisor:
             if ranks_filter is not None and local_rank not in ranks_filter:
                 to_file, to_console = Std.ALL, Std.NONE  # hidden from the console, kept in files
             env = WorkerEnv(
-                global_rank=global_rank, local_rank=local_rank, world_size=world, local_world_size=nproc,
-                node_rank=node_rank, num_nodes=len(state.participants), role_name=cfg.role,
-                role_rank=global_rank, role_world_size=world, master_addr=master_addr,
-                master_port=int(master_port), run_id=self.run_id, restart_count=state.restarts,
-                max_restarts=cfg.max_restarts, error_file=str(log_dir / "error.json"), round=state.round,
+                global_rank=global_rank,
+                local_rank=local_rank,
+                world_size=world,
+                local_world_size=nproc,
+                node_rank=node_rank,
+                num_nodes=len(state.participants),
+                role_name=cfg.role,
+                role_rank=global_rank,
+                role_world_size=world,
+                master_addr=master_addr,
+                master_port=int(master_port),
+                run_id=self.run_id,
+                restart_count=state.restarts,
+                max_restarts=cfg.max_restarts,
+                error_file=str(log_dir / "error.json"),
+                round=state.round,
             ).to_env(base_env)
             specs.append(
                 procs.WorkerSpec(
-                    local_rank=local_rank, global_rank=global_rank, argv=(*command, *cfg.script_args),
-                    env=env, log_dir=log_dir, to_file=to_file, to_console=to_console,
+                    local_rank=local_rank,
+                    global_rank=global_rank,
+                    argv=(*command, *cfg.script_args),
+                    env=env,
+                    log_dir=log_dir,
+                    to_file=to_file,
+                    to_console=to_console,
                 )
             )
         return specs

@@ -60,14 +60,30 @@ def run(
     if script.startswith("-") and not no_python:
         raise ConfigError(f"unknown option '{script}'", hint="run 'resilrun run --help' for the options")
     config = Config.from_cli(
-        nnodes=nnodes, nproc_per_node=nproc_per_node, node_rank=_int("--node-rank", node_rank),
-        rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, rdzv_conf=rdzv_conf,
-        standalone=standalone, master_addr=master_addr, master_port=_int("--master-port", master_port),
-        local_addr=local_addr, max_restarts=_int("--max-restarts", max_restarts),
-        monitor_interval_s=_float("--monitor-interval", monitor_interval), module=module, no_python=no_python,
-        role=role, start_method=start_method, log_dir=log_dir, redirects=redirects, tee=tee,
-        local_ranks_filter=local_ranks_filter, shutdown_timeout_s=_float("--shutdown-timeout", shutdown_timeout),
-        script=script, script_args=tuple(script_args or ()),
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        node_rank=_int("--node-rank", node_rank),
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        rdzv_conf=rdzv_conf,
+        standalone=standalone,
+        master_addr=master_addr,
+        master_port=_int("--master-port", master_port),
+        local_addr=local_addr,
+        max_restarts=_int("--max-restarts", max_restarts),
+        monitor_interval_s=_float("--monitor-interval", monitor_interval),
+        module=module,
+        no_python=no_python,
+        role=role,
+        start_method=start_method,
+        log_dir=log_dir,
+        redirects=redirects,
+        tee=tee,
+        local_ranks_filter=local_ranks_filter,
+        shutdown_timeout_s=_float("--shutdown-timeout", shutdown_timeout),
+        script=script,
+        script_args=tuple(script_args or ()),
     )
     from resilrun import agent
 

@@ -84,17 +84,6 @@ def is_local_address(host: str) -> bool:
     return False
 
 
-def route_address(host: str, port: int) -> str:
-    """The local address this machine uses to reach ``host``: what peers can reach us on."""
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, port or 1, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(sockaddr)
-            return str(probe.getsockname()[0])
-    except OSError:
-        return socket.getfqdn()
-
-
 def host_store(host: str, port: int, timeout: timedelta) -> TCPStore:
     """Bind a TCPStore server on ``port`` (0 = any free port)."""
     from torch.distributed import TCPStore

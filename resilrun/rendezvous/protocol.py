@@ -109,9 +109,7 @@ def assign_ranks(nodes: tuple[NodeInfo, ...]) -> tuple[NodeInfo, ...]:
     return tuple(slot if slot is not None else next(free) for slot in slots)
 
 
-def decide_join(
-    state: RdzvState, me: NodeInfo, *, min_nodes: int, max_nodes: int, last_call_elapsed: bool
-) -> Decision:
+def decide_join(state: RdzvState, me: NodeInfo, *, min_nodes: int, max_nodes: int, last_call_elapsed: bool) -> Decision:
     """One step of a node joining the current round."""
     if state.closed:
         return Decision(Verdict.CLOSED)

@@ -1,0 +1,111 @@
+"""Real launchers as subprocesses on loopback, with deadlines and a reaper that leaves nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_TINY = ROOT / "tests" / "helpers" / "train_tiny.py"
+
+
+class Launch:
+    """One launcher process (resilrun or torchrun) with its output captured to files."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self._out = open(log.with_suffix(".out"), "wb")  # noqa: SIM115 - closed in close()
+        self._err = open(log.with_suffix(".err"), "wb")  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=self._out,
+            stderr=self._err,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            cwd=ROOT,
+        )
+        self.descendants: set[int] = set()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def remember_descendants(self) -> set[int]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.descendants |= {p.pid for p in psutil.Process(self.pid).children(recursive=True)}
+        return self.descendants
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.remember_descendants()
+            code = self.popen.poll()
+            if code is not None:
+                return code
+            time.sleep(0.1)
+        raise TimeoutError(f"launcher {self.pid} still running after {timeout} s\n{self.stderr()[-3000:]}")
+
+    def stdout(self) -> str:
+        self._out.flush()
+        return self.log.with_suffix(".out").read_text(errors="replace")
+
+    def stderr(self) -> str:
+        self._err.flush()
+        return self.log.with_suffix(".err").read_text(errors="replace")
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        for pid in self.remember_descendants():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+        self._out.close()
+        self._err.close()
+
+
+def alive(pids: set[int]) -> set[int]:
+    """The pids that still run (zombies count as gone)."""
+    living = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                living.add(pid)
+    return living
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - any callable
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator:
+    """Factory: launcher(kind, *args) with kind 'resilrun' or 'torchrun'; reaps everything."""
+    launches: list[Launch] = []
+
+    def start(kind: str, *args: str, env: dict[str, str] | None = None) -> Launch:
+        module = "resilrun" if kind == "resilrun" else "torch.distributed.run"
+        log = tmp_path / f"{kind}_{len(launches)}.log"
+        launch = Launch([sys.executable, "-m", module, *args], log, env)
+        launches.append(launch)
+        return launch
+
+    yield start
+    for launch in launches:
+        launch.close()

@@ -1,0 +1,308 @@
+"""resilrun launches like torchrun: same environment, same results, same failure semantics."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import free_port
+from tests.integration.conftest import TRAIN_TINY, alive, wait_for
+
+pytestmark = pytest.mark.integration
+
+# Variables that legitimately differ between two launches (ports, ids, temp paths, our extras).
+_MAY_DIFFER = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "RESILRUN_RUN_ID", "RESILRUN_ROUND"}
+
+
+def _two_nodes(launcher, kind: str, out: Path, *extra: str, run_id: str = "job") -> list:
+    port = free_port()
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        run_id,
+        "--max-restarts",
+        "0",
+        *extra,
+    ]
+    return [launcher(kind, *common, str(TRAIN_TINY), "--out", str(out)) for _ in range(2)]
+
+
+def test_two_agents_give_workers_torchrun_environment_and_results(launcher, tmp_path: Path) -> None:
+    # Given the same script under torchrun and resilrun, 2 nodes x 2 workers on loopback
+    runs = {}
+    for kind in ("torchrun", "resilrun"):
+        out = tmp_path / kind
+        nodes = _two_nodes(launcher, kind, out)
+        for node in nodes:
+            assert node.wait(120) == 0, node.stderr()[-3000:]
+        runs[kind] = out
+    # Then every worker variable torchrun sets is set the same way
+    for rank in range(4):
+        theirs = json.loads((runs["torchrun"] / f"env_rank{rank}_attempt0.json").read_text())
+        ours = json.loads((runs["resilrun"] / f"env_rank{rank}_attempt0.json").read_text())
+        differing = {
+            name for name in set(theirs) | set(ours) if theirs.get(name) != ours.get(name) and name not in _MAY_DIFFER
+        }
+        assert not differing, {n: (theirs.get(n), ours.get(n)) for n in differing}
+        assert Path(ours["TORCHELASTIC_ERROR_FILE"]).name == "error.json"
+    # And the trained parameters are bitwise the same
+    sums = {kind: {(out / f"checksum_rank{r}").read_text() for r in range(4)} for kind, out in runs.items()}
+    assert len(sums["torchrun"]) == 1
+    assert sums["torchrun"] == sums["resilrun"]
+
+
+def test_standalone_example_matches_torchrun_checksum(launcher, tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "train_ddp_torchrun.py"
+    sums = {}
+    for kind in ("torchrun", "resilrun"):
+        target = tmp_path / f"{kind}.sha"
+        run = launcher(
+            kind,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(example),
+            "--steps",
+            "15",
+            "--hidden",
+            "64",
+            "--checksum-file",
+            str(target),
+        )
+        assert run.wait(120) == 0, run.stderr()[-3000:]
+        sums[kind] = target.read_text()
+    assert sums["resilrun"] == sums["torchrun"]
+
+
+def test_sigkilled_worker_restarts_the_job_which_then_finishes(launcher, tmp_path: Path) -> None:
+    # Given 2 nodes and one restart allowed, rank 1 SIGKILLs itself at step 3 of attempt 0
+    port = free_port()
+    args = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--max-restarts",
+        "1",
+        str(TRAIN_TINY),
+        "--out",
+        str(tmp_path / "out"),
+        "--fail-rank",
+        "1",
+        "--fail-step",
+        "3",
+        "--fail-mode",
+        "kill",
+        "--steps",
+        "8",
+    ]
+    nodes = [launcher("resilrun", *args) for _ in range(2)]
+    # Then both nodes finish, every rank ran attempt 1, and the result equals a failure-free run
+    for node in nodes:
+        assert node.wait(150) == 0, node.stderr()[-3000:]
+    for rank in range(4):
+        assert (tmp_path / "out" / f"env_rank{rank}_attempt1.json").exists()
+    assert "restart 1 of 1" in nodes[0].stderr() + nodes[1].stderr()
+    clean = launcher(
+        "resilrun",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "4",
+        "--standalone",
+        str(TRAIN_TINY),
+        "--out",
+        str(tmp_path / "clean"),
+        "--steps",
+        "8",
+    )
+    assert clean.wait(120) == 0
+    assert (tmp_path / "out" / "checksum_rank0").read_text() == (tmp_path / "clean" / "checksum_rank0").read_text()
+
+
+def test_failure_without_restarts_reports_the_root_cause_traceback(launcher, tmp_path: Path) -> None:
+    run = launcher(
+        "resilrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(TRAIN_TINY),
+        "--out",
+        str(tmp_path / "out"),
+        "--fail-rank",
+        "1",
+        "--fail-step",
+        "2",
+    )
+    assert run.wait(120) == 1
+    err = run.stderr()
+    assert "Root cause" in err
+    assert "RuntimeError: injected failure at step 2" in err
+    assert "rank:       1" in err
+    assert "Traceback" in err  # the worker's own traceback, from its error file
+    assert "resilrun: error:" in err
+
+
+def test_sigterm_to_agent_stops_workers_and_exits_143(launcher, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = launcher(
+        "resilrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--shutdown-timeout",
+        "5",
+        str(TRAIN_TINY),
+        "--out",
+        str(out),
+        "--steps",
+        "100000",
+        "--sleep",
+        "0.05",
+    )
+    wait_for(lambda: (out / "step_rank1").exists(), 90, "workers to train")
+    workers = run.remember_descendants()
+    run.popen.send_signal(signal.SIGTERM)
+    assert run.wait(30) == 143
+    wait_for(lambda: not alive(workers), 10, "workers to exit")
+
+
+def test_sigkilled_agent_leaves_no_orphan_workers(launcher, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = launcher(
+        "resilrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(TRAIN_TINY),
+        "--out",
+        str(out),
+        "--steps",
+        "100000",
+        "--sleep",
+        "0.05",
+    )
+    wait_for(lambda: (out / "step_rank1").exists(), 90, "workers to train")
+    workers = run.remember_descendants()
+    assert len(workers) >= 2
+    run.popen.send_signal(signal.SIGKILL)
+    run.popen.wait(10)
+    wait_for(lambda: not alive(workers), 10, "orphaned workers to die")
+
+
+def test_unreachable_endpoint_fails_within_the_read_timeout(launcher, tmp_path: Path) -> None:
+    port = free_port()
+    started = time.monotonic()
+    run = launcher(
+        "resilrun",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-conf",
+        "is_host=false,read_timeout=2",
+        str(TRAIN_TINY),
+        "--out",
+        str(tmp_path),
+    )
+    assert run.wait(60) == 3
+    assert time.monotonic() - started < 30
+    err = run.stderr()
+    assert f"could not reach the rendezvous store at 127.0.0.1:{port}" in err
+    assert "Traceback" not in err
+
+
+def test_missing_script_is_a_usage_error_before_anything_starts(launcher, tmp_path: Path) -> None:
+    run = launcher("resilrun", "--standalone", str(tmp_path / "nope.py"))
+    assert run.wait(30) == 2
+    err = run.stderr()
+    assert "does not exist" in err and "Traceback" not in err
+
+
+def test_tee_prefixes_console_lines_and_filter_hides_other_ranks(launcher, tmp_path: Path) -> None:
+    run = launcher(
+        "resilrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--tee",
+        "3",
+        "--local-ranks-filter",
+        "0",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(TRAIN_TINY),
+        "--out",
+        str(tmp_path / "out"),
+        "--steps",
+        "2",
+    )
+    assert run.wait(120) == 0, run.stderr()[-3000:]
+    console = run.stdout()
+    assert "[rank 0]: rank 0 finished attempt 0" in console
+    assert "rank 1 finished" not in console
+    # --standalone picks a fresh run id (as torchrun), which names the log folder
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    logs = run_dir / "round_0"
+    assert "rank 1 finished attempt 0" in (logs / "rank_1" / "stdout.log").read_text()
+    assert "rank 0 finished attempt 0" in (logs / "rank_0" / "stdout.log").read_text()
+
+
+def test_script_arguments_pass_through_untouched(launcher, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = launcher(
+        "resilrun", "--standalone", str(TRAIN_TINY), "--out", str(out), "--steps", "1", "--nnodes", "3", "--standalone"
+    )
+    assert run.wait(120) == 0, run.stderr()[-3000:]
+    assert json.loads((out / "args_rank0").read_text()) == ["--nnodes", "3", "--standalone"]
+
+
+def test_late_node_joins_an_elastic_job_through_a_new_round(launcher, tmp_path: Path) -> None:
+    # Given an elastic job (1:2 nodes) already training on one node
+    port = free_port()
+    out = tmp_path / "out"
+    args = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-conf",
+        "last_call_timeout=0.5",
+        str(TRAIN_TINY),
+        "--out",
+        str(out),
+        "--steps",
+        "100000",
+        "--sleep",
+        "0.02",
+    ]
+    first = launcher("resilrun", *args)
+    wait_for(lambda: (out / "step_rank0").exists(), 90, "the first node to train")
+    # When a second node arrives
+    second = launcher("resilrun", *args)
+    # Then the job re-forms with world size 2 (not counted as a restart)
+    wait_for(lambda: (out / "step_rank1").exists(), 90, "the second node to train")
+    env = json.loads((out / "env_rank1_attempt0.json").read_text())
+    assert env["WORLD_SIZE"] == "2"
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
+    for node in (first, second):
+        node.popen.send_signal(signal.SIGTERM)
+    for node in (first, second):
+        node.wait(60)
+    assert not any(psutil.pid_exists(p) and alive({p}) for p in first.descendants | second.descendants)
