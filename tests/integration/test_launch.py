@@ -306,3 +306,70 @@ def test_late_node_joins_an_elastic_job_through_a_new_round(launcher, tmp_path: 
     for node in (first, second):
         node.wait(60)
     assert not any(psutil.pid_exists(p) and alive({p}) for p in first.descendants | second.descendants)
+
+
+def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(launcher, tmp_path: Path) -> None:
+    helper = Path(__file__).resolve().parents[1] / "helpers" / "ignore_sigterm.py"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "1", str(helper), str(tmp_path)
+    )
+    wait_for(lambda: len(list(tmp_path.glob("ready_*"))) == 2, 60, "workers to start")
+    workers = run.remember_descendants()
+    started = time.monotonic()
+    run.popen.send_signal(signal.SIGINT)
+    assert run.wait(30) == 130
+    assert time.monotonic() - started < 15
+    wait_for(lambda: not alive(workers), 10, "workers to be SIGKILLed")
+
+
+def test_redirects_send_worker_output_to_files_only(launcher, tmp_path: Path) -> None:
+    run = launcher(
+        "resilrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-r",
+        "3",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(TRAIN_TINY),
+        "--out",
+        str(tmp_path / "out"),
+        "--steps",
+        "2",
+    )
+    assert run.wait(120) == 0, run.stderr()[-3000:]
+    assert "finished attempt" not in run.stdout()
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    for rank in (0, 1):
+        assert f"rank {rank} finished attempt 0" in (run_dir / "round_0" / f"rank_{rank}" / "stdout.log").read_text()
+
+
+def test_static_backend_with_node_ranks_runs_two_nodes(launcher, tmp_path: Path) -> None:
+    port = free_port()
+    out = tmp_path / "out"
+    nodes = [
+        launcher(
+            "resilrun",
+            "--rdzv-backend",
+            "static",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            str(TRAIN_TINY),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+        )
+        for rank in (1, 0)
+    ]
+    for node in nodes:
+        assert node.wait(120) == 0, node.stderr()[-3000:]
+    env = json.loads((out / "env_rank1_attempt0.json").read_text())
+    assert env["GROUP_RANK"] == "1" and env["WORLD_SIZE"] == "2"
