@@ -1,22 +1,27 @@
-# The two set-up commands of the README: `make demo` and `make test`. Both install what they need
-# into the current Python (torch pinned to the CPU build that lies on disk here).
+# The two set-up commands of the README are `make demo` and `make test`. Both install what they
+# need into ./.venv (it sees the system's packages, so a torch already installed is reused; torch
+# is pinned to the 2.13 CPU build, which an unpinned install would replace with a multi-GB CUDA one).
 PYTHON ?= python3
-PIP_INSTALL = $(PYTHON) -m pip install --quiet --disable-pip-version-check
+VENV := .venv
+PY := $(VENV)/bin/python
 
 .PHONY: install demo test lint bench
 
-install:
-	$(PIP_INSTALL) torch==2.13.0 -e '.[test]'
+$(PY):
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+
+install: $(PY)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[test]'
 
 demo: install
-	$(PYTHON) -m resilrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_ddp_torchrun.py --steps 30
+	$(PY) -m resilrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_ddp_torchrun.py --steps 30
 
 test: install
-	$(PYTHON) -m ruff check resilrun tests examples benchmarks
-	$(PYTHON) -m pytest -n 2 -q
+	$(PY) -m ruff check resilrun tests examples benchmarks
+	$(PY) -m pytest -n 2 -q -p no:cacheprovider
 
-lint:
-	$(PYTHON) -m ruff check resilrun tests examples benchmarks
+lint: $(PY)
+	$(PY) -m ruff check resilrun tests examples benchmarks
 
 bench: install
-	$(PYTHON) benchmarks/launch_overhead.py
+	$(PY) benchmarks/launch_overhead.py
