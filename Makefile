@@ -18,7 +18,7 @@ demo: install
 
 test: install
 	$(PY) -m ruff check resilrun tests examples benchmarks
-	$(PY) -m pytest -n 2 -q -p no:cacheprovider
+	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark
 
 lint: $(PY)
 	$(PY) -m ruff check resilrun tests examples benchmarks
