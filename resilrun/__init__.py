@@ -1,8 +1,21 @@
 """resilrun: a torchrun-compatible launcher for distributed PyTorch training that survives failures.
 
-Importing this package is cheap (no torch): the worker bootstrap and the CLI both rely on that.
+Importing this package is cheap (no torch): the worker bootstrap and the CLI rely on that. The
+worker API (``resilrun.init``, ``resilrun.Job``) is loaded on first use.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["Job", "__version__", "init"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("init", "Job"):
+        from resilrun import worker
+
+        return getattr(worker, name)
+    raise AttributeError(f"module 'resilrun' has no attribute {name!r}")

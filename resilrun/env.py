@@ -32,6 +32,7 @@ class WorkerEnv:
     max_restarts: int
     error_file: str
     round: int
+    agent_socket: str = ""
 
     def to_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The full environment of the worker: ``base`` (the agent's) plus the contract."""
@@ -63,6 +64,8 @@ class WorkerEnv:
                 "RESILRUN_ROUND": str(self.round),
             }
         )
+        if self.agent_socket:
+            env["RESILRUN_AGENT_SOCKET"] = self.agent_socket
         return env
 
 
@@ -87,3 +90,38 @@ def python_exec() -> str:
     import sys
 
     return os.environ.get("PYTHON_EXEC") or sys.executable
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerVariables:
+    """What a worker reads of its environment (torchrun's contract plus resilrun's)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    run_id: str
+    restart_count: int
+    agent_socket: str | None
+    faults: str
+
+
+def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVariables:
+    """Read the worker contract; a plain ``python train.py`` is a world of one."""
+    env = os.environ if environ is None else environ
+    return WorkerVariables(
+        rank=int(env.get("RANK", "0")),
+        world_size=int(env.get("WORLD_SIZE", "1")),
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+        run_id=env.get("RESILRUN_RUN_ID") or env.get("TORCHELASTIC_RUN_ID", "none"),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        agent_socket=env.get("RESILRUN_AGENT_SOCKET") or None,
+        faults=env.get("RESILRUN_FAULTS", ""),
+    )
+
+
+def ensure_rendezvous_defaults() -> None:
+    """Let ``resilrun.init()`` run without a launcher (a single process, for quick experiments)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")

@@ -17,6 +17,7 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
+from resilrun.agent.channel import AgentChannel
 from resilrun.agent.procs import HANDLED_SIGNALS
 from resilrun.agent.supervisor import NodeSetup, SignalFlag, Supervisor
 from resilrun.config import Config
@@ -25,6 +26,7 @@ from resilrun.errors import ConfigError, ResilrunError, ShutdownRequested
 from resilrun.rendezvous.c10d import C10dBackend, open_store
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import NodeInfo
+from resilrun.state.memory import NodeMemoryTier
 
 __all__ = ["resolve_nproc", "run"]
 
@@ -92,12 +94,18 @@ def run(config: Config) -> None:
             nproc,
             log_root,
         )
-        setup = NodeSetup(nproc=nproc, addr=addr, log_root=log_root, base_env=agent_environ())
+        memory = NodeMemoryTier(config.rdzv_id)
+        channel = AgentChannel(memory)
+        setup = NodeSetup(
+            nproc=nproc, addr=addr, log_root=log_root, base_env=agent_environ(), agent_socket=channel.path
+        )
         supervisor = Supervisor(config, setup, rdzv, signals)
         try:
             supervisor.run()
             logger.info("job finished: all workers exited 0")
         finally:
+            channel.close()
+            memory.close()
             if hosting:
                 _linger_for_peers(rdzv, supervisor, rdzv_conf.close_timeout_s)
     finally:

@@ -12,7 +12,7 @@ import json
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
@@ -60,6 +60,7 @@ class NodeSetup:
     addr: str
     log_root: Path
     base_env: dict[str, str]
+    agent_socket: str = ""
 
 
 class Supervisor:
@@ -85,6 +86,8 @@ class Supervisor:
         while True:
             state = self.rdzv.join(on_wait=self.signals.raise_if_set)
             self.last_state = state
+            node_rank = state.node_rank(self.rdzv.me.node_id)
+            self.rdzv.me = replace(self.rdzv.me, preferred_rank=node_rank)
             if self._run_round(state) is _RoundEnd.DONE:
                 return
 
@@ -297,6 +300,7 @@ class Supervisor:
                 max_restarts=cfg.max_restarts,
                 error_file=str(log_dir / "error.json"),
                 round=state.round,
+                agent_socket=self.setup.agent_socket,
             ).to_env(base_env)
             specs.append(
                 procs.WorkerSpec(

@@ -7,8 +7,9 @@ the whole protocol is table-tested without a store. Transitions of one round:
     (complete) --failure / membership change--> round+1 (open, incomplete, empty)
     any --close--> closed (outcome: succeeded | failed | stopped)
 
-Node ranks: a node that asked for a rank (``--node-rank``) gets it; the others fill the free ranks
-in the order they joined. No cross-machine timestamps: the last-call window is judged by each
+Node ranks: a node that asked for a rank (``--node-rank``) gets it; a node keeps its previous
+round's rank when that rank is free; the others fill the free ranks in the order they joined.
+No cross-machine timestamps: the last-call window is judged by each
 node on its own monotonic clock.
 """
 
@@ -31,6 +32,9 @@ class NodeInfo:
     local_world_size: int
     requested_rank: int | None = None
     hostname: str = ""
+    # The rank this node had in the previous round: kept when free, so a node's ranks (and the
+    # snapshots its memory holds for them) stay put across restarts.
+    preferred_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +109,15 @@ def assign_ranks(nodes: tuple[NodeInfo, ...]) -> tuple[NodeInfo, ...]:
                 hint="give every node a distinct --node-rank, or none to assign them automatically",
             )
         slots[node.requested_rank] = node
-    free = iter(n for n in nodes if n.requested_rank is None)
+    rest = [n for n in nodes if n.requested_rank is None]
+    unplaced = []
+    for node in rest:
+        want = node.preferred_rank
+        if want is not None and want < size and slots[want] is None:
+            slots[want] = node
+        else:
+            unplaced.append(node)
+    free = iter(unplaced)
     return tuple(slot if slot is not None else next(free) for slot in slots)
 
 

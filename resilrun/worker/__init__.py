@@ -1,3 +1,5 @@
 """The worker library: what training scripts import (never imports the agent or the CLI)."""
 
-__all__: list[str] = []
+from resilrun.worker.job import Job, init
+
+__all__ = ["Job", "init"]

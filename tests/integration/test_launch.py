@@ -15,8 +15,9 @@ from tests.integration.conftest import TRAIN_TINY, alive, wait_for
 
 pytestmark = pytest.mark.integration
 
-# Variables that legitimately differ between two launches (ports, ids, temp paths, our extras).
-_MAY_DIFFER = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "RESILRUN_RUN_ID", "RESILRUN_ROUND"}
+# Variables that legitimately differ between two launches (ports, temp paths); RESILRUN_* are
+# resilrun's own additions to the contract.
+_MAY_DIFFER = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
 
 
 def _two_nodes(launcher, kind: str, out: Path, *extra: str, run_id: str = "job") -> list:
@@ -53,7 +54,9 @@ def test_two_agents_give_workers_torchrun_environment_and_results(launcher, tmp_
         theirs = json.loads((runs["torchrun"] / f"env_rank{rank}_attempt0.json").read_text())
         ours = json.loads((runs["resilrun"] / f"env_rank{rank}_attempt0.json").read_text())
         differing = {
-            name for name in set(theirs) | set(ours) if theirs.get(name) != ours.get(name) and name not in _MAY_DIFFER
+            name
+            for name in set(theirs) | set(ours)
+            if theirs.get(name) != ours.get(name) and name not in _MAY_DIFFER and not name.startswith("RESILRUN_")
         }
         assert not differing, {n: (theirs.get(n), ours.get(n)) for n in differing}
         assert Path(ours["TORCHELASTIC_ERROR_FILE"]).name == "error.json"

@@ -1,0 +1,125 @@
+"""Tier 1: each rank's newest snapshots in node memory, held by the agent.
+
+Every rank has two slots (double buffering): a worker writes a step into the slot that does not
+hold its newest committed step, so a crash mid-copy never destroys the last complete snapshot, and
+the previous step stays available for the one-step rollback a recovery may need. A step counts
+only after the worker's commit message; the slot's bytes are self-describing (a safetensors
+header written by the worker) and its JSON values travel with the commit.
+
+Thread-safe: the agent channel serves several workers at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from resilrun.errors import CheckpointError
+from resilrun.state.shm import SeqCounters, SharedBuffer
+
+SLOTS = 2
+_CTL_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A complete snapshot of one rank at one step, in one slot."""
+
+    step: int
+    slot: int
+    nbytes: int
+    values: Any
+
+
+class RankMemory:
+    """The slots of one global rank."""
+
+    def __init__(self, rank: int, run_id: str) -> None:
+        self.rank = rank
+        self.run_id = run_id
+        self.ctl = SharedBuffer.create(_CTL_BYTES, f"resilrun-{run_id}-r{rank}-ctl")
+        self.seq = SeqCounters(self.ctl)
+        self.slots: list[SharedBuffer | None] = [None] * SLOTS
+        self.committed: dict[int, Committed] = {}
+
+    def newest(self) -> Committed | None:
+        return max(self.committed.values(), key=lambda c: c.step, default=None)
+
+    def close(self) -> None:
+        for buffer in self.slots:
+            if buffer is not None:
+                buffer.close()
+        self.ctl.close()
+
+
+class NodeMemoryTier:
+    """All ranks' slots on this node; the agent channel and the replicator read it."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self._ranks: dict[int, RankMemory] = {}
+        self._lock = threading.Lock()
+
+    def rank(self, rank: int) -> RankMemory:
+        with self._lock:
+            if rank not in self._ranks:
+                self._ranks[rank] = RankMemory(rank, self.run_id)
+            return self._ranks[rank]
+
+    def allocate(self, rank: int, slot: int, nbytes: int) -> SharedBuffer:
+        """(Re)allocate one slot; the other slot, and its committed step, are untouched.
+
+        Raises:
+            CheckpointError: node memory cannot hold the buffer (said before training goes on).
+        """
+        if slot not in range(SLOTS):
+            raise CheckpointError(f"slot {slot} does not exist")
+        memory = self.rank(rank)
+        available = psutil.virtual_memory().available
+        if nbytes > available:
+            raise CheckpointError(
+                f"node memory cannot hold a {nbytes / 2**20:.0f} MiB snapshot of rank {rank} "
+                f"({available / 2**20:.0f} MiB available)",
+                hint="tier-1 snapshots need about 2x the tracked state per rank in host memory; "
+                "track less state, or use fewer ranks per node",
+            )
+        with self._lock:
+            old = memory.slots[slot]
+            memory.committed.pop(slot, None)
+            memory.slots[slot] = SharedBuffer.create(nbytes, f"resilrun-{self.run_id}-r{rank}-s{slot}")
+        if old is not None:
+            old.close()
+        return memory.slots[slot]  # type: ignore[return-value]  # set just above
+
+    def commit(self, rank: int, step: int, slot: int, nbytes: int, values: Any) -> None:
+        memory = self.rank(rank)
+        with self._lock:
+            if memory.slots[slot] is None:
+                raise CheckpointError(f"rank {rank} committed step {step} to unallocated slot {slot}")
+            memory.committed[slot] = Committed(step, slot, nbytes, values)
+
+    def describe(self, rank: int) -> dict[str, Any]:
+        """What this node holds for ``rank``: the committed steps per slot."""
+        with self._lock:
+            memory = self._ranks.get(rank)
+            if memory is None:
+                return {"committed": {}}
+            return {
+                "committed": {
+                    str(slot): {"step": c.step, "nbytes": c.nbytes, "values": c.values}
+                    for slot, c in memory.committed.items()
+                }
+            }
+
+    def held_ranks(self) -> list[int]:
+        with self._lock:
+            return sorted(self._ranks)
+
+    def close(self) -> None:
+        with self._lock:
+            ranks, self._ranks = list(self._ranks.values()), {}
+        for memory in ranks:
+            memory.close()

@@ -1,0 +1,47 @@
+"""The worker side of the agent channel (see resilrun.agent.channel for the server)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from resilrun import wire
+from resilrun.errors import CheckpointError
+
+# The agent answers from memory in microseconds; allocation pre-faults a buffer (a fraction of a
+# second per GiB). A minute means the agent is gone or wedged, not busy.
+_TIMEOUT_S = 60.0
+
+
+class AgentClient:
+    """One connection to this node's agent; requests are answered in order."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(_TIMEOUT_S)
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot reach the resilrun agent at {path}: {exc.strerror}",
+                hint="resilrun.init() must run under the resilrun launcher for snapshots",
+            ) from exc
+
+    def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Send one request and return ``(response, fds)``.
+
+        Raises:
+            CheckpointError: the agent refused the request or the channel broke.
+        """
+        try:
+            wire.send(self._sock, message)
+            response, fds = wire.receive(self._sock)
+        except (OSError, wire.ChannelError) as exc:
+            raise CheckpointError(f"the agent channel failed during '{message.get('op')}': {exc}") from exc
+        if not response.get("ok"):
+            raise CheckpointError(str(response.get("error", "agent refused")), hint=response.get("hint"))
+        return response, fds
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,67 @@
+"""Deterministic fault injection, for tests and for users rehearsing their own jobs.
+
+``RESILRUN_FAULTS`` holds a plan of faults separated by ';', each ``KIND:key=value,...``:
+
+    kill:rank=1,step=12              SIGKILL this worker when step 12 starts
+    exit:rank=0,step=3,code=7        exit with code 7
+    raise:rank=2,step=5              raise RuntimeError (the error file records it)
+    hang:rank=1,step=8               SIGSTOP itself (a hang the agent must detect)
+
+``attempt=N`` (default 0) limits a fault to one restart attempt (TORCHELASTIC_RESTART_COUNT), so
+the recovered run does not fail again. Faults fire at the start of the step, before its work.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+KINDS = ("kill", "exit", "raise", "hang")
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    attempt: int = 0
+    code: int = 1
+
+
+def parse_faults(text: str) -> tuple[Fault, ...]:
+    """Parse a plan; raises ValueError naming the bad part."""
+    faults = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        kind, _, rest = part.partition(":")
+        kind = kind.strip()
+        if kind not in KINDS:
+            raise ValueError(f"fault kind {kind!r} in {part!r} is not one of {', '.join(KINDS)}")
+        fields: dict[str, int] = {}
+        for item in filter(None, (i.strip() for i in rest.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in ("rank", "step", "attempt", "code") or not value.strip().lstrip("-").isdigit():
+                raise ValueError(f"fault field {item!r} in {part!r} is not rank|step|attempt|code=INT")
+            fields[key] = int(value)
+        if "rank" not in fields or "step" not in fields:
+            raise ValueError(f"fault {part!r} needs rank= and step=")
+        faults.append(Fault(kind=kind, **fields))
+    return tuple(faults)
+
+
+def fire(faults: tuple[Fault, ...], *, rank: int, step: int, attempt: int) -> None:
+    """Inject the fault planned for (rank, step, attempt), if any."""
+    for fault in faults:
+        if (fault.rank, fault.step, fault.attempt) != (rank, step, attempt):
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "exit":
+            os._exit(fault.code)
+        elif fault.kind == "raise":
+            raise RuntimeError(f"injected fault at step {step} on rank {rank}")
+        elif fault.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)

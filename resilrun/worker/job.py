@@ -1,0 +1,210 @@
+"""The checkpointless worker API: ``init()`` -> ``Job``, ``job.track(...)``, ``job.steps(total)``.
+
+Why the loop owns snapshots: the end of a step is the one moment at which all tracked state is
+consistent, so ``steps()`` commits there, and restores before the first step. Restoring agrees on
+a step across all ranks with one small all-gather, so every rank resumes from the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilrun.env import ensure_rendezvous_defaults, read_worker_variables
+from resilrun.state.restore import Tier, plan_restore
+from resilrun.state.tree import flatten, unflatten
+from resilrun.worker._channel import AgentClient
+from resilrun.worker.faults import Fault, fire, parse_faults
+from resilrun.worker.snapshot import Snapshotter
+
+logger = logging.getLogger(__name__)
+
+_FORMAT = 1
+
+
+class _RngState:
+    """The random generators a step may draw from, tracked without being asked."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        try:
+            import numpy as np
+
+            state["numpy"] = np.random.get_state()
+        except ImportError:
+            pass
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"].cpu())
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+        if "numpy" in state:
+            import numpy as np
+
+            np.random.set_state(state["numpy"])
+
+
+class Job:
+    """This worker's handle on the job; see ``resilrun.init``."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        snapshotter: Snapshotter | None,
+        faults: tuple[Fault, ...] = (),
+        attempt: int = 0,
+    ) -> None:
+        self._rank = rank
+        self._world_size = world_size
+        self._local_rank = local_rank
+        self._device = device
+        self._snapshotter = snapshotter
+        self._tracked: dict[str, Any] = {"_rng": _RngState()}
+        self._values: dict[str, Any] = {}
+        self._step = -1
+        self._faults = faults
+        self._attempt = attempt
+
+    rank = property(lambda self: self._rank, doc="Global rank of this worker.")
+    world_size = property(lambda self: self._world_size, doc="Number of workers in the job.")
+    local_rank = property(lambda self: self._local_rank, doc="Rank of this worker on its node.")
+    device = property(lambda self: self._device, doc="The device this worker trains on.")
+    step = property(lambda self: self._step, doc="The step in progress (or last finished); -1 before.")
+
+    def track(self, **objects: Any) -> None:
+        """Include objects in every snapshot: anything with state_dict()/load_state_dict(),
+        tensors (restored in place), or JSON values (read and written through ``job[name]``)."""
+        for name, obj in objects.items():
+            if name.startswith("_") or "/" in name:
+                raise ValueError(f"tracked name {name!r} must not start with '_' or contain '/'")
+            if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") or isinstance(obj, torch.Tensor):
+                self._tracked[name] = obj
+            else:
+                flatten(obj, name)  # raises TypeError now rather than at the first snapshot
+                self._values[name] = obj
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        flatten(value, name)
+        self._values[name] = value
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the steps still to run, restoring first and committing after each one."""
+        start = self._restore() + 1
+        for step in range(start, total):
+            self._step = step
+            if self._faults:
+                fire(self._faults, rank=self._rank, step=step, attempt=self._attempt)
+            yield step
+            self._commit(step)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _collect(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors: dict[str, torch.Tensor] = {}
+        trees: dict[str, Any] = {}
+        for name, obj in self._tracked.items():
+            state = obj if isinstance(obj, torch.Tensor) else obj.state_dict()
+            found, trees[name] = flatten(state, name)
+            tensors.update(found)
+        values = {name: flatten(value, f"_values/{name}")[1] for name, value in self._values.items()}
+        return tensors, {"format": _FORMAT, "objects": trees, "values": values}
+
+    def _commit(self, step: int) -> None:
+        if self._snapshotter is None:
+            return
+        tensors, meta = self._collect()
+        self._snapshotter.save(step, tensors, meta)
+
+    def _restore(self) -> int:
+        """Restore the newest step every rank holds; returns it (or -1 for a fresh start)."""
+        if self._snapshotter is None:
+            return -1
+        mine = (self._snapshotter.steps() + [-1, -1])[:2]
+        gathered = _all_gather_ints(mine, self._world_size, self._device)
+        plan = plan_restore([{Tier.MEMORY: frozenset(s for s in row if s >= 0)} for row in gathered])
+        if plan is None:
+            if any(s >= 0 for row in gathered for s in row):
+                logger.warning("ranks hold no common snapshot step; starting from step 0")
+            return -1
+        tensors, meta = self._snapshotter.load(plan.step, self._device)
+        for name, obj in self._tracked.items():
+            state = unflatten(meta["objects"][name], tensors)
+            if isinstance(obj, torch.Tensor):
+                with torch.no_grad():
+                    obj.copy_(state)
+            else:
+                obj.load_state_dict(state)
+        self._values.update({name: unflatten(tree, tensors) for name, tree in meta["values"].items()})
+        self._step = plan.step
+        logger.warning("rank %d resumed from step %d (node memory)", self._rank, plan.step)
+        return plan.step
+
+
+def _all_gather_ints(values: list[int], world_size: int, device: torch.device) -> list[list[int]]:
+    if world_size == 1 or not dist.is_initialized():
+        return [values]
+    mine = torch.tensor(values, dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu")
+    out = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+_JOB: Job | None = None
+
+
+def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
+    """Join the job: set up torch.distributed's default group and this rank's snapshots.
+
+    Args:
+        backend: ``nccl`` when CUDA is available, else ``gloo``, unless given.
+        timeout: collective timeout passed to ``init_process_group``.
+    """
+    global _JOB
+    if _JOB is not None:
+        return _JOB
+    variables = read_worker_variables()
+    use_cuda = torch.cuda.is_available() and (backend in (None, "nccl"))
+    device = torch.device("cuda", variables.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        ensure_rendezvous_defaults()
+        kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+        dist.init_process_group(
+            backend or ("nccl" if use_cuda else "gloo"),
+            rank=variables.rank,
+            world_size=variables.world_size,
+            **kwargs,
+        )
+    snapshotter = None
+    if variables.agent_socket:
+        snapshotter = Snapshotter(AgentClient(variables.agent_socket), variables.rank)
+    else:
+        logger.warning("not started by resilrun: training runs, but steps are not snapshotted")
+    _JOB = Job(
+        rank=variables.rank,
+        world_size=variables.world_size,
+        local_rank=variables.local_rank,
+        device=device,
+        snapshotter=snapshotter,
+        faults=parse_faults(variables.faults),
+        attempt=variables.restart_count,
+    )
+    return _JOB

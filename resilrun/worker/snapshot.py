@@ -1,0 +1,132 @@
+"""Worker side of tier 1: copy tracked tensors into the agent's node-memory slots, and back.
+
+The training path pays one memcpy per step into pre-faulted, reused buffers, plus one small
+message; checksums, replication and persistence happen later, in the agent. A step is committed
+only after its bytes are complete (the commit message is the commit point), and it is always
+written into the slot that does not hold the newest committed step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from resilrun.state.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
+from resilrun.state.memory import SLOTS
+from resilrun.state.shm import SeqCounters, SharedBuffer
+from resilrun.worker._channel import AgentClient
+
+
+def dtype_code(tensor: torch.Tensor) -> str:
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in TORCH_TO_CODE:
+        raise TypeError(f"tensors of dtype {tensor.dtype} cannot be snapshotted")
+    return TORCH_TO_CODE[name]
+
+
+class Snapshotter:
+    """This rank's two slots in node memory and what each of them holds."""
+
+    def __init__(self, client: AgentClient, rank: int) -> None:
+        self.client = client
+        self.rank = rank
+        response, fds = client.request({"op": "attach", "rank": rank})
+        self.ctl = SharedBuffer.attach(fds[0])
+        self.seq = SeqCounters(self.ctl)
+        self.slots: list[SharedBuffer | None] = [None] * SLOTS
+        for slot, fd in zip(response["present"], fds[1:], strict=True):
+            self.slots[int(slot)] = SharedBuffer.attach(fd)
+        # slot -> (step, values) of what is committed there
+        self.held: dict[int, tuple[int, Any]] = {
+            int(slot): (int(info["step"]), info["values"]) for slot, info in response["committed"].items()
+        }
+        self._layout: Layout | None = None
+        self._pinned = False
+
+    # -- restore -------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps held for this rank, newest first."""
+        return sorted((step for step, _ in self.held.values()), reverse=True)
+
+    def load(self, step: int, device: torch.device) -> tuple[dict[str, torch.Tensor], Any]:
+        """Copies of the tensors of ``step`` (never views: the slot will be overwritten) and its values."""
+        slot = next(s for s, (held_step, _) in self.held.items() if held_step == step)
+        buffer = self.slots[slot]
+        if buffer is None:
+            raise RuntimeError(f"slot {slot} holds step {step} but is not mapped")
+        layout = parse_header(buffer.view(), buffer.nbytes)
+        tensors = {}
+        for entry in layout.entries:
+            raw = buffer.tensor[layout.data_start + entry.begin : layout.data_start + entry.end]
+            dtype = getattr(torch, DTYPES[entry.dtype][0])
+            tensors[entry.name] = raw.view(dtype).view(entry.shape).to(device, copy=True)
+        return tensors, self.held[slot][1]
+
+    # -- commit --------------------------------------------------------------------------------
+    def save(self, step: int, tensors: dict[str, torch.Tensor], values: Any) -> None:
+        """Copy ``tensors`` into the free slot, then commit ``step`` with ``values``."""
+        layout = self._layout_for(tensors)
+        slot = self._free_slot()
+        buffer = self.slots[slot]
+        if buffer is None or buffer.nbytes < layout.total_bytes:
+            buffer = self._allocate(slot, layout.total_bytes)
+        self.held.pop(slot, None)
+        self.seq.begin(slot)
+        header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+        buffer.tensor[: layout.data_start].copy_(header)
+        base = layout.data_start
+        asynchronous = False
+        for entry in layout.entries:
+            source = tensors[entry.name].detach()
+            target = buffer.tensor[base + entry.begin : base + entry.end].view(source.dtype).view(source.shape)
+            non_blocking = source.is_cuda and self._pinned
+            target.copy_(source, non_blocking=non_blocking)
+            asynchronous = asynchronous or non_blocking
+        if asynchronous:
+            torch.cuda.current_stream().synchronize()
+        self.seq.end(slot)
+        self.client.request(
+            {
+                "op": "commit",
+                "rank": self.rank,
+                "step": step,
+                "slot": slot,
+                "nbytes": layout.total_bytes,
+                "values": values,
+            }
+        )
+        self.held[slot] = (step, values)
+
+    def _layout_for(self, tensors: dict[str, torch.Tensor]) -> Layout:
+        specs = [(name, dtype_code(t), tuple(t.shape)) for name, t in tensors.items()]
+        signature = tuple(sorted(specs))
+        if self._layout is None or tuple(sorted(self._layout.signature())) != signature:
+            self._layout = build_layout(specs)
+        return self._layout
+
+    def _free_slot(self) -> int:
+        if not self.held:
+            return 0
+        newest = max(self.held, key=lambda s: self.held[s][0])
+        return (newest + 1) % SLOTS
+
+    def _allocate(self, slot: int, nbytes: int) -> SharedBuffer:
+        _, fds = self.client.request({"op": "alloc", "rank": self.rank, "slot": slot, "nbytes": nbytes})
+        old = self.slots[slot]
+        self.slots[slot] = SharedBuffer.attach(fds[0])
+        if old is not None:
+            old.close()
+        if torch.cuda.is_available():
+            self._pinned = _pin(self.slots[slot])  # type: ignore[arg-type]  # set just above
+        return self.slots[slot]  # type: ignore[return-value]
+
+
+def _pin(buffer: SharedBuffer) -> bool:
+    """Page-lock the mapping so device-to-host copies can be asynchronous (best effort)."""
+    try:
+        cudart = torch.cuda.cudart()
+        result = cudart.cudaHostRegister(buffer.tensor.data_ptr(), buffer.nbytes, 0)
+        return int(result) == 0
+    except Exception:  # noqa: BLE001 - pinning is an optimisation; pageable copies still work
+        return False
