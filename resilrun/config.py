@@ -119,7 +119,7 @@ def _parse_bool(what: str, raw: str) -> bool:
 def parse_nnodes(value: str) -> tuple[int, int]:
     """Parse ``N`` or ``MIN:MAX`` into ``(min_nodes, max_nodes)``."""
     parts = value.split(":")
-    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+    if len(parts) not in (1, 2) or not all(p.strip().isdecimal() for p in parts):
         raise ConfigError(
             f"--nnodes '{value}' is not N or MIN:MAX",
             hint="e.g. --nnodes 4, or --nnodes 2:4 for an elastic job",
@@ -301,19 +301,24 @@ class Config:
         if self.standalone and max_nodes != 1:
             raise ConfigError(f"--standalone runs one node, but --nnodes is '{self.nnodes}'")
         self.rdzv  # noqa: B018 - parses and validates
+        if max_nodes > 1 and not self.rdzv_endpoint and self.rdzv_backend != "static":
+            raise ConfigError(
+                f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT",
+                hint="every node must point at the same endpoint; or use --standalone for one node",
+            )
         host, port = self.endpoint
         if port == 0 and max_nodes > 1:
             raise ConfigError(
                 f"--rdzv-endpoint '{self.rdzv_endpoint}' has port 0, which other nodes cannot find",
                 hint="give a fixed port for a multi-node job, e.g. --rdzv-endpoint head:29400",
             )
-        if max_nodes > 1 and not self.rdzv_endpoint and self.rdzv_backend != "static":
-            raise ConfigError(
-                f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT",
-                hint="every node must point at the same endpoint; or use --standalone for one node",
-            )
         if self.node_rank is not None and not 0 <= self.node_rank < max_nodes:
             raise ConfigError(f"--node-rank ({self.node_rank}) must be in 0..{max_nodes - 1}")
+        if self.node_rank is not None and min_nodes != max_nodes:
+            raise ConfigError(
+                f"--node-rank needs a fixed --nnodes, not '{self.nnodes}'",
+                hint="an elastic job assigns node ranks itself; drop --node-rank",
+            )
         if self.rdzv_backend == "static" and self.node_rank is None:
             raise ConfigError("--rdzv-backend static needs --node-rank", hint="give each node its rank")
         if self.rdzv_backend == "static" and min_nodes != max_nodes:
@@ -323,13 +328,13 @@ class Config:
 
     def _validate_processes(self) -> None:
         nproc = self.nproc_per_node.strip().lower()
-        if nproc not in ("auto", "cpu", "gpu", "cuda") and not (nproc.isdigit() and int(nproc) > 0):
+        if nproc not in ("auto", "cpu", "gpu", "cuda") and not (nproc.isdecimal() and int(nproc) > 0):
             raise ConfigError(f"--nproc-per-node '{self.nproc_per_node}' is not a positive number, auto, cpu or gpu")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts ({self.max_restarts}) must be >= 0")
         if not self.monitor_interval_s > 0:
             raise ConfigError(f"--monitor-interval ({self.monitor_interval_s}) must be > 0")
-        if self.shutdown_timeout_s < 0:
+        if not self.shutdown_timeout_s >= 0:
             raise ConfigError(f"--shutdown-timeout ({self.shutdown_timeout_s}) must be >= 0")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port ({self.master_port}) must be in 0..65535")

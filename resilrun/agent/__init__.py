@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 def resolve_nproc(value: str) -> int:
     """torchrun's ``--nproc-per-node``: a number, ``cpu``, ``gpu`` or ``auto``."""
     value = value.strip().lower()
-    if value.isdigit():
+    if value.isdecimal():
         return int(value)
     if value == "cpu":
         return os.cpu_count() or 1

@@ -53,10 +53,13 @@ def collect_failure(
     message, tb, timestamp = _describe_exit(pid, exit_code), None, observed_at
     try:
         data = json.loads(error_file.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            data = {"message": data}
         inner = data.get("message", {})
         if isinstance(inner, dict):
             message = str(inner.get("message", message))
-            extra = inner.get("extraInfo", {}) or {}
+            extra = inner.get("extraInfo")
+            extra = extra if isinstance(extra, dict) else {}
             tb = extra.get("py_callstack")
             timestamp = float(extra.get("timestamp", timestamp))
         else:

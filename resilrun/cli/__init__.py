@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import sys
 
-import click
 import typer
 
 from resilrun import __version__
@@ -25,6 +24,7 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="A torchrun-compatible launcher for distributed PyTorch training that survives failures.",
 )
 
@@ -76,13 +76,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = command.main(args, prog_name="resilrun", standalone_mode=False)
         sys.exit(int(code or 0) if isinstance(code, int) else 0)
-    except click.exceptions.Exit as exc:
+    except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except typer.Abort:
         sys.exit(int(ExitCode.INTERRUPTED))
-    except click.UsageError as exc:
-        hint = "run 'resilrun run --help' for the options" if args[:1] == ["run"] else "run 'resilrun --help'"
-        out.error(exc.format_message(), hint)
+    except typer.TyperException as exc:  # typer's own (bundled click) usage errors
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            exc.show()
+        else:
+            hint = "run 'resilrun run --help' for the options" if args[:1] == ["run"] else "run 'resilrun --help'"
+            out.error(exc.format_message(), hint)
         sys.exit(int(ExitCode.USAGE))
     except BaseException as exc:  # noqa: BLE001 - the one place errors become exit codes
         if isinstance(exc, SystemExit):

@@ -9,7 +9,12 @@ import typer
 from resilrun.cli import _options as o
 from resilrun.errors import ConfigError
 
-CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+CONTEXT = {
+    "allow_extra_args": True,
+    "ignore_unknown_options": True,
+    "allow_interspersed_args": False,
+    "help_option_names": ["-h", "--help"],
+}
 
 
 def _int(flag: str, value: str | None) -> int | None:

@@ -23,7 +23,10 @@ class RendezvousBackend(ABC):
 
     @abstractmethod
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
-        """Write ``desired`` if the value is ``expected`` (``None``: key absent). True if written."""
+        """Write ``desired`` if the value is ``expected`` (``None``: key absent).
+
+        Returns True when the key holds ``desired`` afterwards (written now, or already equal).
+        """
 
     @abstractmethod
     def add(self, key: str, amount: int) -> int:

@@ -24,8 +24,9 @@ class MemoryBackend(RendezvousBackend):
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
         with self._lock:
-            if self._data.get(key) != expected:
-                return False
+            current = self._data.get(key)
+            if current != expected:
+                return current == desired
             self._data[key] = bytes(desired)
             return True
 

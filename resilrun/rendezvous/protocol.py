@@ -98,7 +98,7 @@ def assign_ranks(nodes: tuple[NodeInfo, ...]) -> tuple[NodeInfo, ...]:
     for node in nodes:
         if node.requested_rank is None:
             continue
-        if node.requested_rank >= size:
+        if not 0 <= node.requested_rank < size:
             raise RendezvousError(
                 f"node {node.hostname or node.node_id} asked for --node-rank {node.requested_rank}, "
                 f"but the round has {size} nodes"
@@ -156,8 +156,16 @@ def has_reached_min(state: RdzvState, me: str, min_nodes: int) -> bool:
 
 
 def decide_leave(state: RdzvState, me: str) -> RdzvState | None:
-    """Remove a node from an incomplete round (join timed out); None when nothing changes."""
-    if state.complete or state.closed or not state.has_participant(me):
+    """Remove a node that gives up joining (timed out, or stopped); None when nothing changes.
+
+    It leaves the wait list of a complete round (else the running nodes would keep opening
+    rounds for it), or the participants of an incomplete one.
+    """
+    if state.closed:
+        return None
+    if me in state.waiting:
+        return replace(state, waiting=tuple(w for w in state.waiting if w != me))
+    if state.complete or not state.has_participant(me):
         return None
     return replace(state, participants=tuple(p for p in state.participants if p.node_id != me))
 
@@ -178,10 +186,11 @@ def decide_next_round(
         return None
     if failure is not None and state.restarts >= max_restarts:
         return replace(state, closed=True, outcome="failed", failure=failure)
+    # The wait list is not carried over: waiting nodes join the open round like everyone else, and
+    # one that died while waiting must not make every later round restart for it.
     return RdzvState(
         round=state.round + 1,
         restarts=state.restarts + (1 if failure is not None else 0),
-        waiting=state.waiting,
         failure=failure if failure is not None else state.failure,
     )
 

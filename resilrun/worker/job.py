@@ -107,6 +107,7 @@ class Job:
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps still to run, restoring first and committing after each one."""
+        _fix_bucket_layouts(self._tracked.values())
         start = self._restore() + 1
         for step in range(start, total):
             self._step = step
@@ -155,6 +156,26 @@ class Job:
         self._step = plan.step
         logger.warning("rank %d resumed from step %d (node memory)", self._rank, plan.step)
         return plan.step
+
+
+def _fix_bucket_layouts(objects: Any) -> None:
+    """Give every tracked DDP model its final gradient-bucket layout before the first step.
+
+    DDP normally rebuilds its buckets after its first iteration, in the order gradients became
+    ready. A job resumed from a snapshot builds a fresh DDP whose first step would then use the
+    initial layout, summing gradients in a different order than the failure-free run did at that
+    step (bitwise drift with 3+ ranks). Rebuilding up front, the same way on every run, gives every
+    step of every run the same layout. The rebuild is a broadcast from rank 0: all ranks get here.
+    Trade-off: buckets follow parameter registration order, which overlaps less communication with
+    the backward pass than the ready order would.
+    """
+    for obj in objects:
+        if isinstance(obj, torch.nn.parallel.DistributedDataParallel) and not getattr(
+            obj, "_has_rebuilt_buckets", True
+        ):
+            obj.reducer._push_all_rebuilt_params()
+            if obj.reducer._rebuild_buckets():
+                obj._has_rebuilt_buckets = True
 
 
 def _all_gather_ints(values: list[int], world_size: int, device: torch.device) -> list[list[int]]:

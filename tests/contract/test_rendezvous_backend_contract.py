@@ -1,0 +1,232 @@
+"""The RendezvousBackend contract: every backend passes this suite unchanged.
+
+Parametrised over the in-memory backend and the c10d backend (a real TCPStore hosted on port 0 on
+loopback, used through a second, client-side connection as a remote node would).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from resilrun.errors import ExitCode, StoreConnectionError
+from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.rendezvous.memory import MemoryBackend
+from tests.conftest import free_port
+
+
+@dataclass
+class HostedStore:
+    server: Any
+    port: int
+    client: RendezvousBackend
+
+
+@pytest.fixture(scope="module")
+def hosted_store() -> Iterator[HostedStore]:
+    """One TCPStore per module: creating many in quick succession makes torch's connects flaky."""
+    from resilrun.rendezvous.c10d import C10dBackend, connect_store, host_store
+
+    server = host_store("127.0.0.1", 0, timedelta(seconds=5))
+    client = connect_store("127.0.0.1", server.port, timedelta(seconds=5))
+    yield HostedStore(server, server.port, C10dBackend(client, f"127.0.0.1:{server.port}"))
+
+
+@pytest.fixture(params=["memory", "c10d"])
+def backend(request: pytest.FixtureRequest) -> RendezvousBackend:
+    if request.param == "memory":
+        return MemoryBackend()
+    hosted: HostedStore = request.getfixturevalue("hosted_store")
+    return hosted.client
+
+
+@pytest.fixture
+def key() -> str:
+    """A fresh key per test, so tests sharing one store never see each other's data."""
+    return f"resilrun/v1/test-{uuid.uuid4().hex}/key"
+
+
+# -- get / set -------------------------------------------------------------------------------------
+def test_get_of_a_missing_key_is_none(key: str, backend: RendezvousBackend) -> None:
+    assert backend.get(key + "/never-written") is None
+
+
+def test_set_then_get_returns_the_value(key: str, backend: RendezvousBackend) -> None:
+    backend.set(key, b"hello")
+    assert backend.get(key) == b"hello"
+
+
+def test_set_overwrites_the_previous_value(key: str, backend: RendezvousBackend) -> None:
+    backend.set(key, b"first")
+    backend.set(key, b"second")
+    assert backend.get(key) == b"second"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"", b"v", b"vv", b"\x00", bytes(range(256)), b"\xff\xfe not utf8 \x80", "ünïcödé".encode(), b"x" * 100_000],
+    ids=["empty", "frame-byte", "two-frame-bytes", "nul", "all-bytes", "not-utf8", "utf8", "100k"],
+)
+def test_values_round_trip_as_arbitrary_bytes(key: str, backend: RendezvousBackend, value: bytes) -> None:
+    backend.set(key, value)
+    assert backend.get(key) == value
+
+
+def test_an_empty_value_is_distinct_from_a_missing_key(key: str, backend: RendezvousBackend) -> None:
+    backend.set(key, b"")
+    assert backend.get(key) == b""
+    assert backend.get(key + "/other") is None
+
+
+def test_keys_are_independent(key: str, backend: RendezvousBackend) -> None:
+    backend.set(key + "/a", b"1")
+    backend.set(key + "/b", b"2")
+    assert (backend.get(key + "/a"), backend.get(key + "/b")) == (b"1", b"2")
+
+
+# -- compare_set -----------------------------------------------------------------------------------
+def test_compare_set_with_none_writes_an_absent_key(key: str, backend: RendezvousBackend) -> None:
+    assert backend.compare_set(key, None, b"first") is True
+    assert backend.get(key) == b"first"
+
+
+def test_compare_set_with_none_does_not_overwrite_a_present_key(key: str, backend: RendezvousBackend) -> None:
+    backend.set(key, b"there")
+    assert backend.compare_set(key, None, b"new") is False
+    assert backend.get(key) == b"there"
+
+
+def test_compare_set_with_none_does_not_overwrite_a_present_empty_value(key: str, backend: RendezvousBackend) -> None:
+    backend.set(key, b"")
+    assert backend.compare_set(key, None, b"new") is False
+    assert backend.get(key) == b""
+
+
+def test_compare_set_with_the_current_value_writes(key: str, backend: RendezvousBackend) -> None:
+    backend.set(key, b"old")
+    assert backend.compare_set(key, b"old", b"new") is True
+    assert backend.get(key) == b"new"
+
+
+def test_compare_set_with_an_empty_current_value_writes(key: str, backend: RendezvousBackend) -> None:
+    backend.set(key, b"")
+    assert backend.compare_set(key, b"", b"new") is True
+    assert backend.get(key) == b"new"
+
+
+def test_compare_set_mismatch_returns_false_and_does_not_write(key: str, backend: RendezvousBackend) -> None:
+    backend.set(key, b"current")
+    assert backend.compare_set(key, b"stale", b"new") is False
+    assert backend.get(key) == b"current"
+
+
+def test_compare_set_with_an_expected_value_on_an_absent_key_does_not_write(
+    key: str, backend: RendezvousBackend
+) -> None:
+    assert backend.compare_set(key, b"stale", b"new") is False
+    assert backend.get(key) is None
+
+
+def test_compare_set_with_an_empty_expected_value_on_an_absent_key_does_not_write(
+    key: str,
+    backend: RendezvousBackend,
+) -> None:
+    assert backend.compare_set(key, b"", b"new") is False
+    assert backend.get(key) is None
+
+
+def test_compare_set_mismatch_reports_true_when_the_key_already_holds_desired(
+    key: str, backend: RendezvousBackend
+) -> None:
+    # The contract is "the key holds desired afterwards": a lost race to the same value is a success.
+    backend.set(key, b"same")
+    assert backend.compare_set(key, b"stale", b"same") is True
+    assert backend.get(key) == b"same"
+
+
+def test_compare_set_on_an_absent_key_with_expected_equal_to_desired_returns_false(
+    key: str, backend: RendezvousBackend
+) -> None:
+    assert backend.compare_set(key, b"x", b"x") is False
+    assert backend.get(key) is None
+
+
+def test_compare_set_chain_applies_each_step_once(key: str, backend: RendezvousBackend) -> None:
+    current: bytes | None = None
+    for step in range(5):
+        desired = f"state-{step}".encode()
+        assert backend.compare_set(key, current, desired) is True
+        assert backend.compare_set(key, current, b"loser") is False
+        current = desired
+    assert backend.get(key) == b"state-4"
+
+
+# -- add -------------------------------------------------------------------------------------------
+def test_add_creates_a_counter_at_zero(key: str, backend: RendezvousBackend) -> None:
+    assert backend.add(key, 0) == 0
+    assert backend.add(key + "/other", 3) == 3
+
+
+def test_add_accumulates_and_returns_the_new_value(key: str, backend: RendezvousBackend) -> None:
+    assert backend.add(key, 1) == 1
+    assert backend.add(key, 1) == 2
+    assert backend.add(key, 5) == 7
+    assert backend.add(key, -2) == 5
+    assert backend.add(key, 0) == 5
+
+
+def test_add_counters_are_independent(key: str, backend: RendezvousBackend) -> None:
+    backend.add(key + "/a", 2)
+    backend.add(key + "/b", 40)
+    assert backend.add(key + "/a", 0) == 2
+    assert backend.add(key + "/b", 0) == 40
+
+
+@pytest.mark.parametrize("kind", ["memory", "c10d"])
+def test_close_is_safe_to_call(kind: str, request: pytest.FixtureRequest) -> None:
+    if kind == "memory":
+        MemoryBackend().close()
+        return
+    from resilrun.rendezvous.c10d import C10dBackend, connect_store
+
+    # Its own connection, so closing it cannot affect the store the other tests share.
+    hosted: HostedStore = request.getfixturevalue("hosted_store")
+    own = C10dBackend(connect_store("127.0.0.1", hosted.port, timedelta(seconds=5)), "own")
+    own.close()
+
+
+# -- the c10d store's lifecycle ---------------------------------------------------------------------
+def test_connect_store_to_a_closed_port_raises_store_connection_error_quickly() -> None:
+    from resilrun.rendezvous.c10d import connect_store
+
+    port = free_port()  # bound then released: nothing listens there
+    start = time.monotonic()
+    with pytest.raises(StoreConnectionError) as info:
+        connect_store("127.0.0.1", port, timedelta(seconds=1))
+    elapsed = time.monotonic() - start
+    # torch retries once after a jittered delay, so allow a few timeouts, never minutes.
+    assert elapsed < 10
+    assert f"127.0.0.1:{port}" in info.value.message
+    assert "within 1 s" in info.value.message
+    assert info.value.hint and "--rdzv-endpoint" in info.value.hint
+    assert info.value.exit_code == ExitCode.RENDEZVOUS
+    assert info.value.__cause__ is not None
+
+
+def test_a_second_client_sees_what_the_first_wrote(key: str, hosted_store: HostedStore) -> None:
+    from resilrun.rendezvous.c10d import C10dBackend, connect_store
+
+    endpoint = f"127.0.0.1:{hosted_store.port}"
+    other = C10dBackend(connect_store("127.0.0.1", hosted_store.port, timedelta(seconds=5)), endpoint)
+    one = hosted_store.client
+    assert one.compare_set(key, None, b"mine") is True
+    assert other.compare_set(key, None, b"theirs") is False
+    assert other.get(key) == b"mine"
+    assert one.add(key + "/n", 1) == 1
+    assert other.add(key + "/n", 1) == 2

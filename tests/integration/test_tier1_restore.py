@@ -1,0 +1,79 @@
+"""A job killed whole and restarted resumes from node memory (tier 1) and ends bitwise equal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_checkpointless.py"
+ARGS = ["--steps", "24", "--hidden", "64"]
+
+
+def _clean_checksum(launcher, tmp_path: Path, nproc: int) -> str:
+    target = tmp_path / "clean.sha"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", str(nproc), str(EXAMPLE), *ARGS, "--checksum-file", str(target)
+    )
+    assert run.wait(120) == 0, run.stderr()[-3000:]
+    return target.read_text()
+
+
+def test_restarted_workers_resume_from_node_memory_bitwise_equal(launcher, tmp_path: Path) -> None:
+    # Given a 2-worker job whose rank 1 is SIGKILLed when step 12 starts (first attempt only)
+    target = tmp_path / "faulty.sha"
+    run = launcher(
+        "resilrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(EXAMPLE),
+        *ARGS,
+        "--checksum-file",
+        str(target),
+        env={"RESILRUN_FAULTS": "kill:rank=1,step=12"},
+    )
+    # Then the restarted workers resume from step 11 held in node memory, not from step 0
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    err = run.stderr()
+    assert "rank 0 resumed from step 11 (node memory)" in err
+    assert "rank 1 resumed from step 11 (node memory)" in err
+    # And the final parameters equal a failure-free run's, bit for bit
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
+
+
+def test_two_nodes_restart_keeps_node_ranks_and_resumes_from_memory(launcher, tmp_path: Path) -> None:
+    # Given 2 nodes x 2 workers, rank 3 (on the second node) exits with code 5 at step 7
+    port = free_port()
+    target = tmp_path / "faulty.sha"
+    nodes = [
+        launcher(
+            "resilrun",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--max-restarts",
+            "1",
+            str(EXAMPLE),
+            *ARGS,
+            "--checksum-file",
+            str(target),
+            env={"RESILRUN_FAULTS": "exit:rank=3,step=7,code=5"},
+        )
+        for _ in range(2)
+    ]
+    for node in nodes:
+        assert node.wait(150) == 0, node.stderr()[-3000:]
+    err = nodes[0].stderr() + nodes[1].stderr()
+    for rank in range(4):
+        assert f"rank {rank} resumed from step 6 (node memory)" in err
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 4)
