@@ -15,7 +15,7 @@ __all__ = ["Job", "__version__", "init"]
 
 def __getattr__(name: str) -> Any:
     if name in ("init", "Job"):
-        from resilrun import worker
+        from resilrun.worker import job
 
-        return getattr(worker, name)
+        return getattr(job, name)
     raise AttributeError(f"module 'resilrun' has no attribute {name!r}")

@@ -90,10 +90,27 @@ class CheckpointError(ResilrunError):
     exit_code = ExitCode.CHECKPOINT
 
 
+class CheckpointNotFoundError(CheckpointError):
+    """No checkpoint (or not the requested step or rank) exists where one was looked for."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A snapshot's bytes do not match its header or its checksums (or were forged)."""
+
+
 class StorageError(ResilrunError):
     """Persistent storage failed; messages never carry credentials."""
 
     exit_code = ExitCode.STORAGE
+
+
+class StorageNotFoundError(StorageError):
+    """The object (key) does not exist; callers that expect absence catch exactly this."""
+
+
+class StorageAuthError(StorageError):
+    """Storage refused the caller: missing or wrong credentials, access denied, or the bucket's
+    owner is not the expected one."""
 
 
 class ShutdownRequested(BaseException):  # noqa: N818 - control flow, not an error

@@ -15,6 +15,7 @@ from resilrun import __version__
 from resilrun.cli import run as run_cmd
 from resilrun.cli._errors import render
 from resilrun.cli._output import Output
+from resilrun.cli.inspect import inspect_checkpoint
 from resilrun.errors import ExitCode
 
 __all__ = ["app", "main"]
@@ -43,6 +44,7 @@ def _root(
 
 
 app.command("run", context_settings=run_cmd.CONTEXT)(run_cmd.run)
+app.command("inspect-checkpoint")(inspect_checkpoint)
 
 _TOP_LEVEL = {"--help", "-h", "--version", "--install-completion", "--show-completion"}
 

@@ -1,5 +1,20 @@
-"""The worker library: what training scripts import (never imports the agent or the CLI)."""
+"""The worker library: what training scripts import (never imports the agent or the CLI).
 
-from resilrun.worker.job import Job, init
+Lazy on purpose: ``python -m resilrun.worker._bootstrap`` imports this package before the user's
+script runs, and must stay light (no torch) so that an import error in the script itself is
+still recorded in the error file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Job", "init"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from resilrun.worker import job
+
+        return getattr(job, name)
+    raise AttributeError(f"module 'resilrun.worker' has no attribute {name!r}")

@@ -1,0 +1,268 @@
+"""``resilrun inspect-checkpoint PATH|s3://bucket/prefix``: what a durable checkpoint holds, verified.
+
+Lists every step (complete or partial) and, for one step (``--step N``, else the newest complete
+one), every rank's tensors with dtype, shape and size, and totals. ``--verify`` downloads every file
+and checks every crc32. Reading a checkpoint never executes anything from it: corrupt, truncated or
+forged files end as one error line with a hint and exit code 4 (5 when storage fails, 2 for usage).
+
+``--json`` prints one document on stdout with this stable shape (fields are only ever added)::
+
+    {"data": {
+      "uri": str,
+      "steps": [{"step": int, "complete": bool, "ranks": [int, ...]}, ...],       # oldest first
+      "latest_complete_step": int | null,
+      "selected": null | {                                                       # null: nothing complete
+        "step": int, "complete": bool, "world_size": int | null, "verified": bool,
+        "ranks": [{"rank": int, "file": str, "file_bytes": int, "tensor_bytes": int,
+                   "tensors": [{"name": str, "dtype": str, "shape": [int, ...], "bytes": int, "crc32": int}],
+                   "values": <the tracked non-tensor values, any JSON>}],
+        "totals": {"ranks": int, "tensors": int, "tensor_bytes": int, "file_bytes": int}}}}
+
+or, on failure, ``{"error": {"code": <error class name>, "message": str, "hint": str | null}}``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Annotated, Any, Protocol
+
+import typer
+
+from resilrun.cli._errors import render
+from resilrun.cli._output import Output
+from resilrun.errors import CheckpointNotFoundError
+
+# Ranks are read concurrently: per-request latency, not bandwidth, dominates S3 reads of headers.
+_HEADER_CONCURRENCY = 8
+# --verify holds each rank's whole file in memory while checking it: two at a time bounds memory
+# to two snapshots and still overlaps one download with one checksum pass.
+_VERIFY_CONCURRENCY = 2
+
+
+def inspect_checkpoint(
+    uri: Annotated[str, typer.Argument(metavar="PATH|s3://bucket/prefix", help="Checkpoint directory or S3 URI.")],
+    step: Annotated[
+        int | None, typer.Option("--step", min=0, help="Show this step (default: the newest complete one).")
+    ] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="Download every file and check every checksum.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
+    s3_endpoint_url: Annotated[
+        str | None,
+        typer.Option("--s3-endpoint-url", envvar="RESILRUN_S3_ENDPOINT_URL", help="S3-compatible endpoint URL."),
+    ] = None,
+    s3_expected_owner: Annotated[
+        str | None,
+        typer.Option(
+            "--s3-expected-owner", envvar="RESILRUN_S3_EXPECTED_OWNER", help="Account id that must own the bucket."
+        ),
+    ] = None,
+) -> None:
+    """List a checkpoint's steps, ranks and tensors; --verify checks every checksum."""
+    out = Output(json_mode=json_output)
+    try:
+        report = _inspect(uri, step, verify, s3_endpoint_url, s3_expected_owner)
+    except Exception as exc:
+        if not json_output:
+            raise  # main() renders it as one line + hint
+        raise typer.Exit(render(exc, out)) from None
+    if json_output:
+        out.json(report)
+    else:
+        for line in _human(report):
+            out.data(line)
+
+
+# -- gathering -------------------------------------------------------------------------------------
+def _inspect(
+    uri: str, step: int | None, verify: bool, endpoint_url: str | None, expected_owner: str | None
+) -> dict[str, Any]:
+    from resilrun.state import durable
+    from resilrun.storage import create_storage
+
+    storage = create_storage(uri, s3_endpoint_url=endpoint_url, s3_expected_owner=expected_owner)
+    steps = durable.list_steps(storage)
+    if not steps:
+        raise CheckpointNotFoundError(
+            f"no checkpoint under {storage.uri}",
+            hint="check the path or URI; a checkpoint holds step_<12 digits>/ folders",
+        )
+    complete = [info.step for info in steps if info.complete]
+    latest = max(complete) if complete else None
+    report: dict[str, Any] = {
+        "uri": storage.uri,
+        "steps": [{"step": s.step, "complete": s.complete, "ranks": list(s.ranks)} for s in steps],
+        "latest_complete_step": latest,
+        "selected": None,
+    }
+    chosen = latest if step is None else step
+    if chosen is None:
+        if verify:
+            raise CheckpointNotFoundError(
+                f"no step under {storage.uri} is complete, so none can be verified",
+                hint="pass --step N to verify the ranks a partial step has",
+            )
+        return report
+    info = next((s for s in steps if s.step == chosen), None)
+    if info is None:
+        shown = ", ".join(str(s.step) for s in steps[-5:])
+        raise CheckpointNotFoundError(f"step {chosen} is not in {storage.uri}", hint=f"the newest steps are {shown}")
+    report["selected"] = _describe(storage, info, verify)
+    return report
+
+
+def _describe(storage: Any, info: Any, verify: bool) -> dict[str, Any]:
+    from resilrun.state import durable
+
+    complete = durable.read_complete(storage, info.step) if info.complete else None
+    ranks = list(range(complete["world_size"])) if complete else list(info.ranks)
+    total = sum(complete["ranks"][str(r)]["file_bytes"] for r in ranks) if complete and verify else len(ranks)
+
+    def read(rank: int) -> tuple[Any, dict[str, Any], int]:
+        if verify:
+            layout, data, manifest = durable.read_rank(
+                storage, info.step, rank, verify=True, complete=complete, require_complete=info.complete
+            )
+            return layout, manifest, len(data) if complete else 1
+        layout, manifest = durable.read_layout(
+            storage, info.step, rank, complete=complete, require_complete=info.complete
+        )
+        return layout, manifest, 1
+
+    described = []
+    label = f"{'verifying' if verify else 'reading'} step {info.step}"
+    pool = ThreadPoolExecutor(max_workers=_VERIFY_CONCURRENCY if verify else _HEADER_CONCURRENCY)
+    try:
+        with _progress(label, total) as bar:
+            for rank, (layout, manifest, done) in zip(ranks, pool.map(read, ranks), strict=True):
+                described.append(_describe_rank(rank, layout, manifest))
+                bar.advance(done)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # the first corrupt rank ends the run at once
+    world_size = complete["world_size"] if complete else (described[0]["world_size"] if described else None)
+    for entry in described:
+        entry.pop("world_size")
+    return {
+        "step": info.step,
+        "complete": info.complete,
+        "world_size": world_size,
+        "verified": verify,
+        "ranks": described,
+        "totals": {
+            "ranks": len(described),
+            "tensors": sum(len(r["tensors"]) for r in described),
+            "tensor_bytes": sum(r["tensor_bytes"] for r in described),
+            "file_bytes": sum(r["file_bytes"] for r in described),
+        },
+    }
+
+
+def _describe_rank(rank: int, layout: Any, manifest: dict[str, Any]) -> dict[str, Any]:
+    tensors = [
+        {
+            "name": e.name,
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "bytes": e.nbytes,
+            "crc32": manifest["tensors"][e.name]["crc32"],
+        }
+        for e in layout.entries
+    ]
+    return {
+        "rank": rank,
+        "world_size": manifest["world_size"],
+        "file": manifest["file"],
+        "file_bytes": manifest["file_bytes"],
+        "tensor_bytes": sum(t["bytes"] for t in tensors),
+        "tensors": tensors,
+        "values": manifest["values"],
+    }
+
+
+# -- rendering -------------------------------------------------------------------------------------
+def _human(report: dict[str, Any]) -> Iterator[str]:
+    steps = report["steps"]
+    yield f"checkpoint {report['uri']}"
+    yield f"{len(steps)} step(s), {sum(s['complete'] for s in steps)} complete"
+    yield from _table([("STEP", "STATE", "RANKS")] + [
+        (str(s["step"]), "complete" if s["complete"] else "partial", _ranges(s["ranks"])) for s in steps
+    ], indent=2)
+    selected = report["selected"]
+    if selected is None:
+        yield "no complete step; pass --step N to show a partial one"
+        return
+    state = "complete" if selected["complete"] else "partial (not committed)"
+    checked = "every checksum verified" if selected["verified"] else "checksums not verified (use --verify)"
+    yield ""
+    yield f"step {selected['step']}: {state}, world size {selected['world_size']}, {checked}"
+    for rank in selected["ranks"]:
+        yield f"  rank {rank['rank']}  {rank['file']}  {_size(rank['file_bytes'])}"
+        rows = [("NAME", "DTYPE", "SHAPE", "BYTES")] + [
+            (t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", _size(t["bytes"]))
+            for t in rank["tensors"]
+        ]
+        yield from _table(rows, indent=4)
+        if isinstance(rank["values"], dict) and rank["values"]:
+            yield f"    values: {', '.join(sorted(rank['values']))}"
+    totals = selected["totals"]
+    yield (
+        f"total: {totals['ranks']} rank(s), {totals['tensors']} tensor(s), "
+        f"{_size(totals['tensor_bytes'])} of tensor data, {_size(totals['file_bytes'])} on storage"
+    )
+
+
+def _table(rows: Sequence[Sequence[str]], *, indent: int) -> Iterator[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        yield " " * indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: readable for thousands of ranks."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "-"
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# -- progress (stderr, and only on a terminal) -----------------------------------------------------
+class _Bar(Protocol):
+    def advance(self, amount: int) -> None: ...
+
+
+class _NullBar:
+    def advance(self, amount: int) -> None:
+        pass
+
+
+@contextmanager
+def _progress(label: str, total: int) -> Iterator[_Bar]:
+    """A rich progress bar on a TTY; otherwise nothing (pipes and CI logs get no escape codes)."""
+    if not sys.stderr.isatty():
+        yield _NullBar()
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(label, total=total)
+
+        class _RichBar:
+            def advance(self, amount: int) -> None:
+                progress.advance(task, amount)
+
+        yield _RichBar()
