@@ -38,7 +38,7 @@ def _meta(flag: str, panel: str, help: str, *, pet: bool = True) -> dict[str, An
     return {"flag": flag, "env": envs, "panel": panel, "help": help}
 
 
-R, P, H = "Rendezvous", "Processes", "Health"
+R, P, H, C = "Rendezvous", "Processes", "Health", "Checkpoints"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +217,24 @@ class Config:
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.")
     )
+    # Checkpoints (resilrun's own: RESILRUN_* only)
+    replicas: int = field(
+        default=1, metadata=_meta("--replicas", C, "Peer nodes holding a copy of each snapshot.", pet=False)
+    )
+    checkpoint_uri: str | None = field(
+        default=None,
+        metadata=_meta("--checkpoint-uri", C, "Persistent tier: s3://bucket/prefix or a directory.", pet=False),
+    )
+    persist_every: int = field(
+        default=100, metadata=_meta("--persist-every", C, "Persist a snapshot every N steps.", pet=False)
+    )
+    keep_last: int = field(default=3, metadata=_meta("--keep-last", C, "Complete persisted steps to keep.", pet=False))
+    s3_endpoint_url: str | None = field(
+        default=None, metadata=_meta("--s3-endpoint-url", C, "Endpoint of an S3-compatible store.", pet=False)
+    )
+    s3_expected_owner: str | None = field(
+        default=None, metadata=_meta("--s3-expected-owner", C, "Account id that must own the bucket.", pet=False)
+    )
     # What to run
     script: str = ""
     script_args: tuple[str, ...] = ()
@@ -272,7 +290,8 @@ class Config:
         ``--standalone`` forces an embedded store on a free loopback port and a fresh run id, as
         torchrun does.
         """
-        values = {k: v for k, v in values.items() if v is not None or k in ("node_rank", "log_dir", "local_addr")}
+        nullable = ("node_rank", "log_dir", "local_addr", "checkpoint_uri", "s3_endpoint_url", "s3_expected_owner")
+        values = {k: v for k, v in values.items() if v is not None or k in nullable}
         values["rdzv_backend"] = (values.get("rdzv_backend") or "c10d").lower()
         if values.get("standalone"):
             values.update(rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_id=str(uuid.uuid4()))
@@ -324,6 +343,7 @@ class Config:
         if self.rdzv_backend == "static" and min_nodes != max_nodes:
             raise ConfigError(f"--rdzv-backend static needs a fixed --nnodes, not '{self.nnodes}'")
         self._validate_processes()
+        self._validate_checkpoints()
         self._validate_script()
 
     def _validate_processes(self) -> None:
@@ -343,6 +363,23 @@ class Config:
         self.redirects_spec  # noqa: B018 - parses and validates
         self.tee_spec  # noqa: B018
         self.ranks_filter  # noqa: B018
+
+    def _validate_checkpoints(self) -> None:
+        if self.replicas < 0:
+            raise ConfigError(f"--replicas ({self.replicas}) must be >= 0")
+        if self.persist_every < 1:
+            raise ConfigError(f"--persist-every ({self.persist_every}) must be >= 1")
+        if self.keep_last < 1:
+            raise ConfigError(f"--keep-last ({self.keep_last}) must be >= 1")
+        if self.checkpoint_uri is not None:
+            if not self.checkpoint_uri.strip():
+                raise ConfigError("--checkpoint-uri is empty", hint="give s3://bucket/prefix or a directory")
+            if self.checkpoint_uri.startswith("s3://"):
+                from resilrun.storage import parse_s3_uri
+
+                parse_s3_uri(self.checkpoint_uri)
+        elif self.s3_endpoint_url or self.s3_expected_owner:
+            raise ConfigError("--s3-endpoint-url and --s3-expected-owner need --checkpoint-uri s3://...")
 
     def _validate_script(self) -> None:
         if not self.script:

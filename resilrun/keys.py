@@ -50,3 +50,8 @@ def round_failure_count(run_id: str, round: int) -> str:
 def round_failure(run_id: str, round: int, index: int) -> str:
     """One JSON failure record of that round (a few hundred bytes)."""
     return f"{_base(run_id)}/round/{round}/failures/{index}"
+
+
+def persist_count(run_id: str, step: int) -> str:
+    """Counter of ranks whose snapshot of ``step`` is in persistent storage (the last commits it)."""
+    return f"{_base(run_id)}/persist/{step}"

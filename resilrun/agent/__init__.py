@@ -17,9 +17,12 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
+from resilrun import keys
 from resilrun.agent.channel import AgentChannel
+from resilrun.agent.persister import Persister
 from resilrun.agent.procs import HANDLED_SIGNALS
 from resilrun.agent.supervisor import NodeSetup, SignalFlag, Supervisor
+from resilrun.agent.tiers import NodeTiers
 from resilrun.config import Config
 from resilrun.env import agent_environ
 from resilrun.errors import ConfigError, ResilrunError, ShutdownRequested
@@ -27,6 +30,7 @@ from resilrun.rendezvous.c10d import C10dBackend, open_store
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import NodeInfo
 from resilrun.state.memory import NodeMemoryTier
+from resilrun.storage.api import Storage
 
 __all__ = ["resolve_nproc", "run"]
 
@@ -94,16 +98,29 @@ def run(config: Config) -> None:
             nproc,
             log_root,
         )
+        storage = _open_storage(config)
         memory = NodeMemoryTier(config.rdzv_id)
-        channel = AgentChannel(memory)
+        channel = AgentChannel(memory, NodeTiers(memory, storage))
         setup = NodeSetup(
             nproc=nproc, addr=addr, log_root=log_root, base_env=agent_environ(), agent_socket=channel.path
         )
         supervisor = Supervisor(config, setup, rdzv, signals)
+        persister = None
+        if storage is not None:
+            persister = Persister(
+                memory,
+                storage,
+                every=config.persist_every,
+                keep_last=config.keep_last,
+                count_persisted=lambda step: backend.add(keys.persist_count(config.rdzv_id, step), 1),
+                world_size=supervisor.world_size,
+            )
         try:
             supervisor.run()
             logger.info("job finished: all workers exited 0")
         finally:
+            if persister is not None:
+                persister.close()
             channel.close()
             memory.close()
             if hosting:
@@ -111,6 +128,16 @@ def run(config: Config) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _open_storage(config: Config) -> Storage | None:
+    if not config.checkpoint_uri:
+        return None
+    from resilrun.storage import create_storage
+
+    return create_storage(
+        config.checkpoint_uri, s3_endpoint_url=config.s3_endpoint_url, s3_expected_owner=config.s3_expected_owner
+    )
 
 
 def _linger_for_peers(rdzv: RendezvousClient, supervisor: Supervisor, close_timeout_s: float) -> None:

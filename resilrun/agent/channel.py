@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from resilrun import wire
+from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import ResilrunError
 from resilrun.state.memory import SLOTS, NodeMemoryTier
 
@@ -26,8 +27,9 @@ logger = logging.getLogger(__name__)
 class AgentChannel:
     """Accepts worker connections and answers their requests, one thread per worker."""
 
-    def __init__(self, memory: NodeMemoryTier) -> None:
+    def __init__(self, memory: NodeMemoryTier, tiers: NodeTiers) -> None:
         self.memory = memory
+        self.tiers = tiers
         self._dir = Path(tempfile.mkdtemp(prefix="resilrun-agent-"))
         self.path = str(self._dir / "agent.sock")
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -84,6 +86,11 @@ class AgentChannel:
                 request.get("values"),
             )
             return {"ok": True}, []
+        if op == "restore_info":
+            return {"ok": True, **self.tiers.restore_info(int(request["rank"]), int(request["world_size"]))}, []
+        if op == "fetch":
+            info = self.tiers.fetch(int(request["rank"]), int(request["step"]), str(request["tier"]))
+            return {"ok": True, **info}, []
         raise ValueError(f"unknown op {op!r}")
 
     def close(self) -> None:

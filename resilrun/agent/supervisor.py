@@ -252,6 +252,11 @@ class Supervisor:
             time.sleep(0.02)
         return None, None
 
+    def world_size(self) -> int:
+        """World size of the current round (0 before the first)."""
+        state = self.last_state
+        return sum(p.local_world_size for p in state.participants) if state is not None else 0
+
     def rdzv_read_timeout(self) -> float:
         return self.config.rdzv.read_timeout_s
 

@@ -186,9 +186,11 @@ def _human(report: dict[str, Any]) -> Iterator[str]:
     steps = report["steps"]
     yield f"checkpoint {report['uri']}"
     yield f"{len(steps)} step(s), {sum(s['complete'] for s in steps)} complete"
-    yield from _table([("STEP", "STATE", "RANKS")] + [
-        (str(s["step"]), "complete" if s["complete"] else "partial", _ranges(s["ranks"])) for s in steps
-    ], indent=2)
+    yield from _table(
+        [("STEP", "STATE", "RANKS")]
+        + [(str(s["step"]), "complete" if s["complete"] else "partial", _ranges(s["ranks"])) for s in steps],
+        indent=2,
+    )
     selected = report["selected"]
     if selected is None:
         yield "no complete step; pass --step N to show a partial one"

@@ -58,6 +58,12 @@ def run(
     tee: o.Tee = "0",
     local_ranks_filter: o.LocalRanksFilter = "",
     shutdown_timeout: o.ShutdownTimeout = "30",
+    replicas: o.Replicas = "1",
+    checkpoint_uri: o.CheckpointUri = None,
+    persist_every: o.PersistEvery = "100",
+    keep_last: o.KeepLast = "3",
+    s3_endpoint_url: o.S3EndpointUrl = None,
+    s3_expected_owner: o.S3ExpectedOwner = None,
 ) -> None:
     """Launch SCRIPT on this node's workers and supervise them (torchrun's flags and semantics)."""
     from resilrun.config import Config
@@ -87,6 +93,12 @@ def run(
         tee=tee,
         local_ranks_filter=local_ranks_filter,
         shutdown_timeout_s=_float("--shutdown-timeout", shutdown_timeout),
+        replicas=_int("--replicas", replicas),
+        checkpoint_uri=checkpoint_uri,
+        persist_every=_int("--persist-every", persist_every),
+        keep_last=_int("--keep-last", keep_last),
+        s3_endpoint_url=s3_endpoint_url,
+        s3_expected_owner=s3_expected_owner,
         script=script,
         script_args=tuple(script_args or ()),
     )

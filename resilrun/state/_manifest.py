@@ -142,9 +142,7 @@ def parse_manifest(raw: bytes, step: int, rank: int, world_size: int | None, whe
     _expect(_is_int(size) and 0 <= rank < size <= MAX_WORLD_SIZE, where, f"has world size {size!r}")
     _expect(world_size is None or size == world_size, where, f"has world size {size}, not {world_size}")
     name = doc.get("file")
-    _expect(
-        name == data_file_name(rank), where, f"names file {str(name)[:200]!r}, not {data_file_name(rank)!r}"
-    )
+    _expect(name == data_file_name(rank), where, f"names file {str(name)[:200]!r}, not {data_file_name(rank)!r}")
     _expect(_is_uint(doc.get("file_bytes")), where, "has no valid file_bytes")
     _expect(_is_crc(doc.get("header_crc32")), where, "has no valid header_crc32")
     _expect("values" in doc, where, "has no values")

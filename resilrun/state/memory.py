@@ -12,6 +12,7 @@ Thread-safe: the agent channel serves several workers at once.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,11 @@ class NodeMemoryTier:
         self.run_id = run_id
         self._ranks: dict[int, RankMemory] = {}
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[int, Committed], None]] = []
+
+    def add_listener(self, listener: Callable[[int, Committed], None]) -> None:
+        """Called with (rank, committed) after every commit, on the committing thread: keep it O(1)."""
+        self._listeners.append(listener)
 
     def rank(self, rank: int) -> RankMemory:
         with self._lock:
@@ -99,7 +105,44 @@ class NodeMemoryTier:
         with self._lock:
             if memory.slots[slot] is None:
                 raise CheckpointError(f"rank {rank} committed step {step} to unallocated slot {slot}")
-            memory.committed[slot] = Committed(step, slot, nbytes, values)
+            committed = Committed(step, slot, nbytes, values)
+            memory.committed[slot] = committed
+        for listener in self._listeners:
+            listener(rank, committed)
+
+    def read(self, rank: int, step: int) -> tuple[bytes, Any] | None:
+        """A consistent copy of ``rank``'s snapshot of ``step``, or None if it is gone or was torn.
+
+        Never blocks the worker: the copy is checked against the slot's sequence counter, and a
+        slot the worker started overwriting meanwhile reads as None (the caller moves on).
+        """
+        with self._lock:
+            memory = self._ranks.get(rank)
+            found = None if memory is None else next((c for c in memory.committed.values() if c.step == step), None)
+            buffer = None if found is None or memory is None else memory.slots[found.slot]
+        if memory is None or found is None or buffer is None:
+            return None
+        before = memory.seq.read(found.slot)
+        data = bytes(buffer.view()[: found.nbytes])
+        if not memory.seq.is_stable(found.slot, before):
+            return None
+        return data, found.values
+
+    def install(self, rank: int, step: int, data: bytes | memoryview, values: Any) -> None:
+        """Place a snapshot fetched from another tier into a free slot, as if the worker committed it."""
+        memory = self.rank(rank)
+        with self._lock:
+            newest = max(memory.committed.values(), key=lambda c: c.step, default=None)
+        slot = 0 if newest is None else (newest.slot + 1) % SLOTS
+        buffer = memory.slots[slot]
+        if buffer is None or buffer.nbytes < len(data):
+            buffer = self.allocate(rank, slot, len(data))
+        with self._lock:
+            memory.committed.pop(slot, None)
+        memory.seq.begin(slot)
+        buffer.view()[: len(data)] = data
+        memory.seq.end(slot)
+        self.commit(rank, step, slot, len(data), values)
 
     def describe(self, rank: int) -> dict[str, Any]:
         """What this node holds for ``rank``: the committed steps per slot."""

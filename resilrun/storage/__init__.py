@@ -56,9 +56,7 @@ def _check_endpoint(endpoint_url: str) -> None:
         )
 
 
-def create_storage(
-    uri: str, *, s3_endpoint_url: str | None = None, s3_expected_owner: str | None = None
-) -> Storage:
+def create_storage(uri: str, *, s3_endpoint_url: str | None = None, s3_expected_owner: str | None = None) -> Storage:
     """Open the storage a URI names; sends no request.
 
     Args:

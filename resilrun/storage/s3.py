@@ -191,20 +191,27 @@ class S3Storage(Storage):
     def _verify_owner(self) -> None:
         where = f"s3://{self.bucket}"
         try:
-            self._attempt("check the owner of", where, lambda: self._client.head_bucket(
-                Bucket=self.bucket, ExpectedBucketOwner=_PROBE_OWNER))
+            self._attempt(
+                "check the owner of",
+                where,
+                lambda: self._client.head_bucket(Bucket=self.bucket, ExpectedBucketOwner=_PROBE_OWNER),
+            )
             enforced = False
         except StorageAuthError:
             enforced = True
         if enforced:
             try:
-                self._attempt("check the owner of", where, lambda: self._client.head_bucket(
-                    Bucket=self.bucket, ExpectedBucketOwner=self._expected_owner))
+                self._attempt(
+                    "check the owner of",
+                    where,
+                    lambda: self._client.head_bucket(Bucket=self.bucket, ExpectedBucketOwner=self._expected_owner),
+                )
             except StorageAuthError as exc:
                 raise self._owner_error() from exc
         else:
-            acl = self._attempt("read the owner of", where, lambda: self._client.get_bucket_acl(
-                Bucket=self.bucket, **self._owner_kw))
+            acl = self._attempt(
+                "read the owner of", where, lambda: self._client.get_bucket_acl(Bucket=self.bucket, **self._owner_kw)
+            )
             if acl.get("Owner", {}).get("ID") != self._expected_owner:
                 raise self._owner_error()
 
@@ -224,13 +231,19 @@ class S3Storage(Storage):
             self._put_multipart(key, view)
             return
         body = bytes(view)  # botocore takes bytes or a file, not a memoryview
-        self._call("write", key, lambda: self._client.put_object(
-            Bucket=self.bucket, Key=self._prefix + key, Body=body, **self._owner_kw))
+        self._call(
+            "write",
+            key,
+            lambda: self._client.put_object(Bucket=self.bucket, Key=self._prefix + key, Body=body, **self._owner_kw),
+        )
 
     def _put_multipart(self, key: str, view: memoryview) -> None:
         full_key = self._prefix + key
-        started = self._call("start a multipart upload of", key, lambda: self._client.create_multipart_upload(
-            Bucket=self.bucket, Key=full_key, **self._owner_kw))
+        started = self._call(
+            "start a multipart upload of",
+            key,
+            lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=full_key, **self._owner_kw),
+        )
         upload_id = started["UploadId"]
         try:
             parts = plan_parts(view.nbytes, self._part_size)
@@ -247,18 +260,35 @@ class S3Storage(Storage):
                 if error is not None:
                     raise error
             done = [f.result() for f in futures]
-            self._call("finish the multipart upload of", key, lambda: self._client.complete_multipart_upload(
-                Bucket=self.bucket, Key=full_key, UploadId=upload_id, MultipartUpload={"Parts": done},
-                **self._owner_kw))
+            self._call(
+                "finish the multipart upload of",
+                key,
+                lambda: self._client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=full_key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": done},
+                    **self._owner_kw,
+                ),
+            )
         except BaseException:
             self._abort(key, upload_id)
             raise
 
     def _upload_part(self, key: str, upload_id: str, number: int, chunk: memoryview) -> dict[str, Any]:
         body = bytes(chunk)  # copied in the worker, so at most max_concurrency copies exist at once
-        response = self._call(f"upload part {number} of", key, lambda: self._client.upload_part(
-            Bucket=self.bucket, Key=self._prefix + key, UploadId=upload_id, PartNumber=number, Body=body,
-            **self._owner_kw))
+        response = self._call(
+            f"upload part {number} of",
+            key,
+            lambda: self._client.upload_part(
+                Bucket=self.bucket,
+                Key=self._prefix + key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
+                **self._owner_kw,
+            ),
+        )
         part = {"PartNumber": number, "ETag": response["ETag"]}
         # Newer botocore adds a CRC checksum to each part; S3 then wants it back when completing.
         part.update({k: v for k, v in response.items() if k.startswith("Checksum") and k != "ChecksumType"})
@@ -267,8 +297,13 @@ class S3Storage(Storage):
     def _abort(self, key: str, upload_id: str) -> None:
         """Best effort: a failed abort is logged (a bucket lifecycle rule can still clean up)."""
         try:
-            self._call("abort the multipart upload of", key, lambda: self._client.abort_multipart_upload(
-                Bucket=self.bucket, Key=self._prefix + key, UploadId=upload_id, **self._owner_kw))
+            self._call(
+                "abort the multipart upload of",
+                key,
+                lambda: self._client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=self._prefix + key, UploadId=upload_id, **self._owner_kw
+                ),
+            )
         except Exception as exc:  # noqa: BLE001 - the original failure is the one to raise
             logger.warning("could not abort the multipart upload of %s: %s", self._where(key), exc)
 
@@ -308,8 +343,9 @@ class S3Storage(Storage):
     def size(self, key: str) -> int:
         """See base class."""
         check_key(key)
-        response = self._call("stat", key, lambda: self._client.head_object(
-            Bucket=self.bucket, Key=self._prefix + key, **self._owner_kw))
+        response = self._call(
+            "stat", key, lambda: self._client.head_object(Bucket=self.bucket, Key=self._prefix + key, **self._owner_kw)
+        )
         return int(response["ContentLength"])
 
     def list(self, prefix: str = "") -> list[str]:
@@ -339,8 +375,11 @@ class S3Storage(Storage):
     def delete(self, key: str) -> None:
         """See base class."""
         check_key(key)
-        self._call("delete", key, lambda: self._client.delete_object(
-            Bucket=self.bucket, Key=self._prefix + key, **self._owner_kw))
+        self._call(
+            "delete",
+            key,
+            lambda: self._client.delete_object(Bucket=self.bucket, Key=self._prefix + key, **self._owner_kw),
+        )
 
 
 def _log_retry(action: str, where: str, state: Any, max_attempts: int) -> None:
@@ -350,5 +389,10 @@ def _log_retry(action: str, where: str, state: Any, max_attempts: int) -> None:
     delay = state.next_action.sleep if state.next_action else 0.0
     logger.warning(
         "S3: could not %s %s (%s); attempt %d of %d, retrying in %.2f s",
-        action, where, _s3_errors.scrub(reason), state.attempt_number, max_attempts, delay,
+        action,
+        where,
+        _s3_errors.scrub(reason),
+        state.attempt_number,
+        max_attempts,
+        delay,
     )

@@ -134,16 +134,28 @@ class Job:
         self._snapshotter.save(step, tensors, meta)
 
     def _restore(self) -> int:
-        """Restore the newest step every rank holds; returns it (or -1 for a fresh start)."""
+        """Restore the newest step every rank holds in some tier; returns it (or -1: fresh start)."""
         if self._snapshotter is None:
             return -1
-        mine = (self._snapshotter.steps() + [-1, -1])[:2]
+        info = self._snapshotter.restore_info(self._world_size)
+        mine = _pad(info["memory"], 2) + _pad(info["peer"], 2) + _pad([info["persisted"]], 1)
         gathered = _all_gather_ints(mine, self._world_size, self._device)
-        plan = plan_restore([{Tier.MEMORY: frozenset(s for s in row if s >= 0)} for row in gathered])
+        available = [
+            {
+                Tier.MEMORY: frozenset(s for s in row[0:2] if s >= 0),
+                Tier.PEER: frozenset(s for s in row[2:4] if s >= 0),
+                Tier.PERSISTENT: frozenset(s for s in row[4:5] if s >= 0),
+            }
+            for row in gathered
+        ]
+        plan = plan_restore(available)
         if plan is None:
             if any(s >= 0 for row in gathered for s in row):
                 logger.warning("ranks hold no common snapshot step; starting from step 0")
             return -1
+        tier = plan.sources[self._rank]
+        if tier is not Tier.MEMORY:
+            self._snapshotter.fetch(plan.step, "peer" if tier is Tier.PEER else "persistent")
         tensors, meta = self._snapshotter.load(plan.step, self._device)
         for name, obj in self._tracked.items():
             state = unflatten(meta["objects"][name], tensors)
@@ -154,8 +166,16 @@ class Job:
                 obj.load_state_dict(state)
         self._values.update({name: unflatten(tree, tensors) for name, tree in meta["values"].items()})
         self._step = plan.step
-        logger.warning("rank %d resumed from step %d (node memory)", self._rank, plan.step)
+        logger.warning("rank %d resumed from step %d (%s)", self._rank, plan.step, _TIER_NAMES[tier])
         return plan.step
+
+
+_TIER_NAMES = {Tier.MEMORY: "node memory", Tier.PEER: "peer replica", Tier.PERSISTENT: "persistent storage"}
+
+
+def _pad(steps: list[int | None], count: int) -> list[int]:
+    values = [s if s is not None else -1 for s in steps][:count]
+    return values + [-1] * (count - len(values))
 
 
 def _fix_bucket_layouts(objects: Any) -> None:

@@ -31,18 +31,36 @@ class Snapshotter:
     def __init__(self, client: AgentClient, rank: int) -> None:
         self.client = client
         self.rank = rank
-        response, fds = client.request({"op": "attach", "rank": rank})
+        self.slots: list[SharedBuffer | None] = [None] * SLOTS
+        self._layout: Layout | None = None
+        self._pinned = False
+        self.attach()
+
+    def attach(self) -> None:
+        """(Re)map this rank's buffers as the agent holds them now (after a fetch from another tier)."""
+        response, fds = self.client.request({"op": "attach", "rank": self.rank})
+        for buffer in self.slots:
+            if buffer is not None:
+                buffer.close()
         self.ctl = SharedBuffer.attach(fds[0])
         self.seq = SeqCounters(self.ctl)
-        self.slots: list[SharedBuffer | None] = [None] * SLOTS
+        self.slots = [None] * SLOTS
         for slot, fd in zip(response["present"], fds[1:], strict=True):
             self.slots[int(slot)] = SharedBuffer.attach(fd)
         # slot -> (step, values) of what is committed there
         self.held: dict[int, tuple[int, Any]] = {
             int(slot): (int(info["step"]), info["values"]) for slot, info in response["committed"].items()
         }
-        self._layout: Layout | None = None
-        self._pinned = False
+
+    def restore_info(self, world_size: int) -> dict[str, Any]:
+        """Steps each tier holds for this rank: {"memory": [...], "peer": [...], "persisted": s|None}."""
+        response, _ = self.client.request({"op": "restore_info", "rank": self.rank, "world_size": world_size})
+        return response
+
+    def fetch(self, step: int, tier: str) -> None:
+        """Have the agent bring ``step`` from ``tier`` into node memory, then remap."""
+        self.client.request({"op": "fetch", "rank": self.rank, "step": step, "tier": tier})
+        self.attach()
 
     # -- restore -------------------------------------------------------------------------------
     def steps(self) -> list[int]:

@@ -466,12 +466,17 @@ def test_bad_endpoint_is_reported_by_from_cli(script: str) -> None:
 
 
 # -- field metadata ------------------------------------------------------------------------------
+# resilrun's own flags have no torchrun (PET_*) spelling.
+_RESILRUN_ONLY = {"replicas", "checkpoint_uri", "persist_every", "keep_last", "s3_endpoint_url", "s3_expected_owner"}
+
+
 def test_every_config_field_with_a_flag_has_resilrun_and_pet_env_names() -> None:
     for f in CONFIG_FIELDS:
         name = f.metadata["flag"].lstrip("-").replace("-", "_").upper()
-        assert f.metadata["env"] == [f"RESILRUN_{name}", f"PET_{name}"], f.name
+        pet = [] if f.name in _RESILRUN_ONLY else [f"PET_{name}"]
+        assert f.metadata["env"] == [f"RESILRUN_{name}", *pet], f.name
         assert f.metadata["help"]
-        assert f.metadata["panel"] in ("Rendezvous", "Processes", "Health")
+        assert f.metadata["panel"] in ("Rendezvous", "Processes", "Health", "Checkpoints")
 
 
 def test_config_fields_exclude_the_script_and_its_arguments() -> None:

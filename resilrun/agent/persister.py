@@ -1,0 +1,110 @@
+"""Tier 3 mechanism: the agent uploads every ``--persist-every``-th committed step, in the background.
+
+Workers never wait for storage. When a due step is committed, the agent copies it out of the slot
+while the worker's commit message is being answered (one memcpy every ``--persist-every`` steps:
+the slot cannot be overwritten during that copy, which it could be during a slow upload); the
+upload runs in the background through ``durable.write_rank``. A store counter tells the agent that
+finishes the last rank of a step to write that step's COMPLETE.json (the commit point) and apply
+``--keep-last``. When uploads fall more than a few steps behind, the oldest pending ones are
+dropped, and said so.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from resilrun.errors import CheckpointError, ResilrunError
+from resilrun.state import durable
+from resilrun.state.memory import Committed, NodeMemoryTier
+from resilrun.storage.api import Storage
+
+logger = logging.getLogger(__name__)
+
+# Pending uploads per rank before the oldest is dropped: bounds the agent's memory to a few copies.
+_MAX_BACKLOG = 3
+
+
+class Persister:
+    """One background thread per agent; ``close`` waits for uploads in flight (bounded)."""
+
+    def __init__(
+        self,
+        memory: NodeMemoryTier,
+        storage: Storage,
+        *,
+        every: int,
+        keep_last: int,
+        count_persisted: Callable[[int], int],
+        world_size: Callable[[], int],
+    ) -> None:
+        self.memory = memory
+        self.storage = storage
+        self.every = every
+        self.keep_last = keep_last
+        self._count = count_persisted
+        self._world_size = world_size
+        self._due: deque[tuple[int, int, bytes, Any]] = deque()  # (rank, step, bytes, values)
+        self._cond = threading.Condition()
+        self._closed = False
+        self.persisted_step: int | None = None  # newest step this agent saw complete
+        self._thread = threading.Thread(target=self._run, name="resilrun-persister", daemon=True)
+        memory.add_listener(self._on_commit)
+        self._thread.start()
+
+    def _on_commit(self, rank: int, committed: Committed) -> None:
+        if (committed.step + 1) % self.every:
+            return
+        snapshot = self.memory.read(rank, committed.step)  # the worker waits for this copy only
+        if snapshot is None:
+            return
+        with self._cond:
+            pending = [item for item in self._due if item[0] == rank]
+            if len(pending) >= _MAX_BACKLOG:
+                self._due.remove(pending[0])
+                logger.warning(
+                    "uploads are slower than --persist-every %d: step %d of rank %d dropped",
+                    self.every,
+                    pending[0][1],
+                    rank,
+                )
+            self._due.append((rank, committed.step, *snapshot))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due and not self._closed:
+                    self._cond.wait()
+                if not self._due and self._closed:
+                    return
+                rank, step, data, values = self._due.popleft()
+            try:
+                self._persist(rank, step, data, values)
+            except ResilrunError as exc:
+                logger.error("could not persist step %d of rank %d: %s", step, rank, exc.message)
+
+    def _persist(self, rank: int, step: int, data: bytes, values: Any) -> None:
+        world = self._world_size()
+        started = time.monotonic()
+        durable.write_rank(self.storage, step, rank, world, data, values)
+        logger.debug("rank %d step %d persisted (%d bytes, %.2f s)", rank, step, len(data), time.monotonic() - started)
+        if self._count(step) >= world:
+            try:
+                durable.commit_step(self.storage, step, world)
+            except CheckpointError:
+                return  # another rank's upload is still missing; whoever finishes it commits
+            self.persisted_step = step
+            removed = durable.retain(self.storage, self.keep_last)
+            logger.info("step %d persisted for all %d ranks%s", step, world, f"; removed {removed}" if removed else "")
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish the uploads already due, then stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
