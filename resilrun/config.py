@@ -214,6 +214,14 @@ class Config:
     local_ranks_filter: str = field(
         default="", metadata=_meta("--local-ranks-filter", P, "Local ranks shown on the console, e.g. 0,1.")
     )
+    heartbeat_interval_s: float = field(
+        default=1.0, metadata=_meta("--heartbeat-interval", H, "Seconds between agent heartbeats.", pet=False)
+    )
+    # A few seconds, not minutes: a lost node costs the whole job this long before it reacts.
+    heartbeat_timeout_s: float = field(
+        default=5.0,
+        metadata=_meta("--heartbeat-timeout", H, "Seconds without heartbeat before a node is lost.", pet=False),
+    )
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.")
     )
@@ -356,6 +364,14 @@ class Config:
             raise ConfigError(f"--monitor-interval ({self.monitor_interval_s}) must be > 0")
         if not self.shutdown_timeout_s >= 0:
             raise ConfigError(f"--shutdown-timeout ({self.shutdown_timeout_s}) must be >= 0")
+        if not self.heartbeat_interval_s > 0:
+            raise ConfigError(f"--heartbeat-interval ({self.heartbeat_interval_s}) must be > 0")
+        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
+            raise ConfigError(
+                f"--heartbeat-timeout ({self.heartbeat_timeout_s}) must be > --heartbeat-interval "
+                f"({self.heartbeat_interval_s})",
+                hint="a timeout of 3 to 5 intervals tolerates a slow store without false alarms",
+            )
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port ({self.master_port}) must be in 0..65535")
         if self.start_method not in ("spawn", "fork", "forkserver"):

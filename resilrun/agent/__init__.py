@@ -19,6 +19,7 @@ from pathlib import Path
 
 from resilrun import keys
 from resilrun.agent.channel import AgentChannel
+from resilrun.agent.heartbeat import HeartbeatSender
 from resilrun.agent.persister import Persister
 from resilrun.agent.procs import HANDLED_SIGNALS
 from resilrun.agent.supervisor import NodeSetup, SignalFlag, Supervisor
@@ -88,6 +89,7 @@ def run(config: Config) -> None:
             join_timeout=_seconds(rdzv_conf.join_timeout_s),
             last_call_timeout=_seconds(rdzv_conf.last_call_timeout_s),
         )
+        heartbeat = HeartbeatSender(backend, config.rdzv_id, me.node_id, config.heartbeat_interval_s)
         log_root = _log_root(config)
         logger.info(
             "resilrun agent: run %s, %s store %s, nnodes %s, %d worker(s) on this node, logs in %s",
@@ -119,6 +121,7 @@ def run(config: Config) -> None:
             supervisor.run()
             logger.info("job finished: all workers exited 0")
         finally:
+            heartbeat.close()
             if persister is not None:
                 persister.close()
             channel.close()

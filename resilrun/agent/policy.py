@@ -8,6 +8,7 @@ by another node beats a local observation:
 | SIGTERM/SIGINT received                       | SHUTDOWN      |
 | the job is closed                             | CLOSED        |
 | another node opened a newer round             | REJOIN        |
+| another node's heartbeat went stale           | NODE_LOST     |
 | a local worker exited non-zero or by a signal | RESTART_JOB   |
 | every local worker exited 0                   | FINISH        |
 | a node waits to join and the round has room   | OPEN_ROUND    |
@@ -27,6 +28,7 @@ class Action(Enum):
     SHUTDOWN = "shutdown"
     CLOSED = "closed"
     REJOIN = "rejoin"
+    NODE_LOST = "node_lost"
     RESTART_JOB = "restart_job"
     FINISH = "finish"
     OPEN_ROUND = "open_round"
@@ -40,6 +42,7 @@ class AgentView:
     exit_codes: tuple[int | None, ...]
     state: RdzvState
     shutdown_signal: int | None = None
+    lost_nodes: tuple[str, ...] = ()
 
 
 def decide(view: AgentView) -> Action:
@@ -50,6 +53,8 @@ def decide(view: AgentView) -> Action:
         return Action.CLOSED
     if view.state.round != view.round:
         return Action.REJOIN
+    if view.lost_nodes:
+        return Action.NODE_LOST
     if any(code not in (None, 0) for code in view.exit_codes):
         return Action.RESTART_JOB
     if view.exit_codes and all(code == 0 for code in view.exit_codes):

@@ -21,6 +21,8 @@ from typing import Any
 from resilrun import keys
 from resilrun.agent import procs
 from resilrun.agent.failures import ProcessFailure, collect_failure, format_report, root_cause
+from resilrun.agent.heartbeat import StalenessJudge
+from resilrun.agent.heartbeat import read_counters as heartbeat_reader
 from resilrun.agent.policy import Action, AgentView, decide
 from resilrun.config import Config, Std, resolve_std
 from resilrun.env import WorkerEnv, omp_threads_default, python_exec
@@ -123,11 +125,21 @@ class Supervisor:
     def _monitor(self, state: RdzvState, node_rank: int, workers: list[procs.WorkerProcess]) -> _RoundEnd:
         interval = self.config.monitor_interval_s
         grace = self.config.shutdown_timeout_s
+        others = [p.node_id for p in state.participants if p.node_id != self.rdzv.me.node_id]
+        judge = StalenessJudge(self.config.heartbeat_timeout_s)
+        read_counters = heartbeat_reader(self.rdzv.backend, self.run_id, others)
+        next_heartbeat_check = 0.0
+        lost: tuple[str, ...] = ()
         while True:
             time.sleep(interval)
             codes = tuple(w.poll() for w in workers)
             current = self.rdzv.state()
-            action = decide(AgentView(state.round, codes, current, self.signals.signum))
+            if others and time.monotonic() >= next_heartbeat_check:
+                for node, counter in read_counters().items():
+                    judge.observe(node, counter)
+                lost = tuple(judge.stale())
+                next_heartbeat_check = time.monotonic() + self.config.heartbeat_interval_s
+            action = decide(AgentView(state.round, codes, current, self.signals.signum, lost))
             if action is Action.WAIT:
                 continue
             if action is Action.SHUTDOWN:
@@ -144,6 +156,8 @@ class Supervisor:
                 logger.warning("round %d ended by another node: stopping workers to rejoin", state.round)
                 procs.stop(workers, signal.SIGTERM, grace)
                 return _RoundEnd.REJOIN
+            if action is Action.NODE_LOST:
+                return self._node_lost(state, lost, judge, workers)
             if action is Action.RESTART_JOB:
                 return self._restart_job(state, node_rank, workers)
             if action is Action.FINISH:
@@ -153,6 +167,32 @@ class Supervisor:
                 self.rdzv.next_round(state.round, failure=None, max_restarts=self.config.max_restarts)
 
     # -- actions --------------------------------------------------------------------------------
+    def _node_lost(
+        self, state: RdzvState, lost: tuple[str, ...], judge: StalenessJudge, workers: list[procs.WorkerProcess]
+    ) -> _RoundEnd:
+        """Another node stopped heartbeating: its workers are gone or unreachable, so the job restarts."""
+        failures = []
+        for node_id in lost:
+            rank = state.node_rank(node_id)
+            node = state.participants[rank] if rank is not None else None
+            base = sum(p.local_world_size for p in state.participants[: rank or 0])
+            failures.append(
+                ProcessFailure(
+                    global_rank=base,
+                    local_rank=-1,
+                    node_rank=rank if rank is not None else -1,
+                    host=node.hostname if node else node_id,
+                    pid=0,
+                    exit_code=0,
+                    timestamp=time.time(),
+                    message=f"node lost: no heartbeat for {judge.age(node_id) or 0:.1f} s "
+                    f"(--heartbeat-timeout {self.config.heartbeat_timeout_s:g})",
+                )
+            )
+        logger.error("%s", "; ".join(f"node {f.node_rank} ({f.host}) {f.message}" for f in failures))
+        procs.stop(workers, signal.SIGTERM, self.config.shutdown_timeout_s)
+        return self._open_next_round(state, failures)
+
     def _restart_job(self, state: RdzvState, node_rank: int, workers: list[procs.WorkerProcess]) -> _RoundEnd:
         failed = [w for w in workers if w.poll() not in (None, 0)]
         procs.stop(workers, signal.SIGTERM, self.config.shutdown_timeout_s)
@@ -168,13 +208,17 @@ class Supervisor:
             )
             for w in failed
         ]
+        return self._open_next_round(state, failures)
+
+    def _open_next_round(self, state: RdzvState, failures: list[ProcessFailure]) -> _RoundEnd:
         self._record_failures(state.round, failures)
         cause = root_cause(failures)
-        logger.error(
-            "rank %d failed (%s): stopping the job's workers",
-            cause.global_rank if cause else -1,
-            cause.message.splitlines()[0] if cause and cause.message else "?",
-        )
+        if cause is not None and cause.local_rank >= 0:
+            logger.error(
+                "rank %d failed (%s): stopping the job's workers",
+                cause.global_rank,
+                cause.message.splitlines()[0] if cause.message else "?",
+            )
         new = self.rdzv.next_round(
             state.round, failure=cause.to_dict() if cause else None, max_restarts=self.config.max_restarts
         )

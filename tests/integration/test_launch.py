@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -376,3 +377,35 @@ def test_static_backend_with_node_ranks_runs_two_nodes(launcher, tmp_path: Path)
         assert node.wait(120) == 0, node.stderr()[-3000:]
     env = json.loads((out / "env_rank1_attempt0.json").read_text())
     assert env["GROUP_RANK"] == "1" and env["WORLD_SIZE"] == "2"
+
+
+def test_a_frozen_node_is_detected_by_heartbeat_and_the_elastic_job_goes_on(launcher, tmp_path: Path) -> None:
+    # Given an elastic job (1:2 nodes) training on two nodes, fast heartbeats
+    port = free_port()
+    out = tmp_path / "out"
+    args = [
+        "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-conf", "last_call_timeout=1", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2",
+        "--max-restarts", "3", "--shutdown-timeout", "2",
+        str(TRAIN_TINY), "--out", str(out), "--steps", "100000", "--sleep", "0.02",
+    ]  # fmt: skip
+    host = launcher("resilrun", *args)
+    wait_for(lambda: (out / "step_rank0").exists(), 90, "the first node to train")
+    other = launcher("resilrun", *args)
+    wait_for(lambda: (out / "step_rank1").exists(), 90, "both nodes to train")
+    # When the second node freezes (agent and workers SIGSTOPped, as a hung machine)
+    frozen = other.remember_descendants() | {other.pid}
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    # Then the first node declares it lost within the heartbeat timeout and trains on alone
+    wait_for(lambda: "node lost: no heartbeat" in host.stderr(), 30, "the lost node to be detected")
+    detected = time.monotonic() - started
+    assert detected < 2 + 0.5 + 3  # timeout + one interval + polling and load slack on 2 cores
+    wait_for(lambda: any(out.glob("env_rank0_attempt1.json")), 60, "the job to restart without the node")
+    env = json.loads((out / "env_rank0_attempt1.json").read_text())
+    assert env["WORLD_SIZE"] == "1"
+    for pid in frozen:
+        os.kill(pid, signal.SIGKILL)
+    host.popen.send_signal(signal.SIGTERM)
+    assert host.wait(60) == 143

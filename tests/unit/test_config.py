@@ -467,7 +467,16 @@ def test_bad_endpoint_is_reported_by_from_cli(script: str) -> None:
 
 # -- field metadata ------------------------------------------------------------------------------
 # resilrun's own flags have no torchrun (PET_*) spelling.
-_RESILRUN_ONLY = {"replicas", "checkpoint_uri", "persist_every", "keep_last", "s3_endpoint_url", "s3_expected_owner"}
+_RESILRUN_ONLY = {
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+    "replicas",
+    "checkpoint_uri",
+    "persist_every",
+    "keep_last",
+    "s3_endpoint_url",
+    "s3_expected_owner",
+}
 
 
 def test_every_config_field_with_a_flag_has_resilrun_and_pet_env_names() -> None:

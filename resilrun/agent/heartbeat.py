@@ -1,0 +1,85 @@
+"""Liveness: each agent bumps a counter in the store; every agent judges the others' counters.
+
+Heartbeats are counters, never timestamps: a watcher records, on its own monotonic clock, when it
+last saw a node's counter change, so clock skew between machines cannot make a live node look dead
+(or a dead one alive). A node is stale when its counter has not moved for the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from resilrun import keys
+from resilrun.clock import Clock, SystemClock
+from resilrun.errors import ResilrunError
+from resilrun.rendezvous.api import RendezvousBackend
+
+logger = logging.getLogger(__name__)
+
+
+class StalenessJudge:
+    """Tracks when each watched counter last changed; pure apart from the injected clock."""
+
+    def __init__(self, timeout_s: float, clock: Clock | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.clock = clock or SystemClock()
+        self._seen: dict[str, tuple[int, float]] = {}  # node -> (counter, when it last changed)
+
+    def observe(self, node: str, counter: int) -> None:
+        now = self.clock.monotonic()
+        previous = self._seen.get(node)
+        if previous is None or previous[0] != counter:
+            self._seen[node] = (counter, now)
+
+    def forget_all_but(self, nodes: Iterable[str]) -> None:
+        keep = set(nodes)
+        self._seen = {n: v for n, v in self._seen.items() if n in keep}
+
+    def stale(self) -> list[str]:
+        """Nodes whose counter has not moved for longer than the timeout."""
+        now = self.clock.monotonic()
+        return sorted(n for n, (_, changed) in self._seen.items() if now - changed > self.timeout_s)
+
+    def age(self, node: str) -> float | None:
+        seen = self._seen.get(node)
+        return None if seen is None else self.clock.monotonic() - seen[1]
+
+
+class HeartbeatSender:
+    """A daemon thread that bumps this node's counter every interval (failures are logged once)."""
+
+    def __init__(self, backend: RendezvousBackend, run_id: str, node_id: str, interval_s: float) -> None:
+        self._key = keys.node_heartbeat(run_id, node_id)
+        self._backend = backend
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="resilrun-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._backend.add(self._key, 1)
+                self._failing = False
+            except ResilrunError as exc:
+                if not self._failing:
+                    logger.warning("heartbeat to the store failed: %s", exc.message)
+                self._failing = True
+            self._stop.wait(self._interval)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self._interval + 5)
+
+
+def read_counters(backend: RendezvousBackend, run_id: str, nodes: Iterable[str]) -> Callable[[], dict[str, int]]:
+    """A reader of the given nodes' heartbeat counters (one small read per node)."""
+    node_list = list(nodes)
+
+    def read() -> dict[str, int]:
+        return {node: backend.add(keys.node_heartbeat(run_id, node), 0) for node in node_list}
+
+    return read

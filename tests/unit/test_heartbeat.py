@@ -1,0 +1,74 @@
+"""Heartbeat staleness is judged on the watcher's own clock, from counters that stop moving."""
+
+from __future__ import annotations
+
+from resilrun.agent.heartbeat import StalenessJudge
+from resilrun.agent.policy import Action, AgentView, decide
+from resilrun.rendezvous.protocol import RdzvState
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_node_whose_counter_keeps_moving_is_never_stale() -> None:
+    clock = FakeClock()
+    judge = StalenessJudge(5.0, clock)
+    for counter in range(20):
+        judge.observe("a", counter)
+        clock.sleep(1.0)
+    assert judge.stale() == []
+
+
+def test_a_node_whose_counter_stops_is_stale_after_the_timeout_and_not_before() -> None:
+    clock = FakeClock()
+    judge = StalenessJudge(5.0, clock)
+    judge.observe("a", 7)
+    clock.sleep(5.0)
+    judge.observe("a", 7)
+    assert judge.stale() == []
+    clock.sleep(0.5)
+    assert judge.stale() == ["a"]
+    assert judge.age("a") == 5.5
+
+
+def test_a_counter_that_moves_again_clears_staleness() -> None:
+    clock = FakeClock()
+    judge = StalenessJudge(2.0, clock)
+    judge.observe("a", 1)
+    clock.sleep(3.0)
+    assert judge.stale() == ["a"]
+    judge.observe("a", 2)
+    assert judge.stale() == []
+
+
+def test_the_first_observation_starts_the_clock_whatever_the_counter_value() -> None:
+    # A watcher that starts late must not judge a node by how long ago it started counting.
+    clock = FakeClock()
+    judge = StalenessJudge(2.0, clock)
+    judge.observe("a", 1_000_000)
+    assert judge.stale() == []
+
+
+def test_forgetting_nodes_that_left_the_round() -> None:
+    clock = FakeClock()
+    judge = StalenessJudge(1.0, clock)
+    judge.observe("a", 1)
+    judge.observe("b", 1)
+    judge.forget_all_but(["b"])
+    clock.sleep(2.0)
+    assert judge.stale() == ["b"]
+
+
+def test_policy_reports_a_lost_node_before_local_worker_exits() -> None:
+    state = RdzvState(round=3, complete=True)
+    view = AgentView(round=3, exit_codes=(None, 1), state=state, lost_nodes=("b",))
+    assert decide(view) is Action.NODE_LOST
+    assert decide(AgentView(round=4, exit_codes=(None,), state=RdzvState(round=5), lost_nodes=("b",))) is Action.REJOIN
