@@ -214,6 +214,10 @@ class Config:
     local_ranks_filter: str = field(
         default="", metadata=_meta("--local-ranks-filter", P, "Local ranks shown on the console, e.g. 0,1.")
     )
+    spares: int = field(
+        default=0,
+        metadata=_meta("--spares", H, "Hot spare worker processes per node (in-process recovery).", pet=False),
+    )
     heartbeat_interval_s: float = field(
         default=1.0, metadata=_meta("--heartbeat-interval", H, "Seconds between agent heartbeats.", pet=False)
     )
@@ -364,6 +368,8 @@ class Config:
             raise ConfigError(f"--monitor-interval ({self.monitor_interval_s}) must be > 0")
         if not self.shutdown_timeout_s >= 0:
             raise ConfigError(f"--shutdown-timeout ({self.shutdown_timeout_s}) must be >= 0")
+        if self.spares < 0:
+            raise ConfigError(f"--spares ({self.spares}) must be >= 0")
         if not self.heartbeat_interval_s > 0:
             raise ConfigError(f"--heartbeat-interval ({self.heartbeat_interval_s}) must be > 0")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:

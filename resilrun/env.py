@@ -33,6 +33,8 @@ class WorkerEnv:
     error_file: str
     round: int
     agent_socket: str = ""
+    attempt: int = 0
+    recovery_wait_s: float = 10.0
 
     def to_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The full environment of the worker: ``base`` (the agent's) plus the contract."""
@@ -62,6 +64,10 @@ class WorkerEnv:
                 "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
                 "RESILRUN_RUN_ID": self.run_id,
                 "RESILRUN_ROUND": str(self.round),
+                # Restarts plus in-process recoveries so far: which incarnation of the job this is.
+                "RESILRUN_ATTEMPT": str(self.attempt),
+                "RESILRUN_RECOVERY_WAIT_S": str(self.recovery_wait_s),
+                "RESILRUN_SPARE": "0",
             }
         )
         if self.agent_socket:
@@ -104,6 +110,10 @@ class WorkerVariables:
     restart_count: int
     agent_socket: str | None
     faults: str
+    spare: bool = False
+    round: int = 0
+    attempt: int = 0
+    recovery_wait_s: float = 10.0
 
 
 def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVariables:
@@ -118,7 +128,24 @@ def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVar
         restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         agent_socket=env.get("RESILRUN_AGENT_SOCKET") or None,
         faults=env.get("RESILRUN_FAULTS", ""),
+        spare=env.get("RESILRUN_SPARE") == "1",
+        round=int(env.get("RESILRUN_ROUND", "0")),
+        attempt=int(env.get("RESILRUN_ATTEMPT", env.get("TORCHELASTIC_RESTART_COUNT", "0"))),
+        recovery_wait_s=float(env.get("RESILRUN_RECOVERY_WAIT_S", "10")),
     )
+
+
+def apply_assignment(env: Mapping[str, str]) -> None:
+    """Adopt the environment the agent gave this process (a promoted spare, a new generation)."""
+    os.environ.update(env)
+
+
+def spare_environ(base: Mapping[str, str], agent_socket: str, log_dir: str) -> dict[str, str]:
+    """A hot spare's environment: no rank yet, only the way to its agent."""
+    env = {k: v for k, v in base.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update({"RESILRUN_SPARE": "1", "RESILRUN_AGENT_SOCKET": agent_socket})
+    env["TORCHELASTIC_ERROR_FILE"] = f"{log_dir}/error.json"
+    return env
 
 
 def ensure_rendezvous_defaults() -> None:

@@ -19,10 +19,12 @@ from pathlib import Path
 
 from resilrun import keys
 from resilrun.agent.channel import AgentChannel
+from resilrun.agent.control import WorkerControl
 from resilrun.agent.heartbeat import HeartbeatSender
 from resilrun.agent.persister import Persister
 from resilrun.agent.procs import HANDLED_SIGNALS
-from resilrun.agent.supervisor import NodeSetup, SignalFlag, Supervisor
+from resilrun.agent.specs import NodeSetup
+from resilrun.agent.supervisor import SignalFlag, Supervisor
 from resilrun.agent.tiers import NodeTiers
 from resilrun.config import Config
 from resilrun.env import agent_environ
@@ -102,11 +104,12 @@ def run(config: Config) -> None:
         )
         storage = _open_storage(config)
         memory = NodeMemoryTier(config.rdzv_id)
-        channel = AgentChannel(memory, NodeTiers(memory, storage))
+        control = WorkerControl()
+        channel = AgentChannel(memory, NodeTiers(memory, storage), control)
         setup = NodeSetup(
             nproc=nproc, addr=addr, log_root=log_root, base_env=agent_environ(), agent_socket=channel.path
         )
-        supervisor = Supervisor(config, setup, rdzv, signals)
+        supervisor = Supervisor(config, setup, rdzv, signals, control)
         persister = None
         if storage is not None:
             persister = Persister(

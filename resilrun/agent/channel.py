@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from resilrun import wire
+from resilrun.agent.control import WorkerControl
 from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import ResilrunError
 from resilrun.state.memory import SLOTS, NodeMemoryTier
@@ -27,9 +28,10 @@ logger = logging.getLogger(__name__)
 class AgentChannel:
     """Accepts worker connections and answers their requests, one thread per worker."""
 
-    def __init__(self, memory: NodeMemoryTier, tiers: NodeTiers) -> None:
+    def __init__(self, memory: NodeMemoryTier, tiers: NodeTiers, control: WorkerControl) -> None:
         self.memory = memory
         self.tiers = tiers
+        self.control = control
         self._dir = Path(tempfile.mkdtemp(prefix="resilrun-agent-"))
         self.path = str(self._dir / "agent.sock")
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -78,6 +80,8 @@ class AgentChannel:
             buffer = self.memory.allocate(int(request["rank"]), int(request["slot"]), int(request["nbytes"]))
             return {"ok": True}, [buffer.fd]
         if op == "commit":
+            if "pid" in request:
+                self.control.report_step(int(request["pid"]), int(request["step"]))
             self.memory.commit(
                 int(request["rank"]),
                 int(request["step"]),
@@ -86,6 +90,15 @@ class AgentChannel:
                 request.get("values"),
             )
             return {"ok": True}, []
+        if op == "hello_api":
+            self.control.register_api(int(request["pid"]))
+            return {"ok": True}, []
+        if op == "await_assignment":
+            env = self.control.await_assignment(int(request["pid"]), float(request["timeout_s"]))
+            return {"ok": True, "env": env}, []
+        if op == "await_generation":
+            env = self.control.await_generation(int(request["pid"]), int(request["round"]), float(request["timeout_s"]))
+            return {"ok": True, "env": env}, []
         if op == "restore_info":
             return {"ok": True, **self.tiers.restore_info(int(request["rank"]), int(request["world_size"]))}, []
         if op == "fetch":

@@ -7,6 +7,7 @@ by another node beats a local observation:
 |-----------------------------------------------|---------------|
 | SIGTERM/SIGINT received                       | SHUTDOWN      |
 | the job is closed                             | CLOSED        |
+| a newer generation of the same nodes (recovery)| FOLLOW_RECOVERY |
 | another node opened a newer round             | REJOIN        |
 | another node's heartbeat went stale           | NODE_LOST     |
 | a local worker exited non-zero or by a signal | RESTART_JOB   |
@@ -28,6 +29,7 @@ class Action(Enum):
     SHUTDOWN = "shutdown"
     CLOSED = "closed"
     REJOIN = "rejoin"
+    FOLLOW_RECOVERY = "follow_recovery"
     NODE_LOST = "node_lost"
     RESTART_JOB = "restart_job"
     FINISH = "finish"
@@ -43,6 +45,8 @@ class AgentView:
     state: RdzvState
     shutdown_signal: int | None = None
     lost_nodes: tuple[str, ...] = ()
+    # The newer round is an in-process recovery this node can join without restarting its workers.
+    can_follow_recovery: bool = False
 
 
 def decide(view: AgentView) -> Action:
@@ -52,7 +56,7 @@ def decide(view: AgentView) -> Action:
     if view.state.closed:
         return Action.CLOSED
     if view.state.round != view.round:
-        return Action.REJOIN
+        return Action.FOLLOW_RECOVERY if view.can_follow_recovery else Action.REJOIN
     if view.lost_nodes:
         return Action.NODE_LOST
     if any(code not in (None, 0) for code in view.exit_codes):

@@ -15,23 +15,27 @@ import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 from resilrun import keys
 from resilrun.agent import procs
+from resilrun.agent.control import WorkerControl
 from resilrun.agent.failures import ProcessFailure, collect_failure, format_report, root_cause
 from resilrun.agent.heartbeat import StalenessJudge
 from resilrun.agent.heartbeat import read_counters as heartbeat_reader
 from resilrun.agent.policy import Action, AgentView, decide
-from resilrun.config import Config, Std, resolve_std
-from resilrun.env import WorkerEnv, omp_threads_default, python_exec
+from resilrun.agent.specs import NodeSetup, spare_spec, worker_specs
+from resilrun.config import Config
 from resilrun.errors import RendezvousClosedError, ShutdownRequested, WorkerGroupFailed
 from resilrun.rendezvous.c10d import host_store
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
 
 logger = logging.getLogger(__name__)
+
+# A failure in the first seconds finds the spare still importing torch: waiting for it (still far
+# quicker than a restart) beats giving up on in-process recovery. Survivors wait longer than this.
+_SPARE_READY_TIMEOUT_S = 30.0
 
 
 class SignalFlag:
@@ -54,21 +58,26 @@ class _RoundEnd(Enum):
     REJOIN = "rejoin"
 
 
-@dataclass(frozen=True, slots=True)
-class NodeSetup:
-    """Facts resolved once per agent before the first round."""
+@dataclass
+class _Round:
+    """What this node runs in the current round; in-process recoveries update it in place."""
 
-    nproc: int
-    addr: str
-    log_root: Path
-    base_env: dict[str, str]
-    agent_socket: str = ""
+    state: RdzvState
+    node_rank: int
+    workers: list[procs.WorkerProcess]  # by local rank
+    spares: list[procs.WorkerProcess]
+    store: Any
+    spare_index: int = 0
+    respawn_at: float | None = None
 
 
 class Supervisor:
     """Runs the node's share of the job until it succeeds, fails for good, or is stopped."""
 
-    def __init__(self, config: Config, setup: NodeSetup, rdzv: RendezvousClient, signals: SignalFlag) -> None:
+    def __init__(
+        self, config: Config, setup: NodeSetup, rdzv: RendezvousClient, signals: SignalFlag, control: WorkerControl
+    ) -> None:
+        self.control = control
         self.config = config
         self.setup = setup
         self.rdzv = rdzv
@@ -100,7 +109,7 @@ class Supervisor:
         worker_store, master = self._round_master(state, node_rank)
         if master is None:
             return _RoundEnd.REJOIN
-        specs = self._worker_specs(state, node_rank, master)
+        specs = worker_specs(self.config, self.setup, self.run_id, state, node_rank, master)
         world = sum(p.local_world_size for p in state.participants)
         logger.info(
             "round %d formed: %d node(s), world size %d, this node rank %d runs ranks %d-%d (restart %d/%d)",
@@ -113,18 +122,20 @@ class Supervisor:
             state.restarts,
             self.config.max_restarts,
         )
-        workers = [procs.spawn(spec) for spec in specs]
+        round_ = _Round(state, node_rank, [procs.spawn(spec) for spec in specs], [], worker_store)
+        self._top_up_spares(round_)
         try:
-            return self._monitor(state, node_rank, workers)
+            return self._monitor(round_)
         finally:
-            procs.stop([w for w in workers if w.poll() is None], signal.SIGKILL, 0.0)
-            for worker in workers:
+            everyone = round_.workers + round_.spares
+            procs.stop([w for w in everyone if w.poll() is None], signal.SIGKILL, 0.0)
+            for worker in everyone:
                 worker.finish_output()
-            del worker_store
 
-    def _monitor(self, state: RdzvState, node_rank: int, workers: list[procs.WorkerProcess]) -> _RoundEnd:
+    def _monitor(self, round_: _Round) -> _RoundEnd:
         interval = self.config.monitor_interval_s
         grace = self.config.shutdown_timeout_s
+        state = round_.state
         others = [p.node_id for p in state.participants if p.node_id != self.rdzv.me.node_id]
         judge = StalenessJudge(self.config.heartbeat_timeout_s)
         read_counters = heartbeat_reader(self.rdzv.backend, self.run_id, others)
@@ -132,39 +143,145 @@ class Supervisor:
         lost: tuple[str, ...] = ()
         while True:
             time.sleep(interval)
-            codes = tuple(w.poll() for w in workers)
+            state = round_.state
+            codes = tuple(w.poll() for w in round_.workers)
             current = self.rdzv.state()
             if others and time.monotonic() >= next_heartbeat_check:
                 for node, counter in read_counters().items():
                     judge.observe(node, counter)
                 lost = tuple(judge.stale())
                 next_heartbeat_check = time.monotonic() + self.config.heartbeat_interval_s
-            action = decide(AgentView(state.round, codes, current, self.signals.signum, lost))
+            follow = (
+                current.round > state.round
+                and current.recovering
+                and current.complete
+                and current.node_rank(self.rdzv.me.node_id) == round_.node_rank
+                and len(current.participants) == len(state.participants)
+            )
+            action = decide(AgentView(state.round, codes, current, self.signals.signum, lost, follow))
+            everyone = round_.workers + round_.spares
             if action is Action.WAIT:
+                if round_.respawn_at is not None and time.monotonic() >= round_.respawn_at:
+                    self._top_up_spares(round_)
                 continue
             if action is Action.SHUTDOWN:
                 signum = self.signals.signum or signal.SIGTERM
                 logger.warning("received %s: stopping workers (grace %.0f s)", signal.Signals(signum).name, grace)
-                procs.stop(workers, signum, grace)
-                self.rdzv.close("stopped", {"message": f"node {node_rank} received {signal.Signals(signum).name}"})
+                procs.stop(everyone, signum, grace)
+                self.rdzv.close(
+                    "stopped", {"message": f"node {round_.node_rank} received {signal.Signals(signum).name}"}
+                )
                 self.rdzv.ack_closed()
                 raise ShutdownRequested(signum)
             if action is Action.CLOSED:
-                procs.stop(workers, signal.SIGTERM, grace)
+                procs.stop(everyone, signal.SIGTERM, grace)
                 return self._follow_close(current)
+            if action is Action.FOLLOW_RECOVERY:
+                self._enter_generation(round_, current, {})
+                continue
             if action is Action.REJOIN:
                 logger.warning("round %d ended by another node: stopping workers to rejoin", state.round)
-                procs.stop(workers, signal.SIGTERM, grace)
+                procs.stop(everyone, signal.SIGTERM, grace)
                 return _RoundEnd.REJOIN
             if action is Action.NODE_LOST:
-                return self._node_lost(state, lost, judge, workers)
+                return self._node_lost(state, lost, judge, everyone)
             if action is Action.RESTART_JOB:
-                return self._restart_job(state, node_rank, workers)
+                if self._recover_in_process(round_):
+                    continue
+                return self._restart_job(state, round_.node_rank, round_.workers, round_.spares)
             if action is Action.FINISH:
+                procs.stop(round_.spares, signal.SIGTERM, grace)
                 return self._exit_barrier(state)
             if action is Action.OPEN_ROUND:
                 logger.info("a node is waiting to join: opening round %d", state.round + 1)
                 self.rdzv.next_round(state.round, failure=None, max_restarts=self.config.max_restarts)
+
+    # -- in-process recovery ------------------------------------------------------------------
+    def _top_up_spares(self, round_: _Round) -> None:
+        round_.spares = [s for s in round_.spares if s.poll() is None]
+        while len(round_.spares) < self.config.spares:
+            round_.spare_index += 1
+            spec = spare_spec(self.config, self.setup, round_.state.round, round_.spare_index)
+            round_.spares.append(procs.spawn(spec))
+        round_.respawn_at = None
+
+    def _recover_in_process(self, round_: _Round) -> bool:
+        """Replace failed workers with hot spares and move everyone to a new generation.
+
+        Returns False when that is impossible (no ready spare, a worker not on the resilrun API,
+        or the job moved on otherwise); the caller then restarts the job the torchrun way.
+        """
+        started = time.monotonic()
+        failed = [w for w in round_.workers if w.poll() not in (None, 0)]
+        if not failed or not self.control.uses_api([w.pid for w in round_.workers]):
+            return False
+        ready = self._ready_spares(round_, len(failed))
+        if len(failed) > len(ready):
+            return False
+        failures = [self._describe(w, round_.node_rank) for w in failed]
+        self._record_failures(round_.state.round, failures)
+        cause = root_cause(failures)
+        new = self.rdzv.recover(round_.state.round, failure=cause.to_dict() if cause else None)
+        if new.closed or not (new.recovering and new.complete and new.round > round_.state.round):
+            return False
+        if new.node_rank(self.rdzv.me.node_id) != round_.node_rank:
+            return False
+        logger.warning(
+            "rank %s failed (%s): hot spare takes over, generation %d (no restart)",
+            ", ".join(str(w.spec.global_rank) for w in failed),
+            cause.message.splitlines()[0] if cause and cause.message else "?",
+            new.round,
+        )
+        self._enter_generation(round_, new, dict(zip([w.spec.local_rank for w in failed], ready, strict=False)))
+        logger.info("recovery decided in %.3f s", time.monotonic() - started)
+        return True
+
+    def _ready_spares(self, round_: _Round, needed: int) -> list[procs.WorkerProcess]:
+        """Spares waiting for a rank; a spare still warming up is worth waiting for (bounded)."""
+        deadline = time.monotonic() + _SPARE_READY_TIMEOUT_S
+        while True:
+            alive = [s for s in round_.spares if s.poll() is None]
+            ready = [s for s in alive if s.pid in self.control.waiting_spares()]
+            if len(ready) >= needed or len(alive) < needed or time.monotonic() >= deadline:
+                return ready
+            self.signals.raise_if_set()
+            time.sleep(0.05)
+
+    def _enter_generation(self, round_: _Round, new: RdzvState, replacements: dict[int, procs.WorkerProcess]) -> None:
+        """Move this node's workers to generation ``new.round``: survivors keep their processes."""
+        store, master = self._round_master(new, round_.node_rank)
+        if master is None:
+            return
+        specs = worker_specs(self.config, self.setup, self.run_id, new, round_.node_rank, master)
+        envs: dict[int, dict[str, str]] = {}
+        for local_rank, worker in enumerate(round_.workers):
+            spare = replacements.get(local_rank)
+            if spare is not None:
+                round_.spares.remove(spare)
+                spare.spec = specs[local_rank]
+                self.control.assign(spare.pid, specs[local_rank].env)
+                round_.workers[local_rank] = spare
+            else:
+                worker.spec = specs[local_rank]
+                envs[worker.pid] = specs[local_rank].env
+        self.control.publish_generation(new.round, envs)
+        round_.state = new
+        round_.store = store  # the previous generation's store goes; its clients have moved on
+        self.last_state = new
+        if replacements:
+            # Start replacement spares once the recovery is past its busiest seconds (2 cores here).
+            round_.respawn_at = time.monotonic() + 5.0
+
+    def _describe(self, worker: procs.WorkerProcess, node_rank: int) -> ProcessFailure:
+        return collect_failure(
+            global_rank=worker.spec.global_rank,
+            local_rank=worker.spec.local_rank,
+            node_rank=node_rank,
+            pid=worker.pid,
+            exit_code=worker.popen.returncode,
+            observed_at=worker.exit_observed_at or time.time(),
+            error_file=worker.spec.error_file,
+        )
 
     # -- actions --------------------------------------------------------------------------------
     def _node_lost(
@@ -193,22 +310,16 @@ class Supervisor:
         procs.stop(workers, signal.SIGTERM, self.config.shutdown_timeout_s)
         return self._open_next_round(state, failures)
 
-    def _restart_job(self, state: RdzvState, node_rank: int, workers: list[procs.WorkerProcess]) -> _RoundEnd:
+    def _restart_job(
+        self,
+        state: RdzvState,
+        node_rank: int,
+        workers: list[procs.WorkerProcess],
+        spares: list[procs.WorkerProcess] = (),  # type: ignore[assignment]  # read-only default
+    ) -> _RoundEnd:
         failed = [w for w in workers if w.poll() not in (None, 0)]
-        procs.stop(workers, signal.SIGTERM, self.config.shutdown_timeout_s)
-        failures = [
-            collect_failure(
-                global_rank=w.spec.global_rank,
-                local_rank=w.spec.local_rank,
-                node_rank=node_rank,
-                pid=w.pid,
-                exit_code=w.popen.returncode,
-                observed_at=w.exit_observed_at or time.time(),
-                error_file=w.spec.error_file,
-            )
-            for w in failed
-        ]
-        return self._open_next_round(state, failures)
+        procs.stop([*workers, *spares], signal.SIGTERM, self.config.shutdown_timeout_s)
+        return self._open_next_round(state, [self._describe(w, node_rank) for w in failed])
 
     def _open_next_round(self, state: RdzvState, failures: list[ProcessFailure]) -> _RoundEnd:
         self._record_failures(state.round, failures)
@@ -303,66 +414,6 @@ class Supervisor:
 
     def rdzv_read_timeout(self) -> float:
         return self.config.rdzv.read_timeout_s
-
-    def _worker_specs(self, state: RdzvState, node_rank: int, master: str) -> list[procs.WorkerSpec]:
-        cfg = self.config
-        master_addr, _, master_port = master.rpartition(":")
-        base_rank = sum(p.local_world_size for p in state.participants[:node_rank])
-        world = sum(p.local_world_size for p in state.participants)
-        nproc = self.setup.nproc
-        base_env = {**self.setup.base_env, **omp_threads_default(self.setup.base_env, nproc)}
-        if cfg.no_python:
-            command: tuple[str, ...] = (cfg.script,)
-        else:
-            command = (
-                python_exec(),
-                "-u",
-                "-m",
-                "resilrun.worker._bootstrap",
-                *(("-m",) if cfg.module else ()),
-                cfg.script,
-            )
-        ranks_filter = cfg.ranks_filter
-        specs = []
-        for local_rank in range(nproc):
-            global_rank = base_rank + local_rank
-            log_dir = self.setup.log_root / f"round_{state.round}" / f"rank_{global_rank}"
-            redirect = resolve_std(cfg.redirects_spec, local_rank)
-            tee = resolve_std(cfg.tee_spec, local_rank)
-            to_file, to_console = Std(redirect | tee), Std(Std.ALL & ~redirect)
-            if ranks_filter is not None and local_rank not in ranks_filter:
-                to_file, to_console = Std.ALL, Std.NONE  # hidden from the console, kept in files
-            env = WorkerEnv(
-                global_rank=global_rank,
-                local_rank=local_rank,
-                world_size=world,
-                local_world_size=nproc,
-                node_rank=node_rank,
-                num_nodes=len(state.participants),
-                role_name=cfg.role,
-                role_rank=global_rank,
-                role_world_size=world,
-                master_addr=master_addr,
-                master_port=int(master_port),
-                run_id=self.run_id,
-                restart_count=state.restarts,
-                max_restarts=cfg.max_restarts,
-                error_file=str(log_dir / "error.json"),
-                round=state.round,
-                agent_socket=self.setup.agent_socket,
-            ).to_env(base_env)
-            specs.append(
-                procs.WorkerSpec(
-                    local_rank=local_rank,
-                    global_rank=global_rank,
-                    argv=(*command, *cfg.script_args),
-                    env=env,
-                    log_dir=log_dir,
-                    to_file=to_file,
-                    to_console=to_console,
-                )
-            )
-        return specs
 
     def _record_failures(self, round: int, failures: list[ProcessFailure]) -> None:
         for failure in failures:

@@ -119,6 +119,10 @@ class RendezvousClient:
             lambda s: protocol.decide_next_round(s, observed_round, failure=failure, max_restarts=max_restarts)
         )
 
+    def recover(self, observed_round: int, *, failure: dict[str, Any] | None) -> RdzvState:
+        """Open the next generation for an in-process recovery (no-op if the job moved on)."""
+        return self._update(lambda s: protocol.decide_recover(s, observed_round, failure))
+
     def close(self, outcome: str, failure: dict[str, Any] | None = None) -> RdzvState:
         return self._update(lambda s: protocol.decide_close(s, outcome, failure))
 

@@ -49,6 +49,10 @@ class RdzvState:
     outcome: str | None = None
     restarts: int = 0
     failure: dict[str, Any] | None = field(default=None, compare=True)
+    # Set on a round opened by an in-process recovery: same nodes, complete at once, and the
+    # running workers are kept (they move to the new generation instead of being restarted).
+    recovering: bool = False
+    recoveries: int = 0
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -192,6 +196,19 @@ def decide_next_round(
         round=state.round + 1,
         restarts=state.restarts + (1 if failure is not None else 0),
         failure=failure if failure is not None else state.failure,
+        recoveries=state.recoveries,
+    )
+
+
+def decide_recover(state: RdzvState, observed_round: int, failure: dict[str, Any] | None) -> RdzvState | None:
+    """Open the next generation of the same complete round, for an in-process recovery.
+
+    Returns None when another node already moved the job on (the caller follows what it reads).
+    """
+    if state.closed or state.round != observed_round or not state.complete:
+        return None
+    return replace(
+        state, round=state.round + 1, recovering=True, recoveries=state.recoveries + 1, failure=failure, waiting=()
     )
 
 

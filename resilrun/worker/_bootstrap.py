@@ -1,9 +1,15 @@
 """Worker entry point: runs the user's script exactly as ``python -u script.py`` would.
 
-Why a bootstrap at all: it records an uncaught exception into ``TORCHELASTIC_ERROR_FILE`` (what
-torchrun's ``@record`` does, but without asking the user to decorate anything), so the agent's
-root-cause report carries the worker's own traceback. It imports nothing heavy: torch is imported
-by the user's script, not by us.
+Why a bootstrap at all:
+- it records an uncaught exception into ``TORCHELASTIC_ERROR_FILE`` (what torchrun's ``@record``
+  does, without asking the user to decorate anything), so the agent's root-cause report carries
+  the worker's own traceback;
+- it is how a survivor recovers in-process: when the script (one that joined through
+  ``resilrun.init()``) fails because a peer died, the bootstrap asks the agent whether the job
+  moved to a new generation; if so it adopts the new environment and runs the script again in
+  this same process (torch and the user's imports stay loaded; state comes back from node memory).
+
+It imports nothing heavy itself: torch is imported by the user's script.
 
 Usage: ``python -u -m resilrun.worker._bootstrap [-m] TARGET [ARGS...]``
 """
@@ -11,6 +17,7 @@ Usage: ``python -u -m resilrun.worker._bootstrap [-m] TARGET [ARGS...]``
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
 import runpy
@@ -42,28 +49,72 @@ def write_error_file(exc: BaseException) -> None:
         pass  # the report then falls back to the exit code; never mask the user's exception
 
 
+def _run(target: str, args: list[str], as_module: bool) -> None:
+    sys.argv = [target, *args]
+    if as_module:
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+
+
+def _next_generation(exc: BaseException) -> dict[str, str] | None:
+    """The environment of the job's next generation if this failure is being recovered, else None."""
+    job = sys.modules.get("resilrun.worker.job")
+    socket_path = os.environ.get("RESILRUN_AGENT_SOCKET")
+    if job is None or not job.is_active() or not socket_path or isinstance(exc, KeyboardInterrupt):
+        return None
+    from resilrun.worker._channel import AgentClient
+
+    try:
+        client = AgentClient(socket_path)
+        try:
+            response, _ = client.request(
+                {
+                    "op": "await_generation",
+                    "pid": os.getpid(),
+                    "round": int(os.environ.get("RESILRUN_ROUND", "0")),
+                    "timeout_s": float(os.environ.get("RESILRUN_RECOVERY_WAIT_S", "10")),
+                }
+            )
+        finally:
+            client.close()
+    except Exception as exc2:  # noqa: BLE001 - no agent, no recovery: the original error stands
+        sys.stderr.write(f"resilrun: could not ask the agent about recovery: {exc2}\n")
+        return None
+    env = response.get("env")
+    return env if isinstance(env, dict) else None
+
+
 def main(argv: list[str]) -> None:
     as_module = bool(argv) and argv[0] == "-m"
     if as_module:
         argv = argv[1:]
     target, args = argv[0], argv[1:]
     faulthandler.enable(all_threads=True)
-    try:
-        if as_module:
-            sys.argv = [target, *args]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = [target, *args]
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            write_error_file(exc)
-        raise
-    except BaseException as exc:
-        write_error_file(exc)
-        raise
+    while True:
+        try:
+            _run(target, list(args), as_module)
+            return
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                write_error_file(exc)
+            raise
+        except BaseException as exc:
+            env = _next_generation(exc)
+            if env is None:
+                write_error_file(exc)
+                raise
+            summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        # Out of the except block, so the failed generation's frames (and tensors) can be freed.
+        sys.stderr.write(
+            f"resilrun: rank {env.get('RANK')} recovering in-process into generation {env.get('RESILRUN_ROUND')} "
+            f"after: {summary}\n"
+        )
+        sys.modules["resilrun.worker.job"].reset_for_reentry()
+        os.environ.update(env)
+        gc.collect()
 
 
 if __name__ == "__main__":

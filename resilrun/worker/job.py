@@ -8,6 +8,7 @@ a step across all ranks with one small all-gather, so every rank resumes from th
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Iterator
 from datetime import timedelta
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resilrun.env import ensure_rendezvous_defaults, read_worker_variables
+from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
 from resilrun.state.restore import Tier, plan_restore
 from resilrun.state.tree import flatten, unflatten
+from resilrun.worker._abort import GenerationWatchdog, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient
 from resilrun.worker.faults import Fault, fire, parse_faults
 from resilrun.worker.snapshot import Snapshotter
@@ -79,6 +81,7 @@ class Job:
         self._step = -1
         self._faults = faults
         self._attempt = attempt
+        self._watchdog: GenerationWatchdog | None = None
 
     rank = property(lambda self: self._rank, doc="Global rank of this worker.")
     world_size = property(lambda self: self._world_size, doc="Number of workers in the job.")
@@ -208,10 +211,15 @@ def _all_gather_ints(values: list[int], world_size: int, device: torch.device) -
 
 
 _JOB: Job | None = None
+# A spare asks again after this long, so a wedged agent shows up as an error, not a silent hang.
+_SPARE_POLL_S = 60.0
 
 
 def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     """Join the job: set up torch.distributed's default group and this rank's snapshots.
+
+    A hot spare (started by ``resilrun --spares N``) blocks here, warm, until the agent gives it
+    the rank of a failed worker.
 
     Args:
         backend: ``nccl`` when CUDA is available, else ``gloo``, unless given.
@@ -221,22 +229,30 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     if _JOB is not None:
         return _JOB
     variables = read_worker_variables()
+    client = AgentClient(variables.agent_socket) if variables.agent_socket else None
+    if variables.spare and client is not None:
+        _wait_for_assignment(client)
+        variables = read_worker_variables()
     use_cuda = torch.cuda.is_available() and (backend in (None, "nccl"))
     device = torch.device("cuda", variables.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    group_sockets: set[int] = set()
     if not dist.is_initialized():
         ensure_rendezvous_defaults()
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+        before = tcp_sockets()
         dist.init_process_group(
             backend or ("nccl" if use_cuda else "gloo"),
             rank=variables.rank,
             world_size=variables.world_size,
             **kwargs,
         )
+        group_sockets = tcp_sockets() - before
     snapshotter = None
-    if variables.agent_socket:
-        snapshotter = Snapshotter(AgentClient(variables.agent_socket), variables.rank)
+    if client is not None:
+        client.request({"op": "hello_api", "pid": os.getpid()})
+        snapshotter = Snapshotter(client, variables.rank)
     else:
         logger.warning("not started by resilrun: training runs, but steps are not snapshotted")
     _JOB = Job(
@@ -246,6 +262,68 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         device=device,
         snapshotter=snapshotter,
         faults=parse_faults(variables.faults),
-        attempt=variables.restart_count,
+        attempt=variables.attempt,
     )
+    if variables.agent_socket:
+        _JOB._watchdog = _start_watchdog(variables.agent_socket, variables.round, group_sockets)
     return _JOB
+
+
+def _start_watchdog(agent_socket: str, round: int, group_sockets: set[int]) -> GenerationWatchdog:
+    client = AgentClient(agent_socket)
+
+    def wait_for_next() -> bool:
+        response, _ = client.request(
+            {"op": "await_generation", "pid": os.getpid(), "round": round, "timeout_s": _SPARE_POLL_S}
+        )
+        return bool(response.get("env"))
+
+    def abort() -> None:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            dist.group.WORLD.abort()
+        else:
+            shut_down(group_sockets)
+
+    watchdog = GenerationWatchdog(wait_for_next, abort)
+    watchdog.start()
+    return watchdog
+
+
+def _wait_for_assignment(client: AgentClient) -> None:
+    _prewarm()
+    while True:
+        response, _ = client.request({"op": "await_assignment", "pid": os.getpid(), "timeout_s": _SPARE_POLL_S})
+        if response.get("env"):
+            apply_assignment(response["env"])
+            return
+
+
+def _prewarm() -> None:
+    """Pay the first-DDP import cost (~800 modules, seconds) now, while the spare is idle."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    finally:
+        dist.destroy_process_group()
+
+
+def reset_for_reentry() -> None:
+    """Forget this generation's job and process group, so the script can run again in-process."""
+    global _JOB
+    job, _JOB = _JOB, None
+    if job is not None and job._watchdog is not None:
+        job._watchdog.stopped.set()
+    if job is not None and job._snapshotter is not None:
+        job._snapshotter.close()
+    if dist.is_initialized():
+        for step in (dist.destroy_process_group,):
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - a broken group may fail to tear down; a new one replaces it
+                logger.debug("tearing down the broken process group: %s", exc)
+
+
+def is_active() -> bool:
+    """Whether this process joined the job through ``resilrun.init()`` (can be recovered in-process)."""
+    return _JOB is not None

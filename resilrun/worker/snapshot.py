@@ -8,6 +8,7 @@ written into the slot that does not hold the newest committed step.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ class Snapshotter:
     def attach(self) -> None:
         """(Re)map this rank's buffers as the agent holds them now (after a fetch from another tier)."""
         response, fds = self.client.request({"op": "attach", "rank": self.rank})
-        for buffer in self.slots:
+        for buffer in [*self.slots, getattr(self, "ctl", None)]:
             if buffer is not None:
                 buffer.close()
         self.ctl = SharedBuffer.attach(fds[0])
@@ -111,10 +112,19 @@ class Snapshotter:
                 "step": step,
                 "slot": slot,
                 "nbytes": layout.total_bytes,
+                "pid": os.getpid(),
                 "values": values,
             }
         )
         self.held[slot] = (step, values)
+
+    def close(self) -> None:
+        """Unmap the slots and hang up (the agent keeps the memory)."""
+        for buffer in [*self.slots, self.ctl]:
+            if buffer is not None:
+                buffer.close()
+        self.slots = [None] * SLOTS
+        self.client.close()
 
     def _layout_for(self, tensors: dict[str, torch.Tensor]) -> Layout:
         specs = [(name, dtype_code(t), tuple(t.shape)) for name, t in tensors.items()]

@@ -468,6 +468,7 @@ def test_bad_endpoint_is_reported_by_from_cli(script: str) -> None:
 # -- field metadata ------------------------------------------------------------------------------
 # resilrun's own flags have no torchrun (PET_*) spelling.
 _RESILRUN_ONLY = {
+    "spares",
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
     "replicas",

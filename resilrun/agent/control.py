@@ -1,0 +1,91 @@
+"""Where the agent and its worker processes meet for in-process recovery.
+
+Workers block here (through the agent channel) in two situations: a hot spare waits to be given a
+rank, and a survivor whose collective failed waits to learn the job's next generation. The
+supervisor publishes both. Every wait has a deadline, after which the worker gets "no" and fails
+the ordinary way.
+
+Invariants: a published generation only moves forward; a spare is assigned at most once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class WorkerControl:
+    """Thread-safe; the channel's per-connection threads wait, the supervisor publishes."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._round = -1
+        self._generation_env: dict[int, dict[str, str]] = {}  # pid -> env of the newest generation
+        self._assignments: dict[int, dict[str, str]] = {}  # spare pid -> env
+        self._waiting_spares: set[int] = set()
+        self._api_pids: set[int] = set()
+        self._progress: dict[int, tuple[int, float]] = {}  # pid -> (step, when it changed)
+
+    # -- channel side -------------------------------------------------------------------------
+    def register_api(self, pid: int) -> None:
+        with self._cond:
+            self._api_pids.add(pid)
+
+    def await_assignment(self, pid: int, timeout_s: float) -> dict[str, str] | None:
+        """A spare waits here until the supervisor gives it a rank (None on timeout)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._waiting_spares.add(pid)
+            try:
+                while pid not in self._assignments:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return None
+                    self._cond.wait(remaining)
+                return self._assignments[pid]
+            finally:
+                self._waiting_spares.discard(pid)
+
+    def await_generation(self, pid: int, after_round: int, timeout_s: float) -> dict[str, Any] | None:
+        """A survivor waits for a generation newer than ``after_round`` that still includes it."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._round <= after_round or pid not in self._generation_env:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            return self._generation_env[pid]
+
+    def report_step(self, pid: int, step: int) -> None:
+        with self._cond:
+            previous = self._progress.get(pid)
+            if previous is None or previous[0] != step:
+                self._progress[pid] = (step, time.monotonic())
+
+    # -- supervisor side ----------------------------------------------------------------------
+    def waiting_spares(self) -> list[int]:
+        with self._cond:
+            return sorted(self._waiting_spares)
+
+    def uses_api(self, pids: list[int]) -> bool:
+        with self._cond:
+            return all(pid in self._api_pids for pid in pids)
+
+    def assign(self, pid: int, env: dict[str, str]) -> None:
+        with self._cond:
+            self._assignments[pid] = env
+            self._cond.notify_all()
+
+    def publish_generation(self, round: int, envs: dict[int, dict[str, str]]) -> None:
+        with self._cond:
+            if round > self._round:
+                self._round = round
+                self._generation_env = dict(envs)
+                self._cond.notify_all()
+
+    def newest_step(self, pids: list[int]) -> int | None:
+        with self._cond:
+            steps = [self._progress[p][0] for p in pids if p in self._progress]
+        return max(steps) if steps else None

@@ -1,0 +1,303 @@
+"""Tier 2, peer replicas: the agent's background Replicator, and the one import for everything tier 2.
+
+The agent replicates each local rank's newest committed snapshot to the agents of the next k
+nodes (``Replicator``, here), serves what it holds to peers (``ReplicaServer``, in ``peer_server``),
+and keeps what peers sent it in memory (``ReplicaStore``, in ``peer_store``). The wire protocol,
+with mutual authentication on the job secret and per-tensor crc32s, is in ``peer_wire``; the client
+calls (``push``, ``fetch``, ``held``) are in ``peer_client``.
+
+Invariants: replication never makes a committing worker wait (the commit listener records
+"rank r has a new step" and returns); the Replicator sends only the newest commit of each rank,
+skipping the steps it fell behind on; the bytes it sends are exactly one committed step, checked
+by the slot's sequence counter (a slot rewritten meanwhile is aborted, never sent as complete);
+a slow or dead peer makes replicas lag, each peer on its own thread, and is logged once per change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from resilrun.errors import CheckpointCorruptError
+from resilrun.state.memory import Committed, NodeMemoryTier, RankMemory
+from resilrun.state.peer_client import DEFAULT_TIMEOUT, fetch, held, push, push_view
+from resilrun.state.peer_server import ReplicaServer
+from resilrun.state.peer_store import Replica, ReplicaStore
+from resilrun.state.peer_wire import Announce, Deadline, ReplicationError, check_secret, parse_address, snapshot_bounds
+
+__all__ = ["Replica", "ReplicaServer", "ReplicaStore", "ReplicationError", "Replicator", "fetch", "held", "push"]
+
+logger = logging.getLogger(__name__)
+
+# A peer slower than this is treated as failing: at 50 MB/s a 256 MB replica already lags seconds.
+_MIN_RATE_BYTES_S = 50e6
+
+
+# -- the Replicator ---------------------------------------------------------------------------------
+# After a failure, wait this long before trying the peer again, doubling up to the max: a dead peer
+# costs one connection attempt every few seconds, and a recovered one is back within that time.
+_RETRY_MIN_S = 0.1
+_RETRY_MAX_S = 5.0
+# A stream torn by the worker's next write means the peer is slower than about one step; the next
+# pushes then go through a private copy (a memcpy, checked by the seqlock) that no write can tear.
+_STAGED_PUSHES = 8
+# Idle waits wake this often anyway (close() notifies; this is a backstop, not a poll).
+_IDLE_WAIT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """A commit as the listener saw it: the slot's sequence counter then identifies its bytes."""
+
+    rank: int
+    committed: Committed
+    seq: int
+    generation: int  # per-rank count of commits, so a re-commit of an older step still counts as new
+
+
+class _Target:
+    """Replication to one peer, on its own thread so that a slow peer delays no other."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.acked: dict[int, int] = {}  # rank -> newest step the peer confirmed
+        self.done: dict[int, int] = {}  # rank -> generation last handled (replicated or skipped)
+        self.healthy: bool | None = None
+        self.stopped = False
+        self.retry_at = 0.0
+        self.failures = 0
+        self.staged = 0
+        self.staging = bytearray()
+        self.last_rank = -1
+        self.sock: socket.socket | None = None
+        self.thread: threading.Thread | None = None
+
+
+class Replicator:
+    """Replicates every local rank's newest committed step to the peers ``targets()`` names."""
+
+    def __init__(
+        self,
+        memory: NodeMemoryTier,
+        secret: bytes,
+        targets: Callable[[], list[str]],
+        *,
+        world_size: Callable[[], int | None] | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        refresh: timedelta = timedelta(seconds=1),
+    ) -> None:
+        """Start replicating; commits before this call are not replicated until their rank commits again.
+
+        Args:
+            targets: peer addresses (``host:port``), asked every ``refresh``; the lead's "next k nodes".
+            world_size: recorded with each replica; None sends "unknown".
+            timeout: per push, on top of the transfer's allowance at 50 MB/s.
+        """
+        check_secret(secret)
+        self._memory = memory
+        self._secret = secret
+        self._targets_fn = targets
+        self._world_size = world_size
+        self._timeout = timeout.total_seconds()
+        self._refresh = refresh.total_seconds()
+        self._cond = threading.Condition()
+        self._latest: dict[int, _Source] = {}
+        self._rank_memory: dict[int, RankMemory] = {}
+        self._targets: dict[str, _Target] = {}
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._targets_broken = False
+        memory.add_listener(self._on_commit)
+        self._manager = threading.Thread(target=self._manage, name="resilrun-replicator", daemon=True)
+        self._manager.start()
+
+    def _on_commit(self, rank: int, committed: Committed) -> None:
+        # On the worker's commit, before its ack: the slot's counter is stable now and stays so until
+        # the worker writes this slot again, so it identifies these bytes. O(1), no I/O, brief lock.
+        if self._closed:
+            return
+        rank_memory = self._rank_memory.get(rank)
+        if rank_memory is None:
+            rank_memory = self._rank_memory[rank] = self._memory.rank(rank)
+        seq = rank_memory.seq.read(committed.slot)
+        with self._cond:
+            previous = self._latest.get(rank)
+            generation = 1 if previous is None else previous.generation + 1
+            self._latest[rank] = _Source(rank, committed, seq, generation)
+            self._cond.notify_all()
+
+    # -- targets ------------------------------------------------------------------------------------
+    def _manage(self) -> None:
+        while True:
+            wanted = self._wanted_targets()
+            with self._cond:
+                if self._closed:
+                    return
+                if wanted is not None:
+                    self._reconcile(wanted)
+                until = time.monotonic() + self._refresh
+                while not self._closed and (left := until - time.monotonic()) > 0:
+                    self._cond.wait(left)
+
+    def _wanted_targets(self) -> list[str] | None:
+        try:
+            wanted = list(dict.fromkeys(self._targets_fn()))
+            for address in wanted:
+                parse_address(address)
+        except Exception as exc:  # the lead's callable: whatever it raises, keep the replicas we have going
+            if not self._targets_broken:
+                logger.warning("replica targets unavailable (%s); keeping the current ones", exc)
+            self._targets_broken = True
+            return None
+        self._targets_broken = False
+        return wanted
+
+    def _reconcile(self, wanted: list[str]) -> None:
+        for address in [a for a in self._targets if a not in wanted]:
+            self._targets.pop(address).stopped = True
+        for address in wanted:
+            if address not in self._targets:
+                target = _Target(address)
+                target.thread = threading.Thread(
+                    target=self._run_target, args=(target,), name=f"resilrun-replicate-{address}", daemon=True
+                )
+                self._targets[address] = target
+                self._threads.append(target.thread)
+                target.thread.start()
+        self._cond.notify_all()
+
+    # -- one target's loop --------------------------------------------------------------------------
+    def _run_target(self, target: _Target) -> None:
+        while True:
+            with self._cond:
+                source = self._next_source(target)
+                while source is None:
+                    if self._closed or target.stopped:
+                        return
+                    wait = _IDLE_WAIT_S if target.retry_at <= time.monotonic() else target.retry_at - time.monotonic()
+                    self._cond.wait(min(_IDLE_WAIT_S, max(wait, 0.0)))
+                    source = self._next_source(target)
+            try:
+                replicated = self._replicate(target, source)
+            except ReplicationError as exc:
+                self._failed(target, exc.message)
+                continue
+            except Exception as exc:  # a bug must not end this peer's replication silently
+                logger.exception("replication of rank %d to %s failed unexpectedly", source.rank, target.address)
+                self._failed(target, repr(exc))
+                continue
+            with self._cond:
+                target.done[source.rank] = source.generation
+                if replicated:
+                    target.acked[source.rank] = source.committed.step
+                target.failures, target.retry_at = 0, 0.0
+                if target.healthy is False:
+                    logger.info("replication to %s recovered", target.address)
+                target.healthy = True
+
+    def _next_source(self, target: _Target) -> _Source | None:
+        """The next rank (round robin) whose newest commit this target has not handled; None to wait."""
+        if self._closed or target.stopped or time.monotonic() < target.retry_at:
+            return None
+        pending = [s for r, s in sorted(self._latest.items()) if target.done.get(r) != s.generation]
+        if not pending:
+            return None
+        source = next((s for s in pending if s.rank > target.last_rank), pending[0])
+        target.last_rank = source.rank
+        return source
+
+    def _failed(self, target: _Target, why: str) -> None:
+        with self._cond:
+            target.failures += 1
+            target.retry_at = time.monotonic() + min(_RETRY_MAX_S, _RETRY_MIN_S * 2 ** (target.failures - 1))
+            if target.healthy is not False and not self._closed:
+                logger.warning("replication to %s failing, replicas will lag: %s", target.address, why)
+            target.healthy = False
+
+    def _replicate(self, target: _Target, source: _Source) -> bool:
+        """Push ``source`` to ``target``; False when it was overwritten first (nothing to retry).
+
+        Raises:
+            ReplicationError: the peer failed; the caller backs off and retries the newest step.
+        """
+        rank_memory = self._rank_memory[source.rank]
+        slot, committed = source.committed.slot, source.committed
+        buffer = rank_memory.slots[slot]  # read before the identity check: a reallocation pops the commit first
+
+        def is_intact() -> bool:
+            return rank_memory.seq.read(slot) == source.seq and rank_memory.committed.get(slot) is committed
+
+        if buffer is None or not is_intact():
+            return False
+        view = buffer.view()[: committed.nbytes]
+        if target.staged > 0:
+            if len(target.staging) < committed.nbytes:
+                target.staging = bytearray(committed.nbytes)
+            staged = memoryview(target.staging)[: committed.nbytes]
+            staged[:] = view
+            if not is_intact():
+                return False
+            view, check = staged, None
+        else:
+            check = is_intact
+        try:
+            bounds = snapshot_bounds(view)
+        except CheckpointCorruptError as exc:
+            if is_intact():
+                logger.error("rank %d step %d in node memory is not a snapshot: %s", source.rank, committed.step, exc)
+            return False
+        world_size = self._world_size() if self._world_size is not None else None
+        announce = Announce(source.rank, committed.step, world_size, committed.nbytes, committed.values, bounds)
+        deadline = Deadline.total(self._timeout + committed.nbytes / _MIN_RATE_BYTES_S)
+
+        def on_socket(sock: socket.socket | None) -> None:
+            target.sock = sock
+
+        sent = push_view(target.address, self._secret, announce, view, deadline, check, on_socket)
+        if check is None:
+            target.staged -= 1
+        elif not sent:
+            target.staged = _STAGED_PUSHES
+        return sent
+
+    # -- status and shutdown ------------------------------------------------------------------------
+    def status(self) -> dict[int, dict[str, int | None]]:
+        """Per local rank: newest committed step, newest step every current target confirmed, the gap.
+
+        ``replicated`` and ``lag_steps`` are None while some target has confirmed nothing (or there is
+        no target).
+        """
+        with self._cond:
+            targets = list(self._targets.values())
+            result: dict[int, dict[str, int | None]] = {}
+            for rank, source in sorted(self._latest.items()):
+                acked = [t.acked.get(rank) for t in targets]
+                replicated = None if not acked or None in acked else min(a for a in acked if a is not None)
+                step = source.committed.step
+                lag = None if replicated is None else max(0, step - replicated)
+                result[rank] = {"committed": step, "replicated": replicated, "lag_steps": lag}
+            return result
+
+    def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """Stop replicating: cut transfers in flight (they count for nothing) and join every thread."""
+        with self._cond:
+            self._closed = True
+            targets = list(self._targets.values())
+            threads = [self._manager, *self._threads]
+            self._cond.notify_all()
+        for target in targets:
+            sock = target.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        end = time.monotonic() + timeout.total_seconds()
+        for thread in threads:
+            thread.join(max(0.0, end - time.monotonic()))
+            if thread.is_alive():
+                logger.warning("replicator thread %s did not stop within %s", thread.name, timeout)

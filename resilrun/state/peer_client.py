@@ -1,0 +1,179 @@
+"""Tier 2 client calls: push a snapshot to a peer, fetch one back, ask what a peer holds.
+
+Each call opens one connection, authenticates both ways on the job secret (a client never sends
+state to a peer that cannot prove the secret), makes one request under one total deadline, and
+verifies every crc32 of what it receives. Protocol: ``resilrun.state.peer_wire``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import psutil
+
+from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError
+from resilrun.state.peer_wire import (
+    Announce,
+    Deadline,
+    ReplicationError,
+    check_secret,
+    client_handshake,
+    parse_address,
+    parse_announce,
+    receive_snapshot,
+    recv_message,
+    send_message,
+    send_snapshot,
+    snapshot_bounds,
+)
+
+# Connecting, authenticating and the receiver allocating a fresh buffer take well under this on any
+# network a training job runs on; the Replicator adds an allowance for the transfer itself.
+DEFAULT_TIMEOUT = timedelta(seconds=10)
+# Never let a fetched snapshot take the node's last free memory (same margin as the replica store).
+_HEADROOM_BYTES = 256 * 1024 * 1024
+
+
+@contextlib.contextmanager
+def connection(
+    address: str, secret: bytes, deadline: Deadline, on_socket: Callable[[socket.socket | None], None] | None = None
+) -> Iterator[socket.socket]:
+    """An authenticated connection; every OSError inside becomes a ReplicationError naming the peer.
+
+    Args:
+        on_socket: told the socket once it exists and None once it is closed, so that an owner
+            shutting down can cut a transfer in flight.
+    """
+    check_secret(secret)
+    host, port = parse_address(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=deadline.left())
+    except OSError as exc:
+        raise ReplicationError(f"could not reach peer {address}: {exc}") from exc
+    try:
+        if on_socket is not None:
+            on_socket(sock)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_handshake(sock, secret, deadline)
+        yield sock
+    except OSError as exc:
+        raise ReplicationError(f"connection to peer {address} failed: {exc}") from exc
+    except ReplicationError as exc:
+        raise ReplicationError(f"peer {address}: {exc.message}") from exc
+    finally:
+        if on_socket is not None:
+            on_socket(None)
+        sock.close()
+
+
+def push_view(
+    address: str,
+    secret: bytes,
+    announce: Announce,
+    view: memoryview,
+    deadline: Deadline,
+    is_intact: Callable[[], bool] | None = None,
+    on_socket: Callable[[socket.socket | None], None] | None = None,
+) -> bool:
+    """Send one snapshot; False when ``is_intact`` said the source changed (ABORT was sent)."""
+    with connection(address, secret, deadline, on_socket) as sock:
+        send_message(sock, {"op": "push", **announce.to_message()}, deadline)
+        reply = recv_message(sock, deadline)
+        if reply.get("ok") is not True:
+            raise ReplicationError(f"refused step {announce.step} of rank {announce.rank}: {reply.get('error')}")
+        sent = send_snapshot(sock, deadline, view, announce.bounds, is_intact)
+        reply = recv_message(sock, deadline)
+        if not sent.committed:
+            return False
+        if reply.get("ok") is not True:
+            raise ReplicationError(f"did not keep step {announce.step} of rank {announce.rank}: {reply.get('error')}")
+        return True
+
+
+def push(
+    address: str,
+    secret: bytes,
+    rank: int,
+    step: int,
+    world_size: int | None,
+    data: bytes | memoryview,
+    values: Any,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """Replicate one rank's snapshot to the peer at ``address``; it counts there once this returns.
+
+    Args:
+        world_size: recorded with the replica (None: unknown), so a restore can refuse a mismatch.
+        data: a snapshot (safetensors bytes, as ``resilrun.state.layout`` lays them out).
+        values: any JSON; travels with the replica.
+        timeout: the whole transfer's deadline.
+
+    Raises:
+        ReplicationError: unreachable, unauthenticated, refused, timed out, or checksums did not match.
+        CheckpointCorruptError: ``data`` is not a snapshot.
+        ValueError: rank, step or world size out of range; a secret too short.
+    """
+    if rank < 0 or step < 0 or (world_size is not None and not 0 <= rank < world_size):
+        raise ValueError(f"rank {rank}, step {step}, world size {world_size} out of range")
+    view = memoryview(data).cast("B")
+    announce = Announce(rank, step, world_size, len(view), values, snapshot_bounds(view))
+    push_view(address, secret, announce, view, Deadline.total(timeout.total_seconds()))
+
+
+def fetch(
+    address: str, secret: bytes, rank: int, step: int, timeout: timedelta = DEFAULT_TIMEOUT
+) -> tuple[bytearray, Any]:
+    """A peer's copy of ``rank``'s snapshot of ``step`` (from its replicas or its own memory), verified.
+
+    Returns:
+        (bytes, values); the bytes come as a bytearray (received in place, not copied again), which
+        ``NodeMemoryTier.install`` and every bytes-like consumer accept.
+
+    Raises:
+        CheckpointNotFoundError: the peer does not hold that step.
+        CheckpointCorruptError: a crc32 did not match, or the bytes are not a snapshot.
+        ReplicationError: unreachable, unauthenticated, timed out, or the copy changed while sent.
+    """
+    deadline = Deadline.total(timeout.total_seconds())
+    with connection(address, secret, deadline) as sock:
+        send_message(sock, {"op": "fetch", "rank": rank, "step": step}, deadline)
+        reply = recv_message(sock, deadline)
+        if reply.get("ok") is not True:
+            if reply.get("not_found") is True:
+                raise CheckpointNotFoundError(f"peer {address} holds no step {step} of rank {rank}")
+            raise ReplicationError(f"refused step {step} of rank {rank}: {reply.get('error')}")
+        announce = parse_announce(reply)
+        if (announce.rank, announce.step) != (rank, step):
+            raise ReplicationError(f"sent step {announce.step} of rank {announce.rank} instead")
+        if announce.nbytes + _HEADROOM_BYTES > psutil.virtual_memory().available:
+            raise ReplicationError(f"node memory cannot hold a {announce.nbytes} byte snapshot")
+        data = bytearray(announce.nbytes)
+        received = receive_snapshot(sock, deadline, memoryview(data), announce.bounds)
+        if received.aborted:
+            raise ReplicationError(f"its copy of step {step} of rank {rank} changed while it was sent")
+        if received.problem is not None:
+            raise CheckpointCorruptError(f"step {step} of rank {rank} from peer {address}: {received.problem}")
+        return data, announce.values
+
+
+def held(address: str, secret: bytes, timeout: timedelta = DEFAULT_TIMEOUT) -> dict[str, dict[int, list[int]]]:
+    """What the peer holds: ``{"replicas": {rank: steps}, "local": {rank: steps}}``, newest step first.
+
+    Raises:
+        ReplicationError: unreachable, unauthenticated, timed out, or a malformed reply.
+    """
+    deadline = Deadline.total(timeout.total_seconds())
+    with connection(address, secret, deadline) as sock:
+        send_message(sock, {"op": "held"}, deadline)
+        reply = recv_message(sock, deadline)
+    try:
+        return {
+            kind: {int(rank): [int(step) for step in steps] for rank, steps in reply[kind].items()}
+            for kind in ("replicas", "local")
+        }
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ReplicationError(f"peer {address} sent a malformed HELD reply") from None

@@ -1,0 +1,249 @@
+"""The agent's replica server: receives peers' snapshots and serves this node's to restoring peers.
+
+A TCP listener on the address the job needs (loopback by default), one thread per connection,
+one request per connection (protocol in ``resilrun.state.peer_wire``). Requests:
+
+    | op    | does                                                                 | reply                  |
+    |-------|----------------------------------------------------------------------|------------------------|
+    | push  | receive a snapshot straight into the rank's free replica slot        | ok, or error (+ why)   |
+    | fetch | stream a snapshot of (rank, step) from node memory or a replica      | the stream, not_found  |
+    | held  | list what this node holds: replicas and its own ranks' steps         | small JSON             |
+
+Invariants: a peer that has not proved the job secret gets nothing but a nonce and is cut off
+after ``AUTH_TIMEOUT_S``; a replica becomes visible only after the sender's COMMIT and every
+crc32 matched; no peer input can raise out of a connection thread or make the server allocate
+more than a checked size; at most ``max_connections`` threads exist at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from resilrun.errors import CheckpointCorruptError, CheckpointError
+from resilrun.state.memory import NodeMemoryTier
+from resilrun.state.peer_store import Replica, ReplicaStore
+from resilrun.state.peer_wire import (
+    Announce,
+    Deadline,
+    ReplicationError,
+    check_secret,
+    format_address,
+    parse_announce,
+    receive_snapshot,
+    recv_message,
+    send_message,
+    send_snapshot,
+    server_handshake,
+    snapshot_bounds,
+)
+
+logger = logging.getLogger(__name__)
+
+# The handshake is three small messages: a peer holding a connection thread longer without proving
+# the secret is a scanner or an attacker, and this bounds how long it can hold one.
+AUTH_TIMEOUT_S = 5.0
+# After authentication, an operation (one recv_into, one sendall of a frame) that makes no progress
+# for this long means the peer is gone; a legitimate transfer keeps moving.
+IO_TIMEOUT = timedelta(seconds=30)
+# Replicas come from the next k nodes, fetches from restoring nodes; 64 covers both with room to spare
+# and caps the threads a connection flood can create.
+MAX_CONNECTIONS = 64
+
+
+class ReplicaServer:
+    """Serves PUSH, FETCH and HELD on ``host`` (port chosen by the OS) to peers holding ``secret``."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        replicas: ReplicaStore,
+        memory: NodeMemoryTier,
+        host: str = "127.0.0.1",
+        *,
+        io_timeout: timedelta = IO_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        """Bind and start serving.
+
+        Raises:
+            ValueError: the secret is shorter than ``peer_wire.MIN_SECRET_BYTES``.
+            OSError: ``host`` cannot be bound.
+        """
+        check_secret(secret)
+        self._secret = secret
+        self.replicas = replicas
+        self.memory = memory
+        self._io_timeout = io_timeout.total_seconds()
+        self._max_connections = max_connections
+        self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._listener.bind((host, 0))
+            self._listener.listen(max_connections)
+        except OSError:
+            self._listener.close()
+            raise
+        self.host = host
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._refused_hosts: set[str] = set()
+        self._closed = threading.Event()
+        name = f"resilrun-peer-server-{self.port}"
+        self._acceptor = threading.Thread(target=self._accept_loop, name=name, daemon=True)
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as peers dial it."""
+        return format_address(self.host, self.port)
+
+    # -- connections -------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                time.sleep(0.05)  # e.g. EMFILE: do not spin; the listener stays up
+                continue
+            with self._lock:
+                if self._closed.is_set() or len(self._connections) >= self._max_connections:
+                    conn.close()
+                    continue
+                thread = threading.Thread(target=self._serve, args=(conn, peer[0]), daemon=True)
+                self._connections[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not server_handshake(conn, self._secret, Deadline.total(AUTH_TIMEOUT_S)):
+                self._note_refused(peer)
+                return
+            deadline = Deadline.idle(self._io_timeout)
+            request = recv_message(conn, deadline)
+            op = request.get("op")
+            if op == "push":
+                self._push(conn, request, deadline)
+            elif op == "fetch":
+                self._fetch(conn, request, deadline)
+            elif op == "held":
+                send_message(conn, {"ok": True, **self.describe()}, deadline)
+            else:
+                send_message(conn, {"ok": False, "error": f"unknown op {str(op)[:40]!r}"}, deadline)
+        except (OSError, CheckpointError) as exc:  # ReplicationError is a CheckpointError
+            if not self._closed.is_set():
+                logger.debug("peer connection from %s ended: %s", peer, exc)
+        except Exception:  # a bug here must not take the agent down with it, but must be seen
+            logger.exception("peer connection from %s failed unexpectedly", peer)
+        finally:
+            with self._lock:
+                self._connections.pop(conn, None)
+            conn.close()
+
+    def _note_refused(self, peer: str) -> None:
+        # Warn once per host: a scanner must not flood the agent's log, but a misconfigured node must be seen.
+        with self._lock:
+            first = peer not in self._refused_hosts
+            self._refused_hosts.add(peer)
+        level = logging.WARNING if first else logging.DEBUG
+        logger.log(level, "refused a replica connection from %s: it did not prove the job secret", peer)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def _push(self, conn: socket.socket, request: dict[str, Any], deadline: Deadline) -> None:
+        try:
+            announce = parse_announce(request)
+            reservation = self.replicas.reserve(announce.rank, announce.nbytes)
+        except ReplicationError as exc:
+            send_message(conn, {"ok": False, "error": exc.message}, deadline)
+            return
+        try:
+            send_message(conn, {"ok": True}, deadline)
+            received = receive_snapshot(conn, deadline, reservation.view, announce.bounds)
+        except BaseException:
+            self.replicas.release(reservation)
+            raise
+        # Publish or release before replying, so that a sender told the outcome may push again at once.
+        if received.problem is None:
+            replica = Replica(
+                announce.rank,
+                announce.step,
+                announce.world_size,
+                announce.nbytes,
+                announce.values,
+                announce.bounds,
+                received.crcs,
+            )
+            self.replicas.publish(reservation, replica)
+            send_message(conn, {"ok": True}, deadline)
+            return
+        self.replicas.release(reservation)
+        level = logging.DEBUG if received.aborted else logging.WARNING
+        logger.log(level, "replica of rank %d step %d not kept: %s", announce.rank, announce.step, received.problem)
+        send_message(conn, {"ok": False, "error": received.problem}, deadline)
+
+    def _fetch(self, conn: socket.socket, request: dict[str, Any], deadline: Deadline) -> None:
+        rank, step = request.get("rank"), request.get("step")
+        if not isinstance(rank, int) or not isinstance(step, int):
+            send_message(conn, {"ok": False, "error": "bad rank or step"}, deadline)
+            return
+        local = self.memory.read(rank, step)
+        if local is not None:
+            data, values = local
+            view = memoryview(data)
+            try:
+                bounds = snapshot_bounds(view)
+            except CheckpointCorruptError as exc:
+                problem = f"this node's copy is not a snapshot: {exc.message}"
+                send_message(conn, {"ok": False, "error": problem}, deadline)
+                return
+            announce = Announce(rank, step, None, len(view), values, bounds)
+            send_message(conn, {"ok": True, **announce.to_message()}, deadline)
+            send_snapshot(conn, deadline, view, announce.bounds)
+            return
+        opened = self.replicas.open(rank, step)
+        if opened is None:
+            send_message(conn, {"ok": False, "not_found": True, "error": "not held"}, deadline)
+            return
+        view, replica, is_current = opened
+        announce = Announce(rank, step, replica.world_size, replica.nbytes, replica.values, replica.bounds)
+        send_message(conn, {"ok": True, **announce.to_message()}, deadline)
+        sent = send_snapshot(conn, deadline, view, replica.bounds, is_current, stored_crcs=replica.crcs)
+        if sent.committed and sent.crcs != replica.crcs and is_current():
+            logger.error("replica of rank %d step %d is corrupt in this node's memory: dropped", rank, step)
+            self.replicas.discard(rank, step)
+
+    def describe(self) -> dict[str, dict[str, list[int]]]:
+        """What this node holds: peers' replicas and its own ranks' committed steps, newest first."""
+        local = {}
+        for rank in self.memory.held_ranks():
+            committed = self.memory.describe(rank)["committed"].values()
+            steps = sorted((int(c["step"]) for c in committed), reverse=True)
+            if steps:
+                local[str(rank)] = steps
+        replicas = {str(rank): steps for rank, steps in self.replicas.held().items()}
+        return {"replicas": replicas, "local": local}
+
+    def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """Stop accepting, cut every connection (transfers in flight count for nothing), join the threads."""
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        self._listener.close()
+        with self._lock:
+            connections = list(self._connections.items())
+        for conn, _ in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        end = time.monotonic() + timeout.total_seconds()
+        for thread in [self._acceptor, *(t for _, t in connections)]:
+            thread.join(max(0.0, end - time.monotonic()))
+            if thread.is_alive():
+                logger.warning("replica server thread %s did not stop within %s", thread.name, timeout)

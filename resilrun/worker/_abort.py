@@ -1,0 +1,74 @@
+"""Getting a survivor out of a collective that will never finish.
+
+When a peer dies, a rank blocked receiving from a *live* peer that has already left the broken
+generation waits forever: gloo closes its connections only when its context is destroyed, and
+neither ``abort()`` nor ``destroy_process_group()`` does that while a collective is in flight
+(measured with torch 2.13). So each generation remembers the TCP connections its process group
+opened, and a watchdog thread shuts them down when the agent announces the next generation: the
+blocked collective then fails at once, and the bootstrap moves the process to the new generation.
+With NCCL the communicator's own ``abort()`` does this job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+def tcp_sockets() -> set[int]:
+    """File descriptors of this process's TCP sockets."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            probe = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with probe:
+            is_tcp = probe.family in (socket.AF_INET, socket.AF_INET6) and probe.type == socket.SOCK_STREAM
+            # Never a listening socket: gloo's listener thread terminates the process if its
+            # accept() fails, and a listener carries no collective anyway.
+            if is_tcp and not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                found.add(fd)
+    return found
+
+
+def shut_down(fds: set[int]) -> int:
+    """Shut down (both directions) the given sockets; blocked reads on them fail immediately."""
+    count = 0
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            probe = socket.socket(fileno=os.dup(fd))
+            with probe:
+                probe.shutdown(socket.SHUT_RDWR)
+                count += 1
+    return count
+
+
+class GenerationWatchdog(threading.Thread):
+    """Waits (through the agent) for the next generation, then aborts this one's collectives."""
+
+    def __init__(self, wait_for_next: Callable[[], bool], abort: Callable[[], None]) -> None:
+        super().__init__(name="resilrun-generation-watchdog", daemon=True)
+        self._wait_for_next = wait_for_next
+        self._abort = abort
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                moved_on = self._wait_for_next()
+            except Exception as exc:  # noqa: BLE001 - the agent went away: nothing to watch for
+                logger.debug("generation watchdog stops: %s", exc)
+                return
+            if moved_on and not self.stopped.is_set():
+                self._abort()
+                return

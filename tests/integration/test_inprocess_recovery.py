@@ -1,0 +1,70 @@
+"""Checkpointless recovery: a hot spare takes the failed rank, survivors keep their processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+from tests.integration.test_tier1_restore import ARGS, EXAMPLE, _clean_checksum
+
+pytestmark = pytest.mark.integration
+
+
+def test_sigkilled_worker_is_replaced_by_a_hot_spare_and_the_survivor_keeps_its_process(
+    launcher, tmp_path: Path
+) -> None:
+    # Given 2 workers and one hot spare, no restart allowed; rank 1 is SIGKILLed at step 12
+    target = tmp_path / "faulty.sha"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+        str(EXAMPLE), *ARGS, "--checksum-file", str(target), env={"RESILRUN_FAULTS": "kill:rank=1,step=12"},
+    )  # fmt: skip
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    err = run.stderr()
+    # Then the spare took rank 1 without a restart, rank 0 recovered in its own process,
+    assert "hot spare takes over" in err
+    assert "rank 0 recovering in-process into generation 1" in err
+    assert "restarting the job" not in err
+    # and both resumed from step 11: no step redone beyond the one in flight
+    assert "rank 0 resumed from step 11 (node memory)" in err
+    assert "rank 1 resumed from step 11 (node memory)" in err
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
+
+
+def test_two_nodes_recover_in_process_from_a_worker_failure_on_the_other_node(launcher, tmp_path: Path) -> None:
+    # Given 2 nodes x 2 workers, one spare per node; rank 3 exits with code 9 at step 9
+    port = free_port()
+    target = tmp_path / "faulty.sha"
+    flags = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--spares", "1"]
+    nodes = [
+        launcher("resilrun", *flags, str(EXAMPLE), *ARGS, "--checksum-file", str(target),
+                 env={"RESILRUN_FAULTS": "exit:rank=3,step=9,code=9"})
+        for _ in range(2)
+    ]  # fmt: skip
+    for node in nodes:
+        assert node.wait(150) == 0, node.stderr()[-3000:]
+    err = nodes[0].stderr() + nodes[1].stderr()
+    # Then every survivor on both nodes recovered in-process and all resumed from step 8
+    for rank in (0, 1, 2):
+        assert f"rank {rank} recovering in-process" in err
+    for rank in range(4):
+        assert f"rank {rank} resumed from step 8 (node memory)" in err
+    assert "restarting the job" not in err
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 4)
+
+
+def test_two_successive_failures_and_a_failure_in_the_first_step(launcher, tmp_path: Path) -> None:
+    # Given two spares: rank 0 dies in the very first step, then rank 1 dies at step 15 of the next generation
+    target = tmp_path / "faulty.sha"
+    plan = "kill:rank=0,step=0,attempt=0; exit:rank=1,step=15,attempt=1,code=4"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "2",
+        str(EXAMPLE), *ARGS, "--checksum-file", str(target), env={"RESILRUN_FAULTS": plan},
+    )  # fmt: skip
+    assert run.wait(180) == 0, run.stderr()[-3000:]
+    err = run.stderr()
+    assert err.count("hot spare takes over") == 2
+    assert "rank 0 resumed from step 14 (node memory)" in err
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
