@@ -226,6 +226,10 @@ class Config:
         default=5.0,
         metadata=_meta("--heartbeat-timeout", H, "Seconds without heartbeat before a node is lost.", pet=False),
     )
+    # Minutes, not seconds: a long evaluation or a slow first compile is not a hang.
+    hang_timeout_s: float = field(
+        default=300.0, metadata=_meta("--hang-timeout", H, "Seconds without a committed step before a hang.", pet=False)
+    )
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.")
     )
@@ -368,6 +372,8 @@ class Config:
             raise ConfigError(f"--monitor-interval ({self.monitor_interval_s}) must be > 0")
         if not self.shutdown_timeout_s >= 0:
             raise ConfigError(f"--shutdown-timeout ({self.shutdown_timeout_s}) must be >= 0")
+        if not self.hang_timeout_s > 0:
+            raise ConfigError(f"--hang-timeout ({self.hang_timeout_s}) must be > 0")
         if self.spares < 0:
             raise ConfigError(f"--spares ({self.spares}) must be >= 0")
         if not self.heartbeat_interval_s > 0:

@@ -35,6 +35,7 @@ class WorkerEnv:
     agent_socket: str = ""
     attempt: int = 0
     recovery_wait_s: float = 10.0
+    heartbeat_interval_s: float = 1.0
 
     def to_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The full environment of the worker: ``base`` (the agent's) plus the contract."""
@@ -67,6 +68,7 @@ class WorkerEnv:
                 # Restarts plus in-process recoveries so far: which incarnation of the job this is.
                 "RESILRUN_ATTEMPT": str(self.attempt),
                 "RESILRUN_RECOVERY_WAIT_S": str(self.recovery_wait_s),
+                "RESILRUN_HEARTBEAT_INTERVAL_S": str(self.heartbeat_interval_s),
                 "RESILRUN_SPARE": "0",
             }
         )
@@ -114,6 +116,7 @@ class WorkerVariables:
     round: int = 0
     attempt: int = 0
     recovery_wait_s: float = 10.0
+    heartbeat_interval_s: float = 1.0
 
 
 def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVariables:
@@ -132,6 +135,7 @@ def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVar
         round=int(env.get("RESILRUN_ROUND", "0")),
         attempt=int(env.get("RESILRUN_ATTEMPT", env.get("TORCHELASTIC_RESTART_COUNT", "0"))),
         recovery_wait_s=float(env.get("RESILRUN_RECOVERY_WAIT_S", "10")),
+        heartbeat_interval_s=float(env.get("RESILRUN_HEARTBEAT_INTERVAL_S", "1")),
     )
 
 

@@ -90,6 +90,12 @@ class AgentChannel:
                 request.get("values"),
             )
             return {"ok": True}, []
+        if op == "finished":
+            self.control.finished(int(request["pid"]))
+            return {"ok": True}, []
+        if op == "beat":
+            self.control.beat(int(request["pid"]))
+            return {"ok": True}, []
         if op == "hello_api":
             self.control.register_api(int(request["pid"]))
             return {"ok": True}, []

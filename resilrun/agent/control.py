@@ -26,6 +26,8 @@ class WorkerControl:
         self._waiting_spares: set[int] = set()
         self._api_pids: set[int] = set()
         self._progress: dict[int, tuple[int, float]] = {}  # pid -> (step, when it changed)
+        self._beats: dict[int, float] = {}  # pid -> when its heartbeat thread last spoke
+        self._finished: set[int] = set()
 
     # -- channel side -------------------------------------------------------------------------
     def register_api(self, pid: int) -> None:
@@ -57,6 +59,28 @@ class WorkerControl:
                     return None
                 self._cond.wait(remaining)
             return self._generation_env[pid]
+
+    def beat(self, pid: int) -> None:
+        with self._cond:
+            self._beats[pid] = time.monotonic()
+
+    def finished(self, pid: int) -> None:
+        """The worker's script returned: from here on it only tears down, which may take a while."""
+        with self._cond:
+            self._finished.add(pid)
+
+    def silent_for(self, pid: int) -> float | None:
+        """Seconds since the worker's heartbeat thread last spoke (None: it never did, e.g. still
+        importing, or its script already finished)."""
+        with self._cond:
+            last = None if pid in self._finished else self._beats.get(pid)
+        return None if last is None else time.monotonic() - last
+
+    def stalled_for(self, pid: int) -> float | None:
+        """Seconds since the worker's committed step last changed (None before its first commit)."""
+        with self._cond:
+            seen = None if pid in self._finished else self._progress.get(pid)
+        return None if seen is None else time.monotonic() - seen[1]
 
     def report_step(self, pid: int, step: int) -> None:
         with self._cond:

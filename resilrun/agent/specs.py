@@ -73,6 +73,7 @@ def worker_specs(
             # Long enough for another node's agent to notice its failure (or a node loss) and for
             # a warming spare to become ready (supervisor._SPARE_READY_TIMEOUT_S).
             recovery_wait_s=config.heartbeat_timeout_s + 40.0,
+            heartbeat_interval_s=config.heartbeat_interval_s,
         ).to_env(base_env)
         specs.append(
             WorkerSpec(

@@ -158,6 +158,7 @@ class Supervisor:
                 and current.node_rank(self.rdzv.me.node_id) == round_.node_rank
                 and len(current.participants) == len(state.participants)
             )
+            self._kill_hung_workers(round_)
             action = decide(AgentView(state.round, codes, current, self.signals.signum, lost, follow))
             everyone = round_.workers + round_.spares
             if action is Action.WAIT:
@@ -195,6 +196,23 @@ class Supervisor:
             if action is Action.OPEN_ROUND:
                 logger.info("a node is waiting to join: opening round %d", state.round + 1)
                 self.rdzv.next_round(state.round, failure=None, max_restarts=self.config.max_restarts)
+
+    def _kill_hung_workers(self, round_: _Round) -> None:
+        """A worker frozen (no heartbeat) or stuck (no committed step) for too long is killed, so the
+        ordinary failure path (a spare, or a restart) takes over."""
+        for worker in round_.workers:
+            if worker.poll() is not None:
+                continue
+            silent = self.control.silent_for(worker.pid)
+            stalled = self.control.stalled_for(worker.pid)
+            reason = None
+            if silent is not None and silent > self.config.heartbeat_timeout_s:
+                reason = f"no heartbeat for {silent:.1f} s (frozen?)"
+            elif stalled is not None and stalled > self.config.hang_timeout_s:
+                reason = f"no step committed for {stalled:.0f} s (--hang-timeout {self.config.hang_timeout_s:g})"
+            if reason is not None:
+                logger.error("rank %d hung: %s; killing it", worker.spec.global_rank, reason)
+                worker.signal_group(signal.SIGKILL)
 
     # -- in-process recovery ------------------------------------------------------------------
     def _top_up_spares(self, round_: _Round) -> None:

@@ -7,7 +7,9 @@ from any layer are rendered once, in ``main``, as a one-line message, a hint and
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from typing import Any
 
 import typer
 
@@ -27,6 +29,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     help="A torchrun-compatible launcher for distributed PyTorch training that survives failures.",
+    epilog="resilrun SCRIPT ARGS... is short for resilrun run SCRIPT ARGS... (see resilrun run --help).",
 )
 
 
@@ -60,6 +63,43 @@ def _with_default_command(argv: list[str]) -> list[str]:
     return ["run", *argv]
 
 
+# typer answers shell completion when this variable is set (its name: _<PROG>_COMPLETE); the
+# scripts in completions/ set it to complete_<shell>.
+_COMPLETE_VAR = "_RESILRUN_COMPLETE"
+
+
+def _complete_with_default_command(command: Any) -> None:
+    """Answer a shell-completion request knowing that ``run`` is the default command.
+
+    typer completes the words as they stand, so ``resilrun --nn<TAB>`` would see only the top-level
+    options. Here the words are completed as ``main`` parses them: after ``_with_default_command``,
+    and a first word that is an option is offered both the top-level options and ``run``'s. Anything
+    else (``source_<shell>``, a normal run) is left to typer.
+    """
+    instruction = os.environ.get(_COMPLETE_VAR, "")
+    if not instruction.startswith("complete_"):
+        return
+    from typer._click.shell_completion import get_completion_class  # typer's bundled click
+
+    shell_class = get_completion_class(instruction.removeprefix("complete_"))
+    if shell_class is None:
+        return  # typer reports the unknown shell
+    completer = shell_class(command, {}, "resilrun", _COMPLETE_VAR)
+    complete_words = completer.get_completions
+
+    def get_completions(args: list[str], incomplete: str) -> list[Any]:
+        args = _with_default_command(list(args))
+        items = list(complete_words(args, incomplete))
+        if not args and incomplete.startswith("-"):
+            seen = {item.value for item in items}
+            items += [item for item in complete_words(["run"], incomplete) if item.value not in seen]
+        return items
+
+    completer.get_completions = get_completions  # type: ignore[method-assign]  # this one instance only
+    Output().data(completer.complete())
+    sys.exit(0)
+
+
 def _setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[resilrun %(asctime)s %(levelname)s] %(message)s", "%H:%M:%S"))
@@ -71,10 +111,11 @@ def _setup_logging() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point; never shows a traceback for a user mistake."""
+    command = typer.main.get_command(app)
+    _complete_with_default_command(command)
     args = _with_default_command(list(sys.argv[1:] if argv is None else argv))
     _setup_logging()
     out = Output()
-    command = typer.main.get_command(app)
     try:
         code = command.main(args, prog_name="resilrun", standalone_mode=False)
         sys.exit(int(code or 0) if isinstance(code, int) else 0)

@@ -11,7 +11,9 @@ A snapshot travels as an announce message (rank, step, world size, nbytes, value
 then data frames (u32 length + bytes; a zero length ends the data), then a trailer message:
 ``{"commit": true, "crc32": [...]}`` with one crc32 per segment, or ``{"commit": false}`` (ABORT)
 when the sender's source was overwritten meanwhile. Segments are the safetensors header and each
-tensor, so a replica's crc32s are the same numbers the durable tier's manifests record.
+tensor, so a replica's crc32s are the same numbers the durable tier's manifests record. The crc32s
+ride in the trailer rather than the announce so that each end reads the bytes once, hashing them
+(on a helper thread) while they move; the receiver verifies before anything becomes visible.
 
 Invariants: nothing but fixed-size reads happens before the peer proved the secret; every socket
 operation runs under a deadline; every size a peer announces is checked before anything is

@@ -21,9 +21,9 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 
-def tcp_sockets() -> set[int]:
-    """File descriptors of this process's TCP sockets."""
-    found = set()
+def tcp_sockets() -> dict[int, int]:
+    """This process's TCP sockets (listeners excluded): file descriptor -> socket inode."""
+    found: dict[int, int] = {}
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
@@ -37,17 +37,24 @@ def tcp_sockets() -> set[int]:
             # Never a listening socket: gloo's listener thread terminates the process if its
             # accept() fails, and a listener carries no collective anyway.
             if is_tcp and not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                found.add(fd)
+                found[fd] = os.fstat(probe.fileno()).st_ino
     return found
 
 
-def shut_down(fds: set[int]) -> int:
-    """Shut down (both directions) the given sockets; blocked reads on them fail immediately."""
+def shut_down(sockets: dict[int, int]) -> int:
+    """Shut down (both directions) the given sockets; blocked reads on them fail immediately.
+
+    A descriptor number may have been closed and reused since it was recorded (gloo closes a
+    failed pair's socket), so each one is checked against the recorded inode first: never shut
+    down a socket that is not the one the process group opened.
+    """
     count = 0
-    for fd in fds:
+    for fd, inode in sockets.items():
         with contextlib.suppress(OSError):
             probe = socket.socket(fileno=os.dup(fd))
             with probe:
+                if os.fstat(probe.fileno()).st_ino != inode:
+                    continue
                 probe.shutdown(socket.SHUT_RDWR)
                 count += 1
     return count

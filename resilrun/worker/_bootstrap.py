@@ -87,6 +87,23 @@ def _next_generation(exc: BaseException) -> dict[str, str] | None:
     return env if isinstance(env, dict) else None
 
 
+def _tell_agent_finished() -> None:
+    """Interpreter teardown (process groups, CUDA) can take seconds without a heartbeat: say so."""
+    socket_path = os.environ.get("RESILRUN_AGENT_SOCKET")
+    if not socket_path or "resilrun.worker.job" not in sys.modules:
+        return
+    from resilrun.worker._channel import AgentClient
+
+    try:
+        client = AgentClient(socket_path)
+        try:
+            client.request({"op": "finished", "pid": os.getpid()})
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - best effort; the exit code says the rest
+        pass
+
+
 def main(argv: list[str]) -> None:
     as_module = bool(argv) and argv[0] == "-m"
     if as_module:
@@ -96,10 +113,13 @@ def main(argv: list[str]) -> None:
     while True:
         try:
             _run(target, list(args), as_module)
+            _tell_agent_finished()
             return
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 write_error_file(exc)
+            else:
+                _tell_agent_finished()
             raise
         except BaseException as exc:
             env = _next_generation(exc)

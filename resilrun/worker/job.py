@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -237,7 +239,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     device = torch.device("cuda", variables.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    group_sockets: set[int] = set()
+    group_sockets: dict[int, int] = {}
     if not dist.is_initialized():
         ensure_rendezvous_defaults()
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
@@ -248,7 +250,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
             world_size=variables.world_size,
             **kwargs,
         )
-        group_sockets = tcp_sockets() - before
+        group_sockets = {fd: inode for fd, inode in tcp_sockets().items() if before.get(fd) != inode}
     snapshotter = None
     if client is not None:
         client.request({"op": "hello_api", "pid": os.getpid()})
@@ -266,10 +268,34 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     )
     if variables.agent_socket:
         _JOB._watchdog = _start_watchdog(variables.agent_socket, variables.round, group_sockets)
+        _start_heartbeat(variables.agent_socket, variables.heartbeat_interval_s)
     return _JOB
 
 
-def _start_watchdog(agent_socket: str, round: int, group_sockets: set[int]) -> GenerationWatchdog:
+_HEARTBEAT: threading.Thread | None = None
+
+
+def _start_heartbeat(agent_socket: str, interval_s: float) -> None:
+    """Once per process: a thread that tells the agent this process still runs Python (a frozen one
+    cannot). It outlives generations, so a survivor re-entering the script keeps beating."""
+    global _HEARTBEAT
+    if _HEARTBEAT is not None:
+        return
+    client = AgentClient(agent_socket)
+
+    def beat() -> None:
+        while True:
+            try:
+                client.request({"op": "beat", "pid": os.getpid()})
+            except Exception:  # noqa: BLE001 - the agent is gone; the process will be stopped anyway
+                return
+            time.sleep(interval_s)
+
+    _HEARTBEAT = threading.Thread(target=beat, name="resilrun-heartbeat", daemon=True)
+    _HEARTBEAT.start()
+
+
+def _start_watchdog(agent_socket: str, round: int, group_sockets: dict[int, int]) -> GenerationWatchdog:
     client = AgentClient(agent_socket)
 
     def wait_for_next() -> bool:

@@ -68,3 +68,19 @@ def test_two_successive_failures_and_a_failure_in_the_first_step(launcher, tmp_p
     assert err.count("hot spare takes over") == 2
     assert "rank 0 resumed from step 14 (node memory)" in err
     assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
+
+
+def test_a_frozen_worker_is_detected_killed_and_replaced_by_a_spare(launcher, tmp_path: Path) -> None:
+    # Given rank 1 SIGSTOPs itself at step 12 (a hang: the process exists but runs nothing)
+    target = tmp_path / "faulty.sha"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--heartbeat-timeout", "5",
+        str(EXAMPLE), *ARGS, "--checksum-file", str(target), env={"RESILRUN_FAULTS": "hang:rank=1,step=12"},
+    )  # fmt: skip
+    # Then the agent sees its heartbeat stop, kills it, and a spare takes over; no orphan is left
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    err = run.stderr()
+    assert "rank 1 hung: no heartbeat" in err
+    assert "hot spare takes over" in err
+    assert "rank 0 resumed from step 11 (node memory)" in err
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)

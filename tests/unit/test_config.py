@@ -469,6 +469,7 @@ def test_bad_endpoint_is_reported_by_from_cli(script: str) -> None:
 # resilrun's own flags have no torchrun (PET_*) spelling.
 _RESILRUN_ONLY = {
     "spares",
+    "hang_timeout_s",
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
     "replicas",

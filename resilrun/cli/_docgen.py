@@ -1,0 +1,495 @@
+"""``python -m resilrun.cli._docgen [--check]``: shell completions and man pages from the one CLI definition.
+
+Writes ``completions/resilrun.{bash,zsh,fish}``, the exact text ``_RESILRUN_COMPLETE=source_<shell>
+resilrun`` prints, and ``man/resilrun.1`` plus ``man/resilrun-<command>.1``, roff in the style of
+httpie's ``ManPageBuilder``, by walking ``typer.main.get_command(app)``: options grouped by their
+help panel, ENVIRONMENT from the ``Config`` field metadata and the worker environment contract, EXIT
+STATUS from ``ExitCode``. ``--check`` regenerates in memory and exits 1 listing the files that differ.
+
+Invariants: the output is a function of the code alone: no build date (the title line carries the
+release date and the version), no terminal width, no environment values; a default that would differ
+between machines (a temp dir, the home directory, the host name) is written symbolically. Pages are
+ASCII and pass ``groff -ww -man`` and ``mandoc -T lint`` without a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import socket
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from resilrun import __version__
+from resilrun.cli import app
+from resilrun.cli._output import Output
+from resilrun.config import CONFIG_FIELDS
+from resilrun.env import WorkerEnv
+from resilrun.errors import EXIT_CODE_MEANINGS, ExitCode
+
+__all__ = ["generate", "main"]
+
+ROOT = Path(__file__).resolve().parents[2]
+PROG = "resilrun"
+COMPLETE_VAR = "_RESILRUN_COMPLETE"  # typer's name: _<PROG>_COMPLETE
+SHELLS = ("bash", "zsh", "fish")
+# The release date of __version__: change both together (a date that changed on every run would
+# make the drift check useless, and mandoc insists on a real date in .TH).
+RELEASE_DATE = "2026-11-30"
+
+# Defaults that exist only at run time, written as what they mean.
+_SYMBOLIC_DEFAULTS = {
+    "node_rank": "assigned at the rendezvous",
+    "log_dir": "a new directory under $TMPDIR",
+    "local_addr": "this host's fully qualified name",
+    "rdzv_endpoint": "none (required when more than one node)",
+}
+_UNICODE = {"\u2265": r"\(>=", "\u2264": r"\(<=", "\u2014": r"\(em", "\u2013": r"\(en", "\u2019": "'", "\u2192": "->"}
+_SOURCE_WIDTH = 80
+_OPTION = re.compile(r"(?<![\w/.\-])(--?[A-Za-z][\w-]*)")
+
+DESCRIPTIONS: dict[str, list[str]] = {
+    "": [
+        "resilrun launches distributed PyTorch training like torchrun, with the same flags, the same "
+        "PET_* environment variables and the same worker environment, and keeps the job running through "
+        "failures. Write resilrun where you wrote torchrun.",
+        "resilrun SCRIPT [ARGS]... is short for resilrun run SCRIPT [ARGS]...: run is the default "
+        "command, so a torchrun command line works unchanged.",
+        "When a worker fails, every node restarts the job together, within --max-restarts. Scripts "
+        "written on the three-call worker API (resilrun.init(), job.track(...), job.steps(total)) resume "
+        "from the newest step every rank finished, restored from node memory, from a peer node's replica "
+        "(--replicas) or from persistent storage (--checkpoint-uri, a directory or S3).",
+    ],
+    "run": [
+        "Starts this node's workers and supervises them until the job succeeds, fails for good or is "
+        "stopped. One resilrun runs on every node; the nodes meet at the rendezvous (--rdzv-endpoint, "
+        "hosted by the node that owns that address) or use --standalone on one machine.",
+        "Everything after SCRIPT goes to the script untouched. Each option can also be set by its "
+        "environment variables (see ENVIRONMENT): a flag beats RESILRUN_*, which beats torchrun's PET_*, "
+        "which beats the default. Every value is checked before anything starts.",
+        "SIGINT and SIGTERM are forwarded to the workers, which get --shutdown-timeout seconds before "
+        "SIGKILL. Workers run in their own process group and die with their agent, so nothing is orphaned.",
+    ],
+    "inspect-checkpoint": [
+        "Reads a checkpoint written by the persistent tier (--checkpoint-uri of resilrun-run) from a "
+        "directory or an S3 prefix. It lists every step, complete or partial, and for one step (--step, "
+        "else the newest complete one) every rank's tensors with dtype, shape and size, and totals.",
+        "--verify downloads every file and checks the crc32 of every tensor and manifest. Reading never "
+        "executes anything from a checkpoint: corrupt, truncated or forged files end as one error line. "
+        "--json prints one document on stdout whose fields are only ever added to.",
+    ],
+}
+SEE_ALSO_URL = "https://pytorch.org/docs/stable/elastic/run.html"
+EXAMPLES: dict[str, list[tuple[str, str]]] = {
+    "run": [
+        (
+            "One machine, two workers, up to one restart:",
+            "resilrun --standalone --nproc-per-node 2 --max-restarts 1 train.py --lr 3e-4",
+        ),
+        (
+            "Two nodes (run the same command on each; head owns the endpoint and hosts the store):",
+            "resilrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint head:29400 --rdzv-id job42 train.py",
+        ),
+        (
+            "Elastic: start with one node, admit a second one when it arrives:",
+            "resilrun --nnodes 1:2 --nproc-per-node 8 --rdzv-endpoint head:29400 train.py",
+        ),
+        (
+            "Persist every 100th step to S3 and keep the newest three:",
+            "resilrun --standalone --nproc-per-node 8 --checkpoint-uri s3://bucket/run7 --persist-every 100 "
+            "--keep-last 3 train.py",
+        ),
+        (
+            "Rehearse a failure (kill rank 1 when step 12 starts):",
+            'RESILRUN_FAULTS="kill:rank=1,step=12" resilrun --standalone --nproc-per-node 2 --max-restarts 1 train.py',
+        ),
+    ],
+    "inspect-checkpoint": [
+        (
+            "The steps of a checkpoint directory, and the tensors of its newest complete step:",
+            "resilrun inspect-checkpoint /shared/ckpt/run7",
+        ),
+        (
+            "Verify every checksum of step 400 on an S3-compatible store, as JSON:",
+            "resilrun inspect-checkpoint s3://bucket/run7 --step 400 --verify --json "
+            "--s3-endpoint-url http://minio:9000",
+        ),
+    ],
+}
+EXAMPLES[""] = (
+    EXAMPLES["run"][:2]
+    + EXAMPLES["inspect-checkpoint"][:1]
+    + [
+        (
+            "Install completion for the current shell (or source a script from completions/):",
+            "resilrun --install-completion",
+        ),
+    ]
+)
+LOG_FILES = [
+    (
+        "<log-dir>/<run-id>/round_<r>/rank_<g>/stdout.log, stderr.log",
+        "What global rank g printed in rendezvous round r (--redirects, --tee). Without --log-dir the base "
+        "is a new directory under $TMPDIR, named in the agent's first log line.",
+    ),
+    (
+        "<log-dir>/<run-id>/round_<r>/rank_<g>/error.json",
+        "The worker's uncaught exception and traceback (torchrun's error file); the earliest one across all "
+        "nodes is reported as the root cause.",
+    ),
+]
+CHECKPOINT_FILES = [
+    (
+        "<checkpoint-uri>/step_<12 digits>/rank_<5 digits>.safetensors",
+        "One rank's snapshot of one step: safetensors, never pickle, with a crc32 per tensor.",
+    ),
+    (
+        "<checkpoint-uri>/step_<12 digits>/rank_<5 digits>.json",
+        "That rank's manifest (sizes and checksums), written after its data file.",
+    ),
+    (
+        "<checkpoint-uri>/step_<12 digits>/COMPLETE.json",
+        "The commit point, written once every rank's manifest exists: a step without it is never restored. "
+        "Only the newest --keep-last complete steps are kept.",
+    ),
+]
+EXTRA_ENV = [
+    ("RESILRUN_DEBUG", "Set to 1 to print the traceback of an error, not only its one-line message."),
+    (
+        "RESILRUN_FAULTS",
+        "A fault plan for rehearsing failures, e.g. kill:rank=1,step=12; exit:rank=0,step=3,code=7 "
+        "(kinds kill, exit, raise, hang; attempt=N limits a fault to one restart attempt).",
+    ),
+    ("PYTHON_EXEC", "The interpreter that runs Python workers (default: the one running resilrun)."),
+    (
+        "AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION",
+        "S3 credentials and region come from the standard AWS chain (environment, shared config and "
+        "credentials files, SSO, web identity, container and instance roles); resilrun takes no keys as flags.",
+    ),
+]
+
+
+# -- completions -----------------------------------------------------------------------------------
+def completion_script(shell: str) -> str:
+    """What ``_RESILRUN_COMPLETE=source_<shell> resilrun`` prints: typer's shim for ``shell``."""
+    from typer._click.shell_completion import get_completion_class  # typer's bundled click
+
+    command = typer.main.get_command(app)  # also registers typer's completion classes
+    completer = get_completion_class(shell)
+    if completer is None:
+        raise ValueError(f"typer has no completion for shell {shell!r}")
+    return completer(command, {}, PROG, COMPLETE_VAR).source() + "\n"  # click.echo adds the newline
+
+
+# -- roff --------------------------------------------------------------------------------------------
+def _symbolic(value: str) -> str:
+    """Machine-specific parts of a default, written as what they are."""
+    for path, symbol in ((tempfile.gettempdir(), "$TMPDIR"), (os.path.expanduser("~"), "~")):
+        if len(path) > 1 and (value == path or value.startswith(path + os.sep)):
+            return symbol + value[len(path) :]
+    hostname = socket.gethostname()
+    return "$(hostname)" if value == hostname and hostname != "localhost" else value
+
+
+def _text(text: str, *, options: bool = True) -> str:
+    """Plain text as roff: escapes, options in bold, ASCII only."""
+    text = text.replace("\\", r"\e")
+    for char, escape in _UNICODE.items():
+        text = text.replace(char, escape)
+    if options:
+        text = _OPTION.sub(lambda m: r"\fB" + m.group(1).replace("-", r"\-") + r"\fR", text)
+    text.encode("ascii")  # raises on a character roff would need a named escape for
+    lines = [wrapped for line in text.splitlines() for wrapped in _wrap(line)]
+    return "\n".join(r"\&" + line if line.startswith((".", "'")) else line for line in lines)
+
+
+def _wrap(line: str) -> list[str]:
+    """Source lines of at most 80 bytes (filled text: where a line breaks does not show)."""
+    return textwrap.wrap(line, _SOURCE_WIDTH, break_long_words=False, break_on_hyphens=False) or [""]
+
+
+def _roff_name(name: str) -> str:
+    return name.replace("-", r"\-")
+
+
+def _bold(text: str) -> str:
+    return r"\fB" + _text(text, options=False).replace("-", r"\-") + r"\fR"
+
+
+def _italic(text: str) -> str:
+    return r"\fI" + _text(text, options=False) + r"\fR"
+
+
+class ManPage:
+    """A roff man(7) page built line by line, like httpie's ManPageBuilder."""
+
+    def __init__(self, name: str, summary: str) -> None:
+        self.lines = [
+            f'.TH {name.upper()} 1 {RELEASE_DATE} "{PROG} {__version__}" "{PROG} Manual"',
+            ".nh",  # flags and variable names must never be hyphenated
+            ".ad l",
+            ".SH NAME",
+            *_wrap(rf"{_roff_name(name)} \- {_text(summary, options=False)}"),
+        ]
+
+    @contextmanager
+    def section(self, title: str) -> Iterator[None]:
+        self.lines.append(f".SH {title}")
+        yield
+
+    def subsection(self, title: str) -> None:
+        self.lines.append(f'.SS "{title}"')
+
+    def paragraph(self, text: str) -> None:
+        if not self.lines[-1].startswith((".SH", ".SS")):
+            self.lines.append(".PP")
+        self.lines.append(_text(text))
+
+    def item(self, label: str, body: str) -> None:
+        """A tagged paragraph; ``label`` is roff already."""
+        self.lines += [".TP", label, _text(body)]
+
+    def example(self, description: str, command: str) -> None:
+        """A description, then the command as it would be typed, continued with backslashes."""
+        self.paragraph(description)
+        words = command.split(" ")
+        lines = [words[0]]
+        for word in words[1:]:
+            if len(lines[-1]) + len(word) > _SOURCE_WIDTH - 10 and word.startswith("-"):
+                lines[-1] += " \\"
+                lines.append("    " + word)
+            else:
+                lines[-1] += " " + word
+        shown = [_text(line, options=False).replace("-", r"\-") for line in lines]
+        self.lines += [".RS 4", ".nf", *shown, ".fi", ".RE"]
+
+    def raw(self, *lines: str) -> None:
+        self.lines += lines
+
+    def build(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+# -- pages ---------------------------------------------------------------------------------------------
+def _panel(param: Any) -> str:
+    if not isinstance(param, typer.core.TyperOption):
+        return "Arguments"
+    return param.rich_help_panel or "Options"
+
+
+def _metavar(param: Any) -> str:
+    if param.metavar:
+        return str(param.metavar)
+    name = "ARGS" if param.name == "script_args" else param.name.upper()
+    return name
+
+
+def _option_label(param: Any) -> str:
+    opts = sorted([*param.opts, *param.secondary_opts], key=lambda opt: opt.startswith("--"))  # -m before --module
+    names = ", ".join(_bold(opt) for opt in opts)
+    return names if param.is_flag else f"{names} {_italic(_metavar(param))}"
+
+
+def _option_body(param: Any) -> list[str]:
+    """The help text, then a line with the default and the environment variables (roff lines)."""
+    body = (param.help or "").strip()
+    notes = []
+    default = param.default
+    if default in (None, "", False, ()) and param.name in _SYMBOLIC_DEFAULTS and "default" not in body:
+        notes.append(f"Default: {_text(_SYMBOLIC_DEFAULTS[param.name])}.")
+    elif default not in (None, "", False, ()) and not param.is_flag:
+        notes.append(rf"Default: \fB{_text(_symbolic(str(default)), options=False)}\fR.")
+    envvar = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
+    if envvar:
+        notes.append("Environment: " + ", ".join(_bold(e) for e in envvar) + ".")
+    return [_text(body), ".br", *notes] if notes else [_text(body)]
+
+
+def _visible(command: Any) -> list[Any]:
+    return [p for p in command.params if not getattr(p, "hidden", False)]
+
+
+def _options(page: ManPage, command: Any) -> None:
+    panels: dict[str, list[Any]] = {}
+    for param in _visible(command):
+        panels.setdefault(_panel(param), []).append(param)
+    with page.section("OPTIONS"):
+        for title, params in panels.items():
+            page.subsection(title)
+            for param in params:
+                if title == "Arguments":
+                    label = _italic(_metavar(param)) + (" ..." if param.nargs == -1 else "")
+                    page.item(label, (param.help or "").strip())
+                else:
+                    page.raw(".TP", _option_label(param), *_option_body(param))
+        if "Options" not in panels:
+            page.subsection("Options")
+        page.item(f"{_bold('-h')}, {_bold('--help')}", "Show the help and exit.")
+
+
+def _synopsis(command: Any, words: str) -> str:
+    parts = [_bold(words)]
+    if any(isinstance(p, typer.core.TyperOption) for p in _visible(command)):
+        parts.append(r"[\fIOPTIONS\fR]")
+    for param in _visible(command):
+        if isinstance(param, typer.core.TyperOption):
+            continue
+        text = _italic(_metavar(param)) + (" ..." if param.nargs == -1 else "")
+        parts.append(text if param.required else f"[{text}]")
+    return " ".join(parts)
+
+
+def _environment(page: ManPage, command: Any | None) -> None:
+    with page.section("ENVIRONMENT"):
+        if command is None or command.name == "run":
+            page.paragraph(
+                "Every option of resilrun run has an environment variable: RESILRUN_<NAME>, and for torchrun's "
+                "options also torchrun's PET_<NAME>. A flag beats RESILRUN_*, which beats PET_*."
+            )
+            for field in CONFIG_FIELDS:
+                meta = field.metadata
+                names = ", ".join(_bold(env) for env in meta["env"])
+                page.item(names, f"{meta['flag']}: {meta['help']}")
+        else:
+            for param in _visible(command):
+                envvar = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
+                if envvar:
+                    page.item(", ".join(_bold(e) for e in envvar), f"{param.opts[0]}: {param.help}")
+        for names, meaning in EXTRA_ENV:
+            if command is not None and command.name != "run" and names in ("RESILRUN_FAULTS", "PYTHON_EXEC"):
+                continue
+            page.item(", ".join(_bold(n) for n in names.split(", ")), meaning)
+        if command is None or command.name == "run":
+            page.subsection("Set for every worker")
+            page.paragraph(
+                "torchrun's worker environment, with the same names and meanings, plus resilrun's own: "
+                + ", ".join(_worker_variables())
+                + ". OMP_NUM_THREADS is set to 1 when unset and a node runs more than one worker."
+            )
+
+
+def _worker_variables() -> list[str]:
+    """The names ``WorkerEnv.to_env`` sets, including those it sets only for non-empty values."""
+    placeholders: dict[str, Any] = {"int": 0, "float": 0.0, "bool": True, "str": "x"}
+    values = {}
+    for field in dataclasses.fields(WorkerEnv):
+        kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+        if field.default is dataclasses.MISSING or field.default in ("", False):
+            values[field.name] = placeholders.get(kind, "x")
+    return list(WorkerEnv(**values).to_env({}))
+
+
+def _exit_status(page: ManPage) -> None:
+    with page.section("EXIT STATUS"):
+        for code in ExitCode:
+            page.item(rf"\fB{int(code)}\fR", f"{EXIT_CODE_MEANINGS[code]} ({code.name}).")
+
+
+def _files(page: ManPage, which: str) -> None:
+    entries = CHECKPOINT_FILES if which == "inspect-checkpoint" else LOG_FILES + CHECKPOINT_FILES
+    with page.section("FILES"):
+        for path, meaning in entries:
+            page.item(_italic(path), meaning)
+
+
+def _see_also(page: ManPage, which: str) -> None:
+    pages = [f"{PROG}-{name}" if name else PROG for name in ["", *_commands()] if name != which]
+    with page.section("SEE ALSO"):
+        refs = [
+            rf".BR {p.replace('-', chr(92) + '-')} (1)" + ("," if i < len(pages) - 1 else "")
+            for i, p in enumerate(pages)
+        ]
+        page.raw(*refs)
+        page.paragraph(f"torchrun: {SEE_ALSO_URL}")
+
+
+def _commands() -> list[str]:
+    group = typer.main.get_command(app)
+    return [name for name in group.commands if not group.commands[name].hidden]  # type: ignore[attr-defined]
+
+
+def _page(which: str) -> str:
+    group = typer.main.get_command(app)
+    command = group if which == "" else group.commands[which]  # type: ignore[attr-defined]
+    name = f"{PROG}-{which}" if which else PROG
+    summary = (command.help or "").strip().splitlines()[0].rstrip(".")
+    page = ManPage(name, summary[0].lower() + summary[1:])
+    with page.section("SYNOPSIS"):
+        if which == "":
+            page.raw(_synopsis(command, PROG) + r" \fICOMMAND\fR [\fIARGS\fR ...]", ".br")
+            page.raw(_synopsis(group.commands["run"], PROG))  # type: ignore[attr-defined]
+        elif which == "run":
+            page.raw(_synopsis(command, f"{PROG} run"), ".br", _synopsis(command, PROG))
+        else:
+            page.raw(_synopsis(command, f"{PROG} {which}"))
+    with page.section("DESCRIPTION"):
+        for text in DESCRIPTIONS.get(which, [command.help or ""]):
+            page.paragraph(text)
+    if which == "":
+        with page.section("COMMANDS"):
+            for sub in _commands():
+                help_text = group.commands[sub].help or ""  # type: ignore[attr-defined]
+                page.item(_bold(sub), f"{help_text.strip().splitlines()[0]} See {PROG}-{sub}(1).")
+    _options(page, command)
+    _environment(page, None if which == "" else command)
+    _exit_status(page)
+    _files(page, which)
+    with page.section("EXAMPLES"):
+        for description, line in EXAMPLES.get(which, []):
+            page.example(description, line)
+    _see_also(page, which)
+    return page.build()
+
+
+def generate() -> dict[str, str]:
+    """Every generated file, by path relative to the repository root."""
+    files = {f"completions/{PROG}.{shell}": completion_script(shell) for shell in SHELLS}
+    for which in ["", *_commands()]:
+        files[f"man/{PROG}-{which}.1" if which else f"man/{PROG}.1"] = _page(which)
+    return files
+
+
+def stale(root: Path = ROOT) -> list[str]:
+    """The generated files that are missing or differ under ``root``."""
+    out = []
+    for rel, text in generate().items():
+        path = root / rel
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            out.append(rel)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m resilrun.cli._docgen", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail (exit 1) if a committed file differs")
+    parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    out = Output()
+    if args.check:
+        differ = stale(args.root)
+        for rel in differ:
+            out.data(rel)
+        if differ:
+            out.error(f"{len(differ)} generated file(s) differ from the CLI", "run: python -m resilrun.cli._docgen")
+            return 1
+        return 0
+    for rel, text in generate().items():
+        path = args.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+            out.info(f"wrote {rel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
