@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test lint bench
+.PHONY: install test-tools demo test lint bench
 
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -13,10 +13,27 @@ $(PY):
 install: $(PY)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[test]'
 
+# What the man-page lint and shell-completion tests run (tests/cli/test_docgen.py, test_completions.py).
+# On a fresh Debian/Ubuntu machine as root, missing ones are installed with apt-get; elsewhere those
+# tests skip (and fail under CI=true), so install them yourself: groff-base or mandoc, zsh, fish.
+DOC_TOOLS := groff mandoc zsh fish
+
+test-tools:
+	@missing=""; for tool in $(DOC_TOOLS); do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing$$missing with apt-get"; \
+		packages=$$(echo $$missing | sed 's/groff/groff-base/'); \
+		{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$packages >/dev/null; } \
+		|| echo "could not install$$missing: those tests will skip (and fail under CI=true)"; \
+	elif [ -n "$$missing" ]; then \
+		echo "not installed:$$missing (tests that need them skip; as root on Debian, make test installs them)"; \
+	fi
+
 demo: install
 	$(PY) -m resilrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_ddp_torchrun.py --steps 30
 
-test: install
+test: install test-tools
 	$(PY) -m ruff check resilrun tests examples benchmarks
 	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark
 

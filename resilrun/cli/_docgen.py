@@ -80,13 +80,18 @@ DESCRIPTIONS: dict[str, list[str]] = {
         "SIGKILL. Workers run in their own process group and die with their agent, so nothing is orphaned.",
     ],
     "inspect-checkpoint": [
-        "Reads a checkpoint written by the persistent tier (--checkpoint-uri of resilrun-run) from a "
+        "Reads a checkpoint written by the persistent tier (--checkpoint-uri of resilrun run) from a "
         "directory or an S3 prefix. It lists every step, complete or partial, and for one step (--step, "
         "else the newest complete one) every rank's tensors with dtype, shape and size, and totals.",
         "--verify downloads every file and checks the crc32 of every tensor and manifest. Reading never "
         "executes anything from a checkpoint: corrupt, truncated or forged files end as one error line. "
         "--json prints one document on stdout whose fields are only ever added to.",
     ],
+}
+# Commands that do not launch anything end with a subset of the codes, some meaning something else.
+EXIT_CODES = {"inspect-checkpoint": (ExitCode.OK, ExitCode.USAGE, ExitCode.CHECKPOINT, ExitCode.STORAGE)}
+EXIT_OVERRIDES = {
+    "inspect-checkpoint": {ExitCode.OK: "the checkpoint was read (and with --verify, every checksum matched)"},
 }
 SEE_ALSO_URL = "https://pytorch.org/docs/stable/elastic/run.html"
 EXAMPLES: dict[str, list[tuple[str, str]]] = {
@@ -388,10 +393,11 @@ def _worker_variables() -> list[str]:
     return list(WorkerEnv(**values).to_env({}))
 
 
-def _exit_status(page: ManPage) -> None:
+def _exit_status(page: ManPage, which: str) -> None:
+    codes, meanings = EXIT_CODES.get(which, tuple(ExitCode)), {**EXIT_CODE_MEANINGS, **EXIT_OVERRIDES.get(which, {})}
     with page.section("EXIT STATUS"):
-        for code in ExitCode:
-            page.item(rf"\fB{int(code)}\fR", f"{EXIT_CODE_MEANINGS[code]} ({code.name}).")
+        for code in codes:
+            page.item(rf"\fB{int(code)}\fR", f"{meanings[code]} ({code.name}).")
 
 
 def _files(page: ManPage, which: str) -> None:
@@ -441,7 +447,7 @@ def _page(which: str) -> str:
                 page.item(_bold(sub), f"{help_text.strip().splitlines()[0]} See {PROG}-{sub}(1).")
     _options(page, command)
     _environment(page, None if which == "" else command)
-    _exit_status(page)
+    _exit_status(page, which)
     _files(page, which)
     with page.section("EXAMPLES"):
         for description, line in EXAMPLES.get(which, []):
@@ -469,7 +475,9 @@ def stale(root: Path = ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m resilrun.cli._docgen", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m resilrun.cli._docgen", description="Write completions/ and man/ from the CLI definition."
+    )
     parser.add_argument("--check", action="store_true", help="fail (exit 1) if a committed file differs")
     parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

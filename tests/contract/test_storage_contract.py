@@ -424,9 +424,7 @@ def test_s3_backoff_grows_exponentially_and_is_capped() -> None:
     assert backoff_seconds(policy, 1, 0.5) == 1.5
 
 
-def test_moto_ignores_expected_bucket_owner_so_s3_storage_checks_it_itself(
-    s3_server: S3Server, s3_bucket: str
-) -> None:
+def test_moto_ignores_expected_bucket_owner_so_s3_storage_checks_it_itself(s3_server: S3Server, s3_bucket: str) -> None:
     # moto 5.2 accepts any ExpectedBucketOwner (AWS answers 403): this is why S3Storage falls back
     # to comparing the bucket ACL's owner when the endpoint does not enforce the header.
     client = s3_server.client()

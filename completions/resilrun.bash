@@ -1,0 +1,12 @@
+
+_resilrun_completion() {
+    local IFS=$'
+'
+    COMPREPLY=( $( env COMP_WORDS="${COMP_WORDS[*]}" \
+                   COMP_CWORD=$COMP_CWORD \
+                   _RESILRUN_COMPLETE=complete_bash $1 ) )
+    return 0
+}
+
+complete -o default -F _resilrun_completion resilrun
+

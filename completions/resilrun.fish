@@ -1,0 +1,1 @@
+complete --command resilrun --no-files --arguments "(env _RESILRUN_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) resilrun)" --condition "env _RESILRUN_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) resilrun"
