@@ -55,3 +55,8 @@ def round_failure(run_id: str, round: int, index: int) -> str:
 def persist_count(run_id: str, step: int) -> str:
     """Counter of ranks whose snapshot of ``step`` is in persistent storage (the last commits it)."""
     return f"{_base(run_id)}/persist/{step}"
+
+
+def job_secret(run_id: str) -> str:
+    """The per-job secret peers prove to each other (set once, by the first agent)."""
+    return f"{_base(run_id)}/secret"

@@ -14,6 +14,7 @@ import socket
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from resilrun.agent.control import WorkerControl
 from resilrun.agent.heartbeat import HeartbeatSender
 from resilrun.agent.persister import Persister
 from resilrun.agent.procs import HANDLED_SIGNALS
+from resilrun.agent.replication import PeerTier, job_secret
 from resilrun.agent.specs import NodeSetup
 from resilrun.agent.supervisor import SignalFlag, Supervisor
 from resilrun.agent.tiers import NodeTiers
@@ -105,11 +107,25 @@ def run(config: Config) -> None:
         storage = _open_storage(config)
         memory = NodeMemoryTier(config.rdzv_id)
         control = WorkerControl()
-        channel = AgentChannel(memory, NodeTiers(memory, storage), control)
+        tiers = NodeTiers(memory, storage)
+        channel = AgentChannel(memory, tiers, control)
         setup = NodeSetup(
             nproc=nproc, addr=addr, log_root=log_root, base_env=agent_environ(), agent_socket=channel.path
         )
         supervisor = Supervisor(config, setup, rdzv, signals, control)
+        peers = None
+        if config.replicas > 0 and max_nodes > 1:
+            peers = PeerTier(
+                memory,
+                job_secret(backend, config.rdzv_id),
+                config.rdzv_id,
+                addr,
+                targets=supervisor.replica_targets,
+                peers=supervisor.peer_addresses,
+                world_size=supervisor.world_size,
+            )
+            rdzv.me = replace(rdzv.me, peer_addr=peers.address)
+            tiers.peer_held, tiers.peer_fetch = peers.held_steps, peers.fetch
         persister = None
         if storage is not None:
             persister = Persister(
@@ -127,6 +143,8 @@ def run(config: Config) -> None:
             heartbeat.close()
             if persister is not None:
                 persister.close()
+            if peers is not None:
+                peers.close()
             channel.close()
             memory.close()
             if hosting:

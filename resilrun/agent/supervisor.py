@@ -425,6 +425,24 @@ class Supervisor:
             time.sleep(0.02)
         return None, None
 
+    def replica_targets(self) -> list[str]:
+        """Replica servers of the next ``--replicas`` nodes in node-rank order (a ring)."""
+        state = self.last_state
+        if state is None or self.config.replicas < 1:
+            return []
+        rank = state.node_rank(self.rdzv.me.node_id)
+        nodes = state.participants
+        if rank is None or len(nodes) < 2:
+            return []
+        count = min(self.config.replicas, len(nodes) - 1)
+        return [a for a in (nodes[(rank + i) % len(nodes)].peer_addr for i in range(1, count + 1)) if a]
+
+    def peer_addresses(self) -> list[str]:
+        state = self.last_state
+        if state is None:
+            return []
+        return [p.peer_addr for p in state.participants if p.node_id != self.rdzv.me.node_id and p.peer_addr]
+
     def world_size(self) -> int:
         """World size of the current round (0 before the first)."""
         state = self.last_state

@@ -35,6 +35,8 @@ class NodeInfo:
     # The rank this node had in the previous round: kept when free, so a node's ranks (and the
     # snapshots its memory holds for them) stay put across restarts.
     preferred_rank: int | None = None
+    # host:port of this node's replica server (tier 2), "" when replication is off.
+    peer_addr: str = ""
 
 
 @dataclass(frozen=True, slots=True)

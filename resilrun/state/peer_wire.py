@@ -51,8 +51,10 @@ CHUNK_BYTES = 4 * 1024 * 1024
 # Control messages carry values trees (KBs) and segment bounds (one int per tensor): refuse absurd ones.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_SEGMENTS = 1 << 20
-# Frames hashed behind the one being moved: two keep the helper busy without reading far ahead.
-_PIPELINE_DEPTH = 2
+# Frames the hashing helper may lag behind the one being moved before the mover waits for it. Deep
+# enough that on a busy machine the mover rarely blocks on a descheduled helper (each wake-up then
+# costs a scheduler slice); the lag costs no memory, the frames are views of the source or target.
+_PIPELINE_DEPTH = 8
 _LEN = struct.Struct("<I")
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
 

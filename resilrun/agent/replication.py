@@ -1,0 +1,96 @@
+"""Wiring of tier 2 (peer replicas) into the agent: the job secret, server, replicator, lookups.
+
+The mechanism lives in ``resilrun.state.peer``; this module decides who talks to whom: each node
+replicates to the next ``--replicas`` nodes of the current round, and a restore asks every other
+node of the round what it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from resilrun import keys
+from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError, ResilrunError
+from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.state.memory import NodeMemoryTier
+from resilrun.state.peer import ReplicaServer, ReplicaStore, Replicator, fetch, held
+
+logger = logging.getLogger(__name__)
+
+# Fetching a multi-GB snapshot over a slow link takes a while; 50 MB/s is a pessimistic floor.
+_FETCH_FLOOR_BYTES_S = 50e6
+
+
+def job_secret(backend: RendezvousBackend, run_id: str) -> bytes:
+    """The job's secret: the first agent sets it, every agent reads the same one."""
+    key = keys.job_secret(run_id)
+    backend.compare_set(key, None, os.urandom(32).hex().encode())
+    raw = backend.get(key)
+    if raw is None:
+        raise ResilrunError("the job secret vanished from the rendezvous store")
+    return bytes.fromhex(raw.decode())
+
+
+class PeerTier:
+    """This node's replica server and replicator, and lookups across the other nodes."""
+
+    def __init__(
+        self,
+        memory: NodeMemoryTier,
+        secret: bytes,
+        run_id: str,
+        host: str,
+        targets: Callable[[], list[str]],
+        peers: Callable[[], list[str]],
+        world_size: Callable[[], int],
+    ) -> None:
+        self.secret = secret
+        self.store = ReplicaStore(run_id)
+        self.server = ReplicaServer(secret, self.store, memory, host=_resolve(host))
+        self.replicator = Replicator(memory, secret, targets, world_size=world_size)
+        self._peers = peers
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def held_steps(self, rank: int) -> list[int]:
+        """Steps some other node of the round holds for ``rank`` (replica or its own memory)."""
+        steps: set[int] = set()
+        for address in self._peers():
+            try:
+                holding = held(address, self.secret)
+            except ResilrunError as exc:
+                logger.debug("peer %s unreachable for a restore: %s", address, exc.message)
+                continue
+            for kind in ("replicas", "local"):
+                steps.update(holding.get(kind, {}).get(rank, []))
+        return sorted(steps, reverse=True)
+
+    def fetch(self, rank: int, step: int) -> tuple[Any, Any] | None:
+        """``rank``'s snapshot of ``step`` from the first peer that has an intact copy."""
+        for address in self._peers():
+            try:
+                return fetch(address, self.secret, rank, step, timeout=timedelta(seconds=120))
+            except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
+                logger.warning("peer %s cannot give step %d of rank %d: %s", address, step, rank, exc.message)
+            except ResilrunError as exc:
+                logger.warning("peer %s unreachable: %s", address, exc.message)
+        return None
+
+    def close(self) -> None:
+        self.replicator.close()
+        self.server.close()
+        self.store.close()
+
+
+def _resolve(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host

@@ -1,0 +1,366 @@
+"""The Replicator over real loopback sockets: newest step only, lag, torn slots, dead and slow peers.
+
+Each test plays two nodes in one process: a "local" NodeMemoryTier that a fake worker commits to,
+and one or more peers (their own store and ReplicaServer) that the Replicator targets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+import torch
+
+from resilrun.state.memory import NodeMemoryTier
+from resilrun.state.peer import ReplicaServer, ReplicaStore, Replicator
+from tests.conftest import free_port, make_snapshot
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRET = b"replicator-test-secret-0123456789"
+TIMEOUT = timedelta(seconds=2)
+REFRESH = timedelta(milliseconds=20)  # the targets callable is asked this often
+
+
+def snapshot(seed: int, numel: int = 2048) -> bytes:
+    return make_snapshot({"w": torch.full((numel,), float(seed)), "step": torch.tensor([seed])})
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError("condition not met before the deadline")
+        time.sleep(0.01)
+
+
+def write_slot(memory: NodeMemoryTier, rank: int, slot: int, data: bytes) -> None:
+    buffer = memory.rank(rank).slots[slot]
+    if buffer is None or buffer.nbytes < len(data):
+        buffer = memory.allocate(rank, slot, len(data))
+    seq = memory.rank(rank).seq
+    seq.begin(slot)
+    buffer.view()[: len(data)] = data
+    seq.end(slot)
+
+
+def commit(memory: NodeMemoryTier, rank: int, step: int, data: bytes) -> float:
+    """Write and commit as a worker does (slot = step % 2); returns how long commit() took."""
+    write_slot(memory, rank, step % 2, data)
+    started = time.monotonic()
+    memory.commit(rank, step, step % 2, len(data), {"step": step})
+    return time.monotonic() - started
+
+
+@dataclass
+class Peer:
+    memory: NodeMemoryTier
+    store: ReplicaStore
+    server: ReplicaServer
+
+    def close(self) -> None:
+        self.server.close()
+        self.store.close()
+        self.memory.close()
+
+
+@pytest.fixture
+def memory() -> Iterator[NodeMemoryTier]:
+    tier = NodeMemoryTier(f"t{uuid.uuid4().hex[:8]}")
+    yield tier
+    tier.close()
+
+
+@pytest.fixture
+def make_peer() -> Iterator[Callable[[], Peer]]:
+    peers: list[Peer] = []
+
+    def make() -> Peer:
+        peer_memory = NodeMemoryTier(f"p{uuid.uuid4().hex[:8]}")
+        store = ReplicaStore("peer")
+        peers.append(Peer(peer_memory, store, ReplicaServer(SECRET, store, peer_memory)))
+        return peers[-1]
+
+    yield make
+    for peer in peers:
+        peer.close()
+
+
+@pytest.fixture
+def replicators() -> Iterator[list[Replicator]]:
+    made: list[Replicator] = []
+    yield made
+    for replicator in made:
+        replicator.close()
+
+
+class Switch:
+    """Targets that the test turns on when it wants replication to start."""
+
+    def __init__(self, *addresses: str) -> None:
+        self.addresses = list(addresses)
+        self.on = threading.Event()
+
+    def __call__(self) -> list[str]:
+        return self.addresses if self.on.is_set() else []
+
+
+def test_only_the_newest_of_several_quick_commits_is_replicated(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    peer = make_peer()
+    targets = Switch(peer.server.address)
+    replicator = Replicator(memory, SECRET, targets, world_size=lambda: 2, timeout=TIMEOUT, refresh=REFRESH)
+    replicators.append(replicator)
+
+    for step in range(1, 6):  # the replicator is behind (no target yet) while these commit
+        commit(memory, 1, step, snapshot(step))
+    targets.on.set()
+
+    eventually(lambda: replicator.status()[1]["replicated"] == 5)
+    assert peer.store.steps(1) == [5]  # 1..4 were skipped, not sent late
+    assert peer.store.read(1, 5) == (snapshot(5), {"step": 5})
+    replica = peer.store.replica(1, 5)
+    assert replica is not None and replica.world_size == 2
+    assert replicator.status() == {1: {"committed": 5, "replicated": 5, "lag_steps": 0}}
+
+
+def test_every_local_rank_reaches_every_target(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    peers = [make_peer(), make_peer()]
+    replicator = Replicator(memory, SECRET, lambda: [p.server.address for p in peers], timeout=TIMEOUT, refresh=REFRESH)
+    replicators.append(replicator)
+
+    for step in (1, 2, 3):
+        for rank in (0, 1):
+            commit(memory, rank, step, snapshot(10 * rank + step))
+
+    eventually(lambda: all(s["lag_steps"] == 0 for s in replicator.status().values()) and len(replicator.status()) == 2)
+    for peer in peers:
+        assert peer.store.steps(0)[0] == 3 and peer.store.steps(1)[0] == 3
+        assert peer.store.read(0, 3) == (snapshot(3), {"step": 3})
+        assert peer.store.read(1, 3) == (snapshot(13), {"step": 3})
+
+
+def test_a_dead_target_makes_replicas_lag_without_slowing_commits(
+    memory: NodeMemoryTier,
+    make_peer: Callable[[], Peer],
+    replicators: list[Replicator],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    live = make_peer()
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    replicator = Replicator(memory, SECRET, lambda: [dead, live.server.address], timeout=TIMEOUT, refresh=REFRESH)
+    replicators.append(replicator)
+
+    with caplog.at_level(logging.WARNING, logger="resilrun.state.peer"):
+        commit_seconds = []
+        for step in range(1, 21):
+            commit_seconds.append(commit(memory, 0, step, snapshot(step)))
+            time.sleep(0.02)  # a short training step, so that the dead peer is retried meanwhile
+        eventually(lambda: live.store.steps(0)[:1] == [20])
+
+    assert max(commit_seconds) < 0.05  # the listener only records; no I/O on the committing thread
+    assert replicator.status() == {0: {"committed": 20, "replicated": None, "lag_steps": None}}
+    failures = [r for r in caplog.records if dead in r.getMessage()]
+    assert len(failures) == 1  # logged once when the peer started failing, not once per step or retry
+
+
+def test_lag_grows_while_a_peer_is_down_and_closes_on_a_new_peer(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    first = make_peer()
+    address = [first.server.address]
+    replicator = Replicator(memory, SECRET, lambda: address, timeout=TIMEOUT, refresh=REFRESH)
+    replicators.append(replicator)
+    commit(memory, 0, 1, snapshot(1))
+    commit(memory, 0, 2, snapshot(2))
+    eventually(lambda: replicator.status()[0]["replicated"] == 2)
+
+    first.server.close()  # the peer's agent dies; it stays a target until the membership changes
+    commit(memory, 0, 3, snapshot(3))
+    commit(memory, 0, 4, snapshot(4))
+    time.sleep(0.2)
+    assert replicator.status() == {0: {"committed": 4, "replicated": 2, "lag_steps": 2}}
+
+    second = make_peer()
+    address[:] = [second.server.address]  # the lead hands the next node's address instead
+    eventually(lambda: replicator.status()[0] == {"committed": 4, "replicated": 4, "lag_steps": 0})
+    assert second.store.steps(0) == [4]
+    assert first.store.steps(0) == [2, 1] or first.store.steps(0) == [2]
+
+
+def test_a_peer_slower_than_the_steps_still_gets_complete_replicas(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    # Every stream straight from the slot is torn by the worker's next-but-one write, so the
+    # replicator falls back to a private copy per push; the peer still gets whole, verified steps.
+    peer = make_peer()
+    relay = SlowRelay(peer.server.port, bytes_per_second=80_000_000)
+    replicator = Replicator(memory, SECRET, lambda: [relay.address], timeout=TIMEOUT, refresh=REFRESH)
+    replicators.append(replicator)
+    numel = 2 * 1024 * 1024  # 8 MiB: ~100 ms through the relay, more than the socket buffers hold
+    try:
+        step = 0
+        deadline = time.monotonic() + 15
+        while (replicator.status().get(0, {}).get("replicated") or 0) < 3 and time.monotonic() < deadline:
+            step += 1
+            commit(memory, 0, step, snapshot(step, numel))
+            time.sleep(0.01)
+        replicated = replicator.status()[0]["replicated"]
+        assert replicated is not None and replicated >= 3
+        assert peer.store.read(0, replicated) == (snapshot(replicated, numel), {"step": replicated})
+    finally:
+        replicator.close()
+        relay.close()
+
+
+class SlowRelay:
+    """Forwards every connection to a port at a limited rate (client to server only)."""
+
+    def __init__(self, port: int, bytes_per_second: int) -> None:
+        self._port = port
+        self._rate = bytes_per_second
+        self._listener = socket.socket()
+        # A small receive buffer, so that the sender feels the limited rate instead of filling buffers.
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen()
+        self._listener.settimeout(0.1)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self._port), timeout=5)
+            for source, sink, rate in ((client, upstream, self._rate), (upstream, client, None)):
+                thread = threading.Thread(target=self._pump, args=(source, sink, rate), daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _pump(self, source: socket.socket, sink: socket.socket, rate: int | None) -> None:
+        source.settimeout(0.2)
+        try:
+            while not self._stop.is_set():
+                try:
+                    chunk = source.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    break
+                sink.sendall(chunk)
+                if rate:
+                    time.sleep(len(chunk) / rate)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+        self._listener.close()
+
+
+def test_a_slot_being_overwritten_is_never_replicated_as_the_committed_step(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    peer = make_peer()
+    targets = Switch(peer.server.address)
+    replicator = Replicator(memory, SECRET, targets, timeout=TIMEOUT, refresh=REFRESH)
+    replicators.append(replicator)
+    commit(memory, 0, 1, snapshot(1))  # slot 1
+    # The worker has started writing step 3 into step 1's slot (it committed nothing yet): torn.
+    seq = memory.rank(0).seq
+    seq.begin(1)
+    memory.rank(0).slots[1].view()[:64] = b"\xee" * 64  # type: ignore[union-attr]
+    targets.on.set()
+    time.sleep(0.3)
+
+    assert peer.store.held() == {}
+    assert replicator.status()[0]["replicated"] is None
+
+    seq.end(1)  # then a worker finishes step 3 into the same slot: the same counter parity, new bytes
+    write_slot(memory, 0, 1, snapshot(3))
+    time.sleep(0.1)
+    assert peer.store.held() == {}  # still step 1's commit: its counter no longer matches, never sent
+
+    memory.commit(0, 3, 1, len(snapshot(3)), {"step": 3})
+    eventually(lambda: replicator.status()[0]["replicated"] == 3)
+    assert peer.store.read(0, 3) == (snapshot(3), {"step": 3})
+
+
+def test_a_blackholed_peer_never_blocks_commits_and_close_cuts_it_off(
+    memory: NodeMemoryTier, replicators: list[Replicator]
+) -> None:
+    # A peer that accepts TCP connections and never answers: each push waits for its deadline.
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        replicator = Replicator(memory, SECRET, lambda: [address], timeout=timedelta(seconds=20))
+        commit_seconds = [commit(memory, 0, step, snapshot(step)) for step in range(1, 11)]
+        eventually(lambda: len(accepted) >= 1)
+
+        assert max(commit_seconds) < 0.05
+        started = time.monotonic()
+        replicator.close(timeout=timedelta(seconds=5))
+        assert time.monotonic() - started < 2  # the in-flight handshake was cut, not waited out
+        assert replicator.status()[0] == {"committed": 10, "replicated": None, "lag_steps": None}
+        commit(memory, 0, 11, snapshot(11))  # the listener stays registered and does nothing now
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_a_broken_targets_callable_keeps_the_current_targets(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    peer = make_peer()
+    calls = []
+
+    def targets() -> list[str]:
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("rendezvous unreachable")
+        return [peer.server.address]
+
+    replicator = Replicator(memory, SECRET, targets, timeout=TIMEOUT, refresh=REFRESH)
+    replicators.append(replicator)
+    eventually(lambda: len(calls) > 3)
+    commit(memory, 0, 1, snapshot(1))
+
+    eventually(lambda: peer.store.steps(0) == [1])

@@ -1,0 +1,539 @@
+"""Tier 2 transfers over real loopback sockets: push, fetch, held, authentication and hostile peers.
+
+Every test runs a real ReplicaServer on 127.0.0.1, port 0; hostile peers are raw sockets speaking
+just enough of the protocol (``resilrun.state.peer_wire``) to get to the part under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+
+from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from resilrun.state import peer_server
+from resilrun.state.memory import NodeMemoryTier
+from resilrun.state.peer import ReplicaServer, ReplicaStore, ReplicationError, fetch, held, push
+from resilrun.state.peer_client import connection, push_view
+from resilrun.state.peer_wire import (
+    CHUNK_BYTES,
+    MAGIC,
+    NONCE_BYTES,
+    Announce,
+    Deadline,
+    client_handshake,
+    recv_message,
+    send_message,
+    snapshot_bounds,
+)
+from tests.conftest import make_snapshot
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRET = b"job-secret-" + b"x" * 21
+SHORT = timedelta(seconds=5)
+
+
+def snapshot(seed: int, numel: int = 4096) -> bytes:
+    generator = torch.Generator().manual_seed(seed)
+    return make_snapshot(
+        {
+            "weight": torch.randn(numel, generator=generator),
+            "step": torch.tensor([seed], dtype=torch.int64),
+            "mask": torch.zeros(7, dtype=torch.bool),
+        }
+    )
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError("condition not met before the deadline")
+        time.sleep(0.01)
+
+
+def commit_to_memory(memory: NodeMemoryTier, rank: int, step: int, data: bytes, values: object) -> None:
+    """Do what a worker does: write the slot under its sequence counter, then commit."""
+    slot = step % 2
+    buffer = memory.allocate(rank, slot, len(data))
+    seq = memory.rank(rank).seq
+    seq.begin(slot)
+    buffer.view()[: len(data)] = data
+    seq.end(slot)
+    memory.commit(rank, step, slot, len(data), values)
+
+
+@pytest.fixture
+def memory() -> Iterator[NodeMemoryTier]:
+    tier = NodeMemoryTier(f"t{uuid.uuid4().hex[:8]}")
+    yield tier
+    tier.close()
+
+
+@pytest.fixture
+def store() -> Iterator[ReplicaStore]:
+    replicas = ReplicaStore("test")
+    yield replicas
+    replicas.close()
+
+
+@pytest.fixture
+def server(store: ReplicaStore, memory: NodeMemoryTier) -> Iterator[ReplicaServer]:
+    replica_server = ReplicaServer(SECRET, store, memory, io_timeout=timedelta(seconds=5))
+    yield replica_server
+    replica_server.close()
+
+
+def raw_connect(server: ReplicaServer) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.settimeout(5)
+    return sock
+
+
+def authenticated(server: ReplicaServer) -> socket.socket:
+    sock = raw_connect(server)
+    client_handshake(sock, SECRET, Deadline.total(5))
+    return sock
+
+
+def is_closed_by_peer(sock: socket.socket) -> bool:
+    """True when the peer closed (EOF or reset) before the socket timeout."""
+    try:
+        while True:
+            if not sock.recv(65536):
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+class Relay:
+    """A loopback TCP relay that can flip one byte or cut the stream, per direction, at a stream offset."""
+
+    def __init__(self, upstream_port: int, *, flip_up_at: int | None = None, cut_down_at: int | None = None) -> None:
+        self._upstream = upstream_port
+        self._flip_up_at = flip_up_at
+        self._cut_down_at = cut_down_at
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._threads: list[threading.Thread] = []
+        self._accept = threading.Thread(target=self._run, daemon=True)
+        self._accept.start()
+
+    def _run(self) -> None:
+        client, _ = self._listener.accept()
+        upstream = socket.create_connection(("127.0.0.1", self._upstream), timeout=5)
+        for source, sink, flip, cut in (
+            (client, upstream, self._flip_up_at, None),
+            (upstream, client, None, self._cut_down_at),
+        ):
+            thread = threading.Thread(target=self._pump, args=(source, sink, flip, cut), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, flip: int | None, cut: int | None) -> None:
+        offset = 0
+        source.settimeout(10)
+        with contextlib.suppress(OSError):
+            while chunk := source.recv(1 << 16):
+                data = bytearray(chunk)
+                if flip is not None and offset <= flip < offset + len(data):
+                    data[flip - offset] ^= 0x40
+                if cut is not None and offset + len(data) >= cut:
+                    sink.sendall(data[: cut - offset])
+                    break
+                sink.sendall(data)
+                offset += len(data)
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+        self._accept.join(5)
+        for thread in self._threads:
+            thread.join(5)
+
+
+# -- the happy paths --------------------------------------------------------------------------------
+def test_push_then_fetch_returns_the_same_bytes_and_values(server: ReplicaServer, store: ReplicaStore) -> None:
+    data = snapshot(1)
+    values = {"lr": 0.1, "names": ["a", "b"], "nested": {"x": None}}
+
+    push(server.address, SECRET, 3, 7, 4, data, values, timeout=SHORT)
+
+    fetched, fetched_values = fetch(server.address, SECRET, 3, 7, timeout=SHORT)
+    assert bytes(fetched) == data
+    assert fetched_values == values
+    assert store.steps(3) == [7]
+    assert store.read(3, 7) == (data, values)
+    replica = store.replica(3, 7)
+    assert replica is not None and replica.world_size == 4
+    # the crc32s are the durable tier's per-tensor ones: the header first, then one per tensor
+    assert replica.crcs[0] == zlib.crc32(data[: replica.bounds[1]])
+
+
+def test_snapshot_larger_than_one_frame_round_trips(server: ReplicaServer) -> None:
+    data = snapshot(2, numel=(CHUNK_BYTES * 2 + 12345) // 4)
+
+    push(server.address, SECRET, 0, 1, None, memoryview(data), None, timeout=SHORT)
+
+    assert bytes(fetch(server.address, SECRET, 0, 1, timeout=SHORT)[0]) == data
+
+
+def test_fetch_serves_a_local_rank_from_node_memory(server: ReplicaServer, memory: NodeMemoryTier) -> None:
+    data = snapshot(3)
+    commit_to_memory(memory, 5, 12, data, {"epoch": 2})
+
+    fetched, values = fetch(server.address, SECRET, 5, 12, timeout=SHORT)
+
+    assert bytes(fetched) == data
+    assert values == {"epoch": 2}
+
+
+def test_held_lists_replicas_and_local_steps_newest_first(server: ReplicaServer, memory: NodeMemoryTier) -> None:
+    commit_to_memory(memory, 0, 4, snapshot(4), None)
+    commit_to_memory(memory, 0, 5, snapshot(5), None)
+    for step in (1, 2, 3):
+        push(server.address, SECRET, 2, step, None, snapshot(step), None, timeout=SHORT)
+
+    assert held(server.address, SECRET, timeout=SHORT) == {"replicas": {2: [3, 2]}, "local": {0: [5, 4]}}
+
+
+def test_fetch_of_a_step_not_held_raises_not_found(server: ReplicaServer) -> None:
+    push(server.address, SECRET, 1, 1, None, snapshot(1), None, timeout=SHORT)
+
+    with pytest.raises(CheckpointNotFoundError):
+        fetch(server.address, SECRET, 1, 2, timeout=SHORT)
+
+
+def test_store_keeps_the_two_newest_replicas_per_rank(server: ReplicaServer, store: ReplicaStore) -> None:
+    for step in (10, 11, 12):
+        push(server.address, SECRET, 0, step, None, snapshot(step), {"s": step}, timeout=SHORT)
+
+    assert store.steps(0) == [12, 11]
+    assert store.read(0, 10) is None
+    assert store.held() == {0: [12, 11]}
+    assert store.read(0, 11) == (snapshot(11), {"s": 11})
+
+
+def test_pushing_a_step_again_replaces_the_older_copy(server: ReplicaServer, store: ReplicaStore) -> None:
+    push(server.address, SECRET, 0, 1, None, snapshot(1), None, timeout=SHORT)
+    push(server.address, SECRET, 0, 2, None, snapshot(2), None, timeout=SHORT)
+    push(server.address, SECRET, 0, 2, None, snapshot(20), "again", timeout=SHORT)  # e.g. after a rollback
+
+    assert store.steps(0) == [2]  # step 1's slot took the new copy, the stale copy of 2 was dropped
+    assert store.read(0, 2) == (snapshot(20), "again")
+
+
+# -- authentication ---------------------------------------------------------------------------------
+def test_a_client_with_the_wrong_secret_is_refused_and_nothing_is_stored(
+    server: ReplicaServer, store: ReplicaStore
+) -> None:
+    with pytest.raises(ReplicationError, match="refused our secret"):
+        push(server.address, b"another-jobs-secret-0123456789", 0, 1, None, snapshot(1), None, timeout=SHORT)
+    with pytest.raises(ReplicationError):
+        fetch(server.address, b"another-jobs-secret-0123456789", 0, 1, timeout=SHORT)
+
+    assert store.held() == {}
+    push(server.address, SECRET, 0, 1, None, snapshot(1), None, timeout=SHORT)  # still serving the job
+    assert store.steps(0) == [1]
+
+
+def test_a_client_without_the_secret_is_cut_off(server: ReplicaServer, store: ReplicaStore) -> None:
+    data = snapshot(1)
+    with raw_connect(server) as sock:
+        hello = sock.recv(len(MAGIC) + NONCE_BYTES)
+        assert hello.startswith(MAGIC)
+        # skip the proof and go straight to a request, as a client that knows no secret would
+        header = json.dumps({"op": "push", "rank": 0, "step": 1, "nbytes": len(data), "bounds": [0, len(data)]})
+        with contextlib.suppress(OSError):
+            sock.sendall(b"\0" * (2 * NONCE_BYTES) + struct.pack("<I", len(header)) + header.encode() + data)
+        assert is_closed_by_peer(sock)
+
+    assert store.held() == {}
+
+
+def test_a_silent_client_is_cut_off_after_the_auth_timeout(
+    server: ReplicaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(peer_server, "AUTH_TIMEOUT_S", 0.2)
+    with raw_connect(server) as sock:
+        started = time.monotonic()
+        assert is_closed_by_peer(sock)
+        assert time.monotonic() - started < 3
+
+
+def test_a_client_never_sends_state_to_a_server_without_the_secret() -> None:
+    received_after_handshake = bytearray()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def impostor() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(5)
+            conn.sendall(MAGIC + os.urandom(NONCE_BYTES))
+            answer = b""
+            while len(answer) < 2 * NONCE_BYTES:
+                answer += conn.recv(2 * NONCE_BYTES - len(answer))
+            conn.sendall(os.urandom(NONCE_BYTES))  # a proof it cannot compute
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(65536):
+                    received_after_handshake.extend(chunk)
+
+    thread = threading.Thread(target=impostor, daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    with pytest.raises(ReplicationError, match="could not prove"):
+        push(address, SECRET, 0, 1, None, snapshot(1), {"private": True}, timeout=SHORT)
+
+    thread.join(5)
+    listener.close()
+    assert received_after_handshake == b""
+
+
+def test_a_non_resilrun_server_is_recognised() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def http_server() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b" " * 64)
+
+    thread = threading.Thread(target=http_server, daemon=True)
+    thread.start()
+    with pytest.raises(ReplicationError, match="not a resilrun replica server"):
+        held(f"127.0.0.1:{listener.getsockname()[1]}", SECRET, timeout=SHORT)
+    thread.join(5)
+    listener.close()
+
+
+def test_a_short_secret_is_a_programmer_error(store: ReplicaStore, memory: NodeMemoryTier) -> None:
+    with pytest.raises(ValueError, match="at least"):
+        ReplicaServer(b"", store, memory)
+    with pytest.raises(ValueError, match="at least"):
+        push("127.0.0.1:1", b"short", 0, 1, None, snapshot(1), None)
+
+
+# -- corruption, aborts and broken streams ----------------------------------------------------------
+def test_a_byte_flipped_in_transit_is_rejected_and_the_newest_replica_survives(
+    server: ReplicaServer, store: ReplicaStore
+) -> None:
+    push(server.address, SECRET, 0, 1, None, snapshot(1), None, timeout=SHORT)
+    push(server.address, SECRET, 0, 2, None, snapshot(2), "two", timeout=SHORT)
+    data = snapshot(3, numel=256 * 1024)
+    relay = Relay(server.port, flip_up_at=len(data) // 2)  # well inside the data section
+    try:
+        with pytest.raises(ReplicationError, match="crc32"):
+            push(relay.address, SECRET, 0, 3, None, data, None, timeout=SHORT)
+    finally:
+        relay.close()
+
+    assert store.steps(0) == [2]  # step 3 went into step 1's slot and never counted
+    assert store.read(0, 2) == (snapshot(2), "two")
+    assert bytes(fetch(server.address, SECRET, 0, 2, timeout=SHORT)[0]) == snapshot(2)
+
+
+def test_a_sender_announcing_wrong_checksums_is_rejected(server: ReplicaServer, store: ReplicaStore) -> None:
+    data = snapshot(1)
+    bounds = snapshot_bounds(memoryview(data))
+    with authenticated(server) as sock:
+        deadline = Deadline.total(5)
+        announce = Announce(0, 1, None, len(data), None, bounds)
+        send_message(sock, {"op": "push", **announce.to_message()}, deadline)
+        assert recv_message(sock, deadline) == {"ok": True}
+        sock.sendall(struct.pack("<I", len(data)) + data + struct.pack("<I", 0))
+        send_message(sock, {"commit": True, "crc32": [0] * (len(bounds) - 1)}, deadline)
+        reply = recv_message(sock, deadline)
+
+    assert reply["ok"] is False and "crc32" in reply["error"]
+    assert store.held() == {}
+
+
+def test_an_aborted_push_is_not_visible(server: ReplicaServer, store: ReplicaStore) -> None:
+    data = snapshot(1, numel=(CHUNK_BYTES + 100) // 4)  # two frames: the tear shows after the first
+    view = memoryview(data)
+    checks = iter([True, False])
+    announce = Announce(0, 1, None, len(data), None, snapshot_bounds(view))
+
+    committed = push_view(server.address, SECRET, announce, view, Deadline.total(5), lambda: next(checks, False))
+
+    assert committed is False
+    assert store.held() == {}
+    push(server.address, SECRET, 0, 1, None, data, None, timeout=SHORT)  # the rank's slot was released
+    assert store.steps(0) == [1]
+
+
+def test_a_truncated_push_is_not_visible_and_the_server_keeps_serving(
+    server: ReplicaServer, store: ReplicaStore
+) -> None:
+    data = snapshot(1)
+    with authenticated(server) as sock:
+        deadline = Deadline.total(5)
+        announce = Announce(0, 1, None, len(data), None, snapshot_bounds(memoryview(data)))
+        send_message(sock, {"op": "push", **announce.to_message()}, deadline)
+        assert recv_message(sock, deadline) == {"ok": True}
+        sock.sendall(struct.pack("<I", len(data)) + data[: len(data) // 2])  # then the sender dies
+
+    def pushed_again() -> bool:
+        try:
+            push(server.address, SECRET, 0, 2, None, snapshot(2), None, timeout=SHORT)
+        except ReplicationError as exc:  # until the server saw the EOF, the rank's transfer is in progress
+            assert "already being received" in exc.message
+            return False
+        return True
+
+    eventually(pushed_again)
+    assert store.steps(0) == [2]
+
+
+def test_a_server_dying_mid_fetch_raises_and_returns_nothing(server: ReplicaServer) -> None:
+    data = snapshot(1, numel=64 * 1024)
+    push(server.address, SECRET, 0, 1, None, data, None, timeout=SHORT)
+    relay = Relay(server.port, cut_down_at=len(data) // 2)
+    try:
+        with pytest.raises(ReplicationError, match="closed the connection"):
+            fetch(relay.address, SECRET, 0, 1, timeout=SHORT)
+    finally:
+        relay.close()
+
+
+def test_a_replica_corrupted_at_rest_fails_the_fetchers_checksum_and_is_dropped(
+    server: ReplicaServer, store: ReplicaStore
+) -> None:
+    push(server.address, SECRET, 0, 1, None, snapshot(1), None, timeout=SHORT)
+    opened = store.open(0, 1)
+    assert opened is not None
+    view, _, _ = opened
+    view[len(view) - 3] ^= 0xFF  # a bit flip in the node's memory after the replica was verified
+    del view, opened
+
+    with pytest.raises(CheckpointCorruptError, match="crc32"):
+        fetch(server.address, SECRET, 0, 1, timeout=SHORT)
+    assert store.steps(0) == []
+
+
+# -- hostile input ----------------------------------------------------------------------------------
+def test_an_absurd_size_is_refused_before_anything_is_allocated(server: ReplicaServer, store: ReplicaStore) -> None:
+    nbytes = 1 << 60
+    with authenticated(server) as sock:
+        deadline = Deadline.total(5)
+        send_message(sock, {"op": "push", "rank": 0, "step": 1, "nbytes": nbytes, "bounds": [0, nbytes]}, deadline)
+        reply = recv_message(sock, deadline)
+
+    assert reply["ok"] is False and "memory" in reply["error"]
+    assert store.held() == {}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(struct.pack("<I", 0xFFFFFFFF), id="message-length-over-the-limit"),
+        pytest.param(struct.pack("<I", 5) + b"\xff{[}x", id="not-json"),
+        pytest.param(struct.pack("<I", 2) + b"[]", id="not-an-object"),
+        pytest.param(struct.pack("<I", 20000) + b"[" * 20000, id="deeply-nested"),
+    ],
+)
+def test_malformed_messages_close_the_connection_and_the_server_keeps_serving(
+    server: ReplicaServer, payload: bytes
+) -> None:
+    with authenticated(server) as sock:
+        sock.sendall(payload)
+        assert is_closed_by_peer(sock)
+
+    assert held(server.address, SECRET, timeout=SHORT) == {"replicas": {}, "local": {}}
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        pytest.param({"op": "push", "rank": -1, "step": 1, "nbytes": 64, "bounds": [0, 64]}, id="negative-rank"),
+        pytest.param({"op": "push", "rank": 0, "step": True, "nbytes": 64, "bounds": [0, 64]}, id="bool-step"),
+        pytest.param({"op": "push", "rank": 0, "step": 1, "nbytes": 64, "bounds": [0, 80, 64]}, id="bad-bounds"),
+        pytest.param({"op": "push", "rank": 0, "step": 1, "nbytes": "64", "bounds": [0, 64]}, id="string-size"),
+        pytest.param({"op": "push", "rank": 4, "step": 1, "world_size": 4, "nbytes": 64, "bounds": [0, 64]}, id="ws"),
+        pytest.param({"op": "fetch", "rank": "0", "step": 1}, id="fetch-string-rank"),
+        pytest.param({"op": "rm -rf"}, id="unknown-op"),
+    ],
+)
+def test_bad_requests_get_an_error_reply(
+    server: ReplicaServer, store: ReplicaStore, request_: dict[str, object]
+) -> None:
+    with authenticated(server) as sock:
+        deadline = Deadline.total(5)
+        send_message(sock, request_, deadline)
+        reply = recv_message(sock, deadline)
+
+    assert reply["ok"] is False and reply["error"]
+    assert store.held() == {}
+
+
+def test_data_that_is_not_a_snapshot_is_refused_by_both_ends(server: ReplicaServer, store: ReplicaStore) -> None:
+    with pytest.raises(CheckpointCorruptError):
+        push(server.address, SECRET, 0, 1, None, b"\x00" * 64, None, timeout=SHORT)
+    garbage = struct.pack("<Q", 1 << 40) + b"\x00" * 56  # a header length pointing far past the end
+    view = memoryview(garbage)
+    announce = Announce(0, 1, None, len(garbage), None, (0, len(garbage)))
+    with pytest.raises(ReplicationError, match="not a snapshot"):
+        push_view(server.address, SECRET, announce, view, Deadline.total(5))
+    assert store.held() == {}
+
+
+def test_a_second_concurrent_push_for_the_same_rank_is_refused(server: ReplicaServer, store: ReplicaStore) -> None:
+    data = snapshot(1)
+    with authenticated(server) as sock:
+        deadline = Deadline.total(5)
+        announce = Announce(0, 1, None, len(data), None, snapshot_bounds(memoryview(data)))
+        send_message(sock, {"op": "push", **announce.to_message()}, deadline)
+        assert recv_message(sock, deadline) == {"ok": True}
+        with pytest.raises(ReplicationError, match="already being received"):
+            push(server.address, SECRET, 0, 2, None, snapshot(2), None, timeout=SHORT)
+    assert store.held() == {}
+
+
+def test_the_server_closes_promptly_with_connections_open(store: ReplicaStore, memory: NodeMemoryTier) -> None:
+    replica_server = ReplicaServer(SECRET, store, memory)
+    with authenticated(replica_server) as sock:
+        started = time.monotonic()
+        replica_server.close(timeout=timedelta(seconds=3))
+        assert time.monotonic() - started < 3
+        assert is_closed_by_peer(sock)
+    with pytest.raises(ReplicationError, match="could not reach"):
+        held(replica_server.address, SECRET, timeout=SHORT)
+
+
+def test_ipv6_loopback_works_where_available(store: ReplicaStore, memory: NodeMemoryTier) -> None:
+    try:
+        replica_server = ReplicaServer(SECRET, store, memory, host="::1")
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    try:
+        assert replica_server.address.startswith("[::1]:")
+        push(replica_server.address, SECRET, 0, 1, None, snapshot(1), None, timeout=SHORT)
+        assert bytes(fetch(replica_server.address, SECRET, 0, 1, timeout=SHORT)[0]) == snapshot(1)
+    finally:
+        replica_server.close()
+
+
+def test_connection_helper_names_the_peer_in_errors() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"  # bound, not listening: refused
+    with pytest.raises(ReplicationError, match=address), connection(address, SECRET, Deadline.total(2)):
+        pass
+    assert issubclass(ReplicationError, CheckpointError)

@@ -1,0 +1,47 @@
+"""A node whose memory is gone gets its ranks' state back from a peer's replica (tier 2)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+from tests.integration.conftest import wait_for
+from tests.integration.test_tier1_restore import EXAMPLE
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_replaced_node_restores_its_ranks_from_the_peer_replica(launcher, tmp_path: Path) -> None:
+    # Given 2 nodes x 2 workers replicating each step to the other node
+    port = free_port()
+    target = tmp_path / "faulty.sha"
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--replicas", "1",
+        "--max-restarts", "1", str(EXAMPLE), "--steps", "40", "--hidden", "64", "--sleep", "0.15",
+        "--checksum-file", str(target),
+    ]  # fmt: skip
+    first = launcher("resilrun", *flags)
+    doomed = launcher("resilrun", *flags)
+    wait_for(lambda: "step 10 loss" in first.stdout(), 120, "training to pass step 10")
+    # When the second node dies with its agent (its node memory is gone) and a new node replaces it
+    os.kill(doomed.pid, signal.SIGKILL)
+    replacement = launcher("resilrun", *flags)
+    # Then the new node's ranks resume from the replicas the first node holds, bitwise equal
+    for node in (first, replacement):
+        assert node.wait(180) == 0, node.stderr()[-3000:]
+    err = first.stderr() + replacement.stderr()
+    assert "rank 2 resumed from step" in err and "(peer replica)" in err
+    assert "rank 0 resumed from step" in err
+    assert target.read_text() == _clean_checksum_40(launcher, tmp_path)
+
+
+def _clean_checksum_40(launcher, tmp_path: Path) -> str:
+    clean = tmp_path / "clean40.sha"
+    run = launcher("resilrun", "--standalone", "--nproc-per-node", "4", str(EXAMPLE), "--steps", "40",
+                   "--hidden", "64", "--checksum-file", str(clean))  # fmt: skip
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    return clean.read_text()
