@@ -27,6 +27,12 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         if name.startswith(_STRIP_PREFIXES) or name in _STRIP_NAMES:
             monkeypatch.delenv(name, raising=False)
     yield
+    # cli.main() configures the "resilrun" logger for a real process (its own stderr handler, no
+    # propagation); undo it so a later test in this worker can capture records again.
+    package_logger = logging.getLogger("resilrun")
+    package_logger.handlers.clear()
+    package_logger.propagate = True
+    package_logger.setLevel(logging.NOTSET)
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import json
 import logging
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from enum import Enum
 from typing import Any
@@ -69,6 +69,7 @@ class _Round:
     store: Any
     spare_index: int = 0
     respawn_at: float | None = None
+    killed: set[int] = field(default_factory=set)  # pids SIGKILLed as hung, not yet reaped
 
 
 class Supervisor:
@@ -201,7 +202,7 @@ class Supervisor:
         """A worker frozen (no heartbeat) or stuck (no committed step) for too long is killed, so the
         ordinary failure path (a spare, or a restart) takes over."""
         for worker in round_.workers:
-            if worker.poll() is not None:
+            if worker.poll() is not None or worker.pid in round_.killed:
                 continue
             silent = self.control.silent_for(worker.pid)
             stalled = self.control.stalled_for(worker.pid)
@@ -212,6 +213,7 @@ class Supervisor:
                 reason = f"no step committed for {stalled:.0f} s (--hang-timeout {self.config.hang_timeout_s:g})"
             if reason is not None:
                 logger.error("rank %d hung: %s; killing it", worker.spec.global_rank, reason)
+                round_.killed.add(worker.pid)
                 worker.signal_group(signal.SIGKILL)
 
     # -- in-process recovery ------------------------------------------------------------------

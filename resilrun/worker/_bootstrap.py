@@ -16,6 +16,7 @@ Usage: ``python -u -m resilrun.worker._bootstrap [-m] TARGET [ARGS...]``
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import json
@@ -87,6 +88,23 @@ def _next_generation(exc: BaseException) -> dict[str, str] | None:
     return env if isinstance(env, dict) else None
 
 
+def _exit_now(code: int) -> None:
+    """Leave like ``sys.exit(code)`` but skip the C++ teardown after the script is done.
+
+    The user's atexit handlers still run and the streams are flushed; only the destruction of
+    native objects is skipped, because torch 2.13's gloo teardown at interpreter exit sometimes
+    aborts ("terminate called without an active exception", seen under torchrun as well), which
+    would turn a finished job into a failed one.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 def _tell_agent_finished() -> None:
     """Interpreter teardown (process groups, CUDA) can take seconds without a heartbeat: say so."""
     socket_path = os.environ.get("RESILRUN_AGENT_SOCKET")
@@ -114,13 +132,13 @@ def main(argv: list[str]) -> None:
         try:
             _run(target, list(args), as_module)
             _tell_agent_finished()
-            return
+            _exit_now(0)
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 write_error_file(exc)
-            else:
-                _tell_agent_finished()
-            raise
+                raise
+            _tell_agent_finished()
+            _exit_now(0)
         except BaseException as exc:
             env = _next_generation(exc)
             if env is None:

@@ -425,6 +425,11 @@ def test_a_replica_corrupted_at_rest_fails_the_fetchers_checksum_and_is_dropped(
 
     with pytest.raises(CheckpointCorruptError, match="crc32"):
         fetch(server.address, SECRET, 0, 1, timeout=SHORT)
+    # The server drops the copy once its own checksums fail, which can land just after the
+    # fetcher has already raised: wait for it, with a deadline.
+    deadline = time.monotonic() + 10
+    while store.steps(0) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert store.steps(0) == []
 
 

@@ -1,0 +1,139 @@
+"""Benchmark worker for ``snapshot_cost.py``: one DDP script on resilrun's three-call API.
+
+The same unmodified file runs under both launchers. Under resilrun, ``job.steps()`` commits every
+finished step into node memory; under torchrun there is no agent, so ``resilrun.init()`` only
+sets up the process group and ``steps()`` commits nothing: the two runs differ by the snapshots
+(and resilrun's heartbeat thread). ``--plain-loop`` skips ``track``/``steps`` altogether (a plain
+``range``), to tell the launcher's own cost, heartbeat included, from the snapshots' under resilrun.
+
+Rank 0 prints one ``BENCH_JSON {...}`` line with, per step: the wall time from the top of one
+loop body to the top of the next (the step time a user sees); the time between the end of a body
+and the top of the next one (inside ``steps()``: the commit, i.e. the training time the snapshot
+blocks), on rank 0 and on the slowest rank (DDP makes everyone wait for that one at the next
+allreduce), and of it the commit message's round trip to the agent; and the CPU seconds this
+process used (all its threads), because on a machine shared with other users' jobs wall time
+swings with their load and CPU time much less. The step does real work (forward, backward, DDP
+allreduce, AdamW) on an MLP whose parameters + Adam moments are the requested size, so "fraction
+of a step" is meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+LAYERS = 4  # square Linear layers; hidden size is solved from the requested state size
+
+
+def hidden_for(state_mib: float) -> int:
+    """Hidden size h whose params + AdamW's two moments (fp32) are ``state_mib``: 12 * 4 * (h^2 + h) bytes."""
+    per_layer = state_mib * 2**20 / (3 * 4 * LAYERS)
+    return max(8, round((-1 + (1 + 4 * per_layer) ** 0.5) / 2))
+
+
+def build_model(state_mib: float) -> nn.Sequential:
+    """An MLP of LAYERS square layers (deterministic init) sized for ``state_mib`` of tracked state."""
+    hidden = hidden_for(state_mib)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(LAYERS):
+        layers.append(nn.Linear(hidden, hidden))
+        if i < LAYERS - 1:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """Forward, backward (DDP allreduces here when ``model`` is DDP) and an AdamW update."""
+    loss = nn.functional.mse_loss(model(x), x.tanh())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of parameters and optimizer tensors: what a snapshot of (model, optimizer) holds."""
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    for per_param in opt.state.values():
+        total += sum(v.numel() * v.element_size() for v in per_param.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    """``fn``, appending the seconds of each call to ``into``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - begin)
+
+    return wrapper
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--state-mib", type=float, default=64.0)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--plain-loop", action="store_true", help="no track()/steps(): no snapshots at all")
+    args = parser.parse_args()
+
+    import resilrun  # after argparse: --help works without torch.distributed
+
+    job = resilrun.init()
+    model = nn.parallel.DistributedDataParallel(build_model(args.state_mib))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    hidden = hidden_for(args.state_mib)
+    gen = torch.Generator().manual_seed(job.rank)
+    loop: Iterable[int]
+    messages: list[float] = []
+    if args.plain_loop:
+        loop = range(args.steps)
+    else:
+        job.track(model=model, optimizer=opt)
+        loop = job.steps(total=args.steps)
+        snapshotter = getattr(job, "_snapshotter", None)
+        if snapshotter is not None:  # under resilrun: time the commit message's round trip to the agent
+            snapshotter.client.request = _timed(snapshotter.client.request, messages)
+    tops: list[float] = []
+    cpu: list[float] = []
+    ends: list[float] = []
+    for _ in loop:
+        tops.append(time.perf_counter())
+        cpu.append(time.process_time())
+        train_step(model, opt, torch.randn(args.batch, hidden, generator=gen))
+        ends.append(time.perf_counter())
+    tops.append(time.perf_counter())  # after the last commit: steps() returned
+    cpu.append(time.process_time())
+    commits = [top - end for end, top in zip(ends, tops[1:], strict=False)]
+    # DDP makes every rank wait for the slowest one's commit at the next allreduce: gather them all.
+    gathered = [torch.zeros(len(commits), dtype=torch.float64) for _ in range(job.world_size)]
+    torch.distributed.all_gather(gathered, torch.tensor(commits, dtype=torch.float64))
+    if job.rank == 0:
+        result = {
+            "hidden": hidden,
+            "state_bytes": state_bytes(model, opt),
+            "threads": torch.get_num_threads(),
+            "omp": os.environ.get("OMP_NUM_THREADS", ""),
+            "snapshots": bool(os.environ.get("RESILRUN_AGENT_SOCKET")) and not args.plain_loop,
+            "step": [b - a for a, b in zip(tops, tops[1:], strict=False)],
+            "commit": commits,
+            "commit_slowest": torch.stack(gathered).max(dim=0).values.tolist(),
+            "cpu": [b - a for a, b in zip(cpu, cpu[1:], strict=False)],
+            "message": messages[-len(ends) :] if messages else [],  # the last N requests are the commits
+        }
+        print("BENCH_JSON " + json.dumps(result), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
