@@ -70,6 +70,8 @@ class _Round:
     spare_index: int = 0
     respawn_at: float | None = None
     killed: set[int] = field(default_factory=set)  # pids SIGKILLed as hung, not yet reaped
+    # Newest step committed on this node when the last in-process recovery started.
+    recovered_at_step: int | None = None
 
 
 class Supervisor:
@@ -235,6 +237,14 @@ class Supervisor:
         failed = [w for w in round_.workers if w.poll() not in (None, 0)]
         if not failed or not self.control.uses_api([w.pid for w in round_.workers]):
             return False
+        newest = self.control.newest_step([w.pid for w in round_.workers])
+        newest = -1 if newest is None else newest
+        if round_.recovered_at_step is not None and newest <= round_.recovered_at_step:
+            # No step was committed since the last recovery: a deterministic failure (a bug, bad
+            # data) would make spares fail at the same step forever. The bounded restart path
+            # (--max-restarts) decides instead.
+            logger.warning("no progress since the last in-process recovery (step %s): not recovering again", newest)
+            return False
         ready = self._ready_spares(round_, len(failed))
         if len(failed) > len(ready):
             return False
@@ -252,6 +262,7 @@ class Supervisor:
             cause.message.splitlines()[0] if cause and cause.message else "?",
             new.round,
         )
+        round_.recovered_at_step = newest
         self._enter_generation(round_, new, dict(zip([w.spec.local_rank for w in failed], ready, strict=False)))
         logger.info("recovery decided in %.3f s", time.monotonic() - started)
         return True

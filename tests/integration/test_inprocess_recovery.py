@@ -84,3 +84,17 @@ def test_a_frozen_worker_is_detected_killed_and_replaced_by_a_spare(launcher, tm
     assert "hot spare takes over" in err
     assert "rank 0 resumed from step 11 (node memory)" in err
     assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
+
+
+def test_a_failure_that_repeats_at_the_same_step_is_not_recovered_forever(launcher, tmp_path: Path) -> None:
+    # Given a bug that kills rank 1 at step 5 every time, and spares that would replace it each time
+    script = Path(__file__).resolve().parents[1] / "helpers" / "buggy_step.py"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0", str(script)
+    )
+    # Then one in-process recovery is tried, the repeat is recognised, and the job fails cleanly
+    assert run.wait(150) == 1, run.stderr()[-3000:]
+    err = run.stderr()
+    assert err.count("hot spare takes over") == 1
+    assert "no progress since the last in-process recovery" in err
+    assert "ValueError: bad batch at step 5" in err
