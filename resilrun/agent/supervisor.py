@@ -87,6 +87,8 @@ class Supervisor:
         self.signals = signals
         self.run_id = rdzv.run_id
         self.last_state: RdzvState | None = None
+        # A spare node's warm workers, kept across rounds it does not take part in.
+        self._standby: list[procs.WorkerProcess] = []
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -101,6 +103,11 @@ class Supervisor:
             state = self.rdzv.join(on_wait=self.signals.raise_if_set)
             self.last_state = state
             node_rank = state.node_rank(self.rdzv.me.node_id)
+            if node_rank is None:  # the round is full: this node stands by as a spare node
+                if self._stand_by(state) is _RoundEnd.DONE:
+                    return
+                continue
+            self._drop_standby()
             self.rdzv.me = replace(self.rdzv.me, preferred_rank=node_rank)
             if self._run_round(state) is _RoundEnd.DONE:
                 return
@@ -138,10 +145,7 @@ class Supervisor:
     def _monitor(self, round_: _Round) -> _RoundEnd:
         interval = self.config.monitor_interval_s
         grace = self.config.shutdown_timeout_s
-        state = round_.state
-        others = [p.node_id for p in state.participants if p.node_id != self.rdzv.me.node_id]
         judge = StalenessJudge(self.config.heartbeat_timeout_s)
-        read_counters = heartbeat_reader(self.rdzv.backend, self.run_id, others)
         next_heartbeat_check = 0.0
         lost: tuple[str, ...] = ()
         while True:
@@ -149,10 +153,8 @@ class Supervisor:
             state = round_.state
             codes = tuple(w.poll() for w in round_.workers)
             current = self.rdzv.state()
-            if others and time.monotonic() >= next_heartbeat_check:
-                for node, counter in read_counters().items():
-                    judge.observe(node, counter)
-                lost = tuple(judge.stale())
+            if time.monotonic() >= next_heartbeat_check:
+                lost = self._judge_nodes(judge, state, current)
                 next_heartbeat_check = time.monotonic() + self.config.heartbeat_interval_s
             follow = (
                 current.round > state.round
@@ -188,6 +190,9 @@ class Supervisor:
                 procs.stop(everyone, signal.SIGTERM, grace)
                 return _RoundEnd.REJOIN
             if action is Action.NODE_LOST:
+                if self._replace_lost_nodes(round_, lost, judge):
+                    lost = ()
+                    continue
                 return self._node_lost(state, lost, judge, everyone)
             if action is Action.RESTART_JOB:
                 if self._recover_in_process(round_):
@@ -219,9 +224,9 @@ class Supervisor:
                 worker.signal_group(signal.SIGKILL)
 
     # -- in-process recovery ------------------------------------------------------------------
-    def _top_up_spares(self, round_: _Round) -> None:
+    def _top_up_spares(self, round_: _Round, want: int | None = None) -> None:
         round_.spares = [s for s in round_.spares if s.poll() is None]
-        while len(round_.spares) < self.config.spares:
+        while len(round_.spares) < (self.config.spares if want is None else want):
             round_.spare_index += 1
             spec = spare_spec(self.config, self.setup, round_.state.round, round_.spare_index)
             round_.spares.append(procs.spawn(spec))
@@ -278,23 +283,28 @@ class Supervisor:
             self.signals.raise_if_set()
             time.sleep(0.05)
 
-    def _enter_generation(self, round_: _Round, new: RdzvState, replacements: dict[int, procs.WorkerProcess]) -> None:
-        """Move this node's workers to generation ``new.round``: survivors keep their processes."""
+    def _enter_generation(self, round_: _Round, new: RdzvState, replacements: dict[int, procs.WorkerProcess]) -> bool:
+        """Move this node's workers to generation ``new.round``: survivors keep their processes,
+        spares named in ``replacements`` (by local rank) take the other places."""
         store, master = self._round_master(new, round_.node_rank)
         if master is None:
-            return
+            return False
         specs = worker_specs(self.config, self.setup, self.run_id, new, round_.node_rank, master)
         envs: dict[int, dict[str, str]] = {}
-        for local_rank, worker in enumerate(round_.workers):
-            spare = replacements.get(local_rank)
+        workers = []
+        for spec in specs:
+            spare = replacements.get(spec.local_rank)
             if spare is not None:
                 round_.spares.remove(spare)
-                spare.spec = specs[local_rank]
-                self.control.assign(spare.pid, specs[local_rank].env)
-                round_.workers[local_rank] = spare
+                spare.spec = spec
+                self.control.assign(spare.pid, spec.env)
+                workers.append(spare)
             else:
-                worker.spec = specs[local_rank]
-                envs[worker.pid] = specs[local_rank].env
+                worker = round_.workers[spec.local_rank]
+                worker.spec = spec
+                envs[worker.pid] = spec.env
+                workers.append(worker)
+        round_.workers = workers
         self.control.publish_generation(new.round, envs)
         round_.state = new
         round_.store = store  # the previous generation's store goes; its clients have moved on
@@ -302,6 +312,117 @@ class Supervisor:
         if replacements:
             # Start replacement spares once the recovery is past its busiest seconds (2 cores here).
             round_.respawn_at = time.monotonic() + 5.0
+        return True
+
+    # -- spare nodes ----------------------------------------------------------------------------
+    def _stand_by(self, state: RdzvState) -> _RoundEnd:
+        """A spare node: warm workers wait to take a lost node's ranks; the job is followed meanwhile."""
+        me = self.rdzv.me.node_id
+        round_ = _Round(state, -1, [], self._standby, None)
+        self._standby = []
+        want = max(self.setup.nproc, self.config.spares)
+        self._top_up_spares(round_, want)
+        logger.info(
+            "all %d node(s) of the job are running: standing by as a spare node with %d warm worker(s)",
+            len(state.participants),
+            want,
+        )
+        try:
+            while True:
+                time.sleep(self.config.monitor_interval_s)
+                if self.signals.signum is not None:
+                    self.rdzv.leave()
+                    procs.stop(round_.spares, self.signals.signum, self.config.shutdown_timeout_s)
+                    raise ShutdownRequested(self.signals.signum)
+                current = self.rdzv.state()
+                if current.closed:
+                    procs.stop(round_.spares, signal.SIGTERM, self.config.shutdown_timeout_s)
+                    return self._follow_close(current)
+                rank = current.node_rank(me)
+                if rank is not None and current.complete and current.recovering:
+                    return self._take_over(round_, current, rank)
+                if rank is not None or not current.complete or not current.is_spare(me):
+                    # A restart opened a new round (or this node was forgotten): join it like any
+                    # node, keeping the warm workers for whatever role this node gets.
+                    self._standby, round_.spares = [s for s in round_.spares if s.poll() is None], []
+                    return _RoundEnd.REJOIN
+                if any(s.poll() is not None for s in round_.spares):
+                    self._top_up_spares(round_, want)
+        finally:
+            everyone = round_.workers + round_.spares
+            procs.stop([w for w in everyone if w.poll() is None], signal.SIGKILL, 0.0)
+            for worker in everyone:
+                worker.finish_output()
+
+    def _take_over(self, round_: _Round, new: RdzvState, node_rank: int) -> _RoundEnd:
+        """This spare node was chosen for a lost node's place: its warm workers take those ranks."""
+        started = time.monotonic()
+        round_.node_rank = node_rank
+        self.rdzv.me = replace(self.rdzv.me, preferred_rank=node_rank)
+        ready = self._ready_spares(round_, self.setup.nproc)
+        if len(ready) < self.setup.nproc or not self._enter_generation(round_, new, dict(enumerate(ready))):
+            logger.error("this spare node could not take node rank %d: restarting the job", node_rank)
+            self._open_next_round(new, [])
+            return _RoundEnd.REJOIN
+        logger.warning(
+            "spare node takes node rank %d (ranks %d-%d) in generation %d, %.3f s after it was chosen",
+            node_rank,
+            round_.workers[0].spec.global_rank,
+            round_.workers[-1].spec.global_rank,
+            new.round,
+            time.monotonic() - started,
+        )
+        return self._monitor(round_)
+
+    def _drop_standby(self) -> None:
+        if self._standby:
+            procs.stop(self._standby, signal.SIGTERM, self.config.shutdown_timeout_s)
+            for worker in self._standby:
+                worker.finish_output()
+            self._standby = []
+
+    def _judge_nodes(self, judge: StalenessJudge, state: RdzvState, current: RdzvState) -> tuple[str, ...]:
+        """Read the heartbeats of the round's other nodes and of the spare nodes; returns the lost
+        participants (a spare node that went silent is dropped from the spare list here)."""
+        me = self.rdzv.me.node_id
+        participants = [p.node_id for p in state.participants if p.node_id != me]
+        spares = [n.node_id for n in current.spares] if current.round == state.round else []
+        watched = participants + spares
+        judge.forget_all_but(watched)
+        if not watched:
+            return ()
+        for node, counter in heartbeat_reader(self.rdzv.backend, self.run_id, watched)().items():
+            judge.observe(node, counter)
+        stale = set(judge.stale())
+        dead_spares = tuple(n for n in spares if n in stale)
+        if dead_spares:
+            logger.warning("spare node(s) %s stopped heartbeating: no longer counted as spares", ", ".join(dead_spares))
+            self.rdzv.drop_spares(dead_spares)
+        return tuple(n for n in participants if n in stale)
+
+    def _replace_lost_nodes(self, round_: _Round, lost: tuple[str, ...], judge: StalenessJudge) -> bool:
+        """Give a lost node's place to a spare node; survivors move to the new generation in place.
+
+        Returns False when no spare node can take it (the caller restarts the job instead).
+        """
+        state = round_.state
+        if len(state.spares) < len(lost) and len(self.rdzv.state().spares) < len(lost):
+            return False
+        failures = self._lost_failures(state, lost, judge)
+        self._record_failures(state.round, failures)
+        cause = root_cause(failures)
+        new = self.rdzv.replace_nodes(state.round, lost, failure=cause.to_dict() if cause else None)
+        if new.closed or not (new.recovering and new.complete and new.round > state.round):
+            return False
+        if new.node_rank(self.rdzv.me.node_id) != round_.node_rank:
+            return False
+        logger.error("%s", "; ".join(f"node {f.node_rank} ({f.host}) {f.message}" for f in failures))
+        logger.warning(
+            "spare node(s) %s take the lost node's place: generation %d (no restart)",
+            ", ".join(new.participants[f.node_rank].hostname or "?" for f in failures if f.node_rank >= 0),
+            new.round,
+        )
+        return self._enter_generation(round_, new, {})
 
     def _describe(self, worker: procs.WorkerProcess, node_rank: int) -> ProcessFailure:
         return collect_failure(
@@ -318,7 +439,13 @@ class Supervisor:
     def _node_lost(
         self, state: RdzvState, lost: tuple[str, ...], judge: StalenessJudge, workers: list[procs.WorkerProcess]
     ) -> _RoundEnd:
-        """Another node stopped heartbeating: its workers are gone or unreachable, so the job restarts."""
+        """Another node stopped heartbeating and no spare node can take its place: the job restarts."""
+        failures = self._lost_failures(state, lost, judge)
+        logger.error("%s", "; ".join(f"node {f.node_rank} ({f.host}) {f.message}" for f in failures))
+        procs.stop(workers, signal.SIGTERM, self.config.shutdown_timeout_s)
+        return self._open_next_round(state, failures)
+
+    def _lost_failures(self, state: RdzvState, lost: tuple[str, ...], judge: StalenessJudge) -> list[ProcessFailure]:
         failures = []
         for node_id in lost:
             rank = state.node_rank(node_id)
@@ -337,9 +464,7 @@ class Supervisor:
                     f"(--heartbeat-timeout {self.config.heartbeat_timeout_s:g})",
                 )
             )
-        logger.error("%s", "; ".join(f"node {f.node_rank} ({f.host}) {f.message}" for f in failures))
-        procs.stop(workers, signal.SIGTERM, self.config.shutdown_timeout_s)
-        return self._open_next_round(state, failures)
+        return failures
 
     def _restart_job(
         self,

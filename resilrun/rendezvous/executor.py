@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 # Poll period while waiting for other nodes: short enough that a restart re-forms in well under a
 # second, long enough that 1,000 waiting nodes do not flood the store.
 _POLL_S = 0.05
+# How long a spare node lets the previous round's nodes rejoin a newly opened round before it
+# competes for a place: they poll every _POLL_S, so a second is plenty.
+_SPARE_GRACE_S = 1.0
 
 
 class RendezvousClient:
@@ -70,7 +73,7 @@ class RendezvousClient:
                 return proposed
 
     def join(self, on_wait: Callable[[], None] | None = None) -> RdzvState:
-        """Block until this node is a participant of a complete round.
+        """Block until this node is a participant of a complete round, or a spare node of a full one.
 
         Args:
             on_wait: called on every poll (e.g. to check for a shutdown request).
@@ -81,6 +84,7 @@ class RendezvousClient:
         """
         deadline = self.clock.monotonic() + self.join_timeout.total_seconds()
         min_seen: tuple[int, float] | None = None  # (round, when MIN nodes were first seen)
+        open_seen: tuple[int, float] | None = None  # (round, when it was first seen open)
         while True:
             state, raw = self.read()
             now = self.clock.monotonic()
@@ -90,10 +94,18 @@ class RendezvousClient:
             else:
                 min_seen = None
             elapsed = min_seen is not None and now - min_seen[1] >= self.last_call_timeout.total_seconds()
+            if not state.complete and (open_seen is None or open_seen[0] != state.round):
+                open_seen = (state.round, now)
+            grace = open_seen is not None and now - open_seen[1] >= _SPARE_GRACE_S
             decision = protocol.decide_join(
-                state, self.me, min_nodes=self.min_nodes, max_nodes=self.max_nodes, last_call_elapsed=elapsed
+                state,
+                self.me,
+                min_nodes=self.min_nodes,
+                max_nodes=self.max_nodes,
+                last_call_elapsed=elapsed,
+                spare_grace_elapsed=grace,
             )
-            if decision.verdict is Verdict.FINISH:
+            if decision.verdict in (Verdict.FINISH, Verdict.SPARE):
                 return state
             if decision.verdict is Verdict.CLOSED:
                 raise closed_error(state)
@@ -122,6 +134,17 @@ class RendezvousClient:
     def recover(self, observed_round: int, *, failure: dict[str, Any] | None) -> RdzvState:
         """Open the next generation for an in-process recovery (no-op if the job moved on)."""
         return self._update(lambda s: protocol.decide_recover(s, observed_round, failure))
+
+    def replace_nodes(self, observed_round: int, lost: tuple[str, ...], *, failure: dict[str, Any] | None) -> RdzvState:
+        """Open the next generation with spare nodes in place of ``lost`` (no-op if impossible)."""
+        return self._update(lambda s: protocol.decide_replace(s, observed_round, lost, failure))
+
+    def drop_spares(self, gone: tuple[str, ...]) -> RdzvState:
+        return self._update(lambda s: protocol.decide_drop_spares(s, gone))
+
+    def leave(self) -> RdzvState:
+        """Stop waiting or standing by (a participant of a complete round is unaffected)."""
+        return self._update(lambda s: protocol.decide_leave(s, self.me.node_id))
 
     def close(self, outcome: str, failure: dict[str, Any] | None = None) -> RdzvState:
         return self._update(lambda s: protocol.decide_close(s, outcome, failure))

@@ -55,6 +55,8 @@ class RdzvState:
     # running workers are kept (they move to the new generation instead of being restarted).
     recovering: bool = False
     recoveries: int = 0
+    # Standby nodes: they arrived when the round was full and wait, warm, to replace a lost node.
+    spares: tuple[NodeInfo, ...] = ()
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -66,6 +68,7 @@ class RdzvState:
         data = json.loads(raw)
         data["participants"] = tuple(NodeInfo(**p) for p in data["participants"])
         data["waiting"] = tuple(data["waiting"])
+        data["spares"] = tuple(NodeInfo(**p) for p in data.get("spares", ()))
         return cls(**data)
 
     def node_rank(self, node_id: str) -> int | None:
@@ -77,11 +80,15 @@ class RdzvState:
     def has_participant(self, node_id: str) -> bool:
         return self.node_rank(node_id) is not None
 
+    def is_spare(self, node_id: str) -> bool:
+        return any(node.node_id == node_id for node in self.spares)
+
 
 class Verdict(Enum):
     """What a joining node does next."""
 
     FINISH = "finish"  # I am in a complete round
+    SPARE = "spare"  # the round is full: I stand by as a spare node
     UPDATE = "update"  # try to write the proposed state, then decide again
     WAIT = "wait"  # poll again later
     CLOSED = "closed"  # the job is over
@@ -127,25 +134,45 @@ def assign_ranks(nodes: tuple[NodeInfo, ...]) -> tuple[NodeInfo, ...]:
     return tuple(slot if slot is not None else next(free) for slot in slots)
 
 
-def decide_join(state: RdzvState, me: NodeInfo, *, min_nodes: int, max_nodes: int, last_call_elapsed: bool) -> Decision:
-    """One step of a node joining the current round."""
+def decide_join(
+    state: RdzvState,
+    me: NodeInfo,
+    *,
+    min_nodes: int,
+    max_nodes: int,
+    last_call_elapsed: bool,
+    spare_grace_elapsed: bool = True,
+) -> Decision:
+    """One step of a node joining the current round.
+
+    A node that finds the round complete and full stands by as a spare node. A spare joins a newly
+    opened round only after ``spare_grace_elapsed``, so the nodes that ran the previous round get
+    their places (and the snapshots in their memory stay useful) before a spare takes one.
+    """
     if state.closed:
         return Decision(Verdict.CLOSED)
     joined = state.has_participant(me.node_id)
     if state.complete:
         if joined:
             return Decision(Verdict.FINISH)
-        if len(state.participants) < max_nodes and me.node_id not in state.waiting:
+        if len(state.participants) < max_nodes:
+            if me.node_id in state.waiting:
+                return Decision(Verdict.WAIT)
             # Asking to join makes the running nodes open a new round (a membership change).
             return Decision(Verdict.UPDATE, replace(state, waiting=(*state.waiting, me.node_id)))
-        return Decision(Verdict.WAIT)
+        if state.is_spare(me.node_id):
+            return Decision(Verdict.SPARE)
+        return Decision(Verdict.UPDATE, replace(state, spares=(*state.spares, me)))
     if not joined:
         if len(state.participants) >= max_nodes:
             return Decision(Verdict.WAIT)
+        if state.is_spare(me.node_id) and not spare_grace_elapsed:
+            return Decision(Verdict.WAIT)
         participants = (*state.participants, me)
+        spares = tuple(n for n in state.spares if n.node_id != me.node_id)
         if len(participants) == max_nodes:
-            return Decision(Verdict.UPDATE, _complete(state, participants))
-        return Decision(Verdict.UPDATE, replace(state, participants=participants))
+            return Decision(Verdict.UPDATE, _complete(replace(state, spares=spares), participants))
+        return Decision(Verdict.UPDATE, replace(state, participants=participants, spares=spares))
     if len(state.participants) >= min_nodes and last_call_elapsed:
         return Decision(Verdict.UPDATE, _complete(state, state.participants))
     return Decision(Verdict.WAIT)
@@ -171,6 +198,8 @@ def decide_leave(state: RdzvState, me: str) -> RdzvState | None:
         return None
     if me in state.waiting:
         return replace(state, waiting=tuple(w for w in state.waiting if w != me))
+    if state.is_spare(me):
+        return replace(state, spares=tuple(n for n in state.spares if n.node_id != me))
     if state.complete or not state.has_participant(me):
         return None
     return replace(state, participants=tuple(p for p in state.participants if p.node_id != me))
@@ -199,6 +228,7 @@ def decide_next_round(
         restarts=state.restarts + (1 if failure is not None else 0),
         failure=failure if failure is not None else state.failure,
         recoveries=state.recoveries,
+        spares=state.spares,
     )
 
 
@@ -212,6 +242,46 @@ def decide_recover(state: RdzvState, observed_round: int, failure: dict[str, Any
     return replace(
         state, round=state.round + 1, recovering=True, recoveries=state.recoveries + 1, failure=failure, waiting=()
     )
+
+
+def decide_replace(
+    state: RdzvState, observed_round: int, lost: tuple[str, ...], failure: dict[str, Any] | None
+) -> RdzvState | None:
+    """The next generation with spare nodes in the places of ``lost`` nodes (same node ranks).
+
+    Returns None when that cannot be done: the job moved on, a lost node is not a participant, or
+    there are fewer spares of the right size than lost nodes (the caller restarts instead).
+    """
+    if state.closed or state.round != observed_round or not state.complete:
+        return None
+    participants = list(state.participants)
+    spares = list(state.spares)
+    for node_id in lost:
+        rank = state.node_rank(node_id)
+        if rank is None:
+            return None
+        fit = next((n for n in spares if n.local_world_size == participants[rank].local_world_size), None)
+        if fit is None:
+            return None
+        spares.remove(fit)
+        participants[rank] = replace(fit, preferred_rank=rank)
+    return replace(
+        state,
+        round=state.round + 1,
+        participants=tuple(participants),
+        spares=tuple(spares),
+        recovering=True,
+        recoveries=state.recoveries + 1,
+        failure=failure,
+        waiting=(),
+    )
+
+
+def decide_drop_spares(state: RdzvState, gone: tuple[str, ...]) -> RdzvState | None:
+    """Forget spare nodes that stopped heartbeating (None when none of them is listed)."""
+    if state.closed or not any(state.is_spare(node_id) for node_id in gone):
+        return None
+    return replace(state, spares=tuple(n for n in state.spares if n.node_id not in gone))
 
 
 def decide_close(state: RdzvState, outcome: str, failure: dict[str, Any] | None = None) -> RdzvState | None:

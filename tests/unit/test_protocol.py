@@ -15,9 +15,11 @@ from resilrun.rendezvous.protocol import (
     Verdict,
     assign_ranks,
     decide_close,
+    decide_drop_spares,
     decide_join,
     decide_leave,
     decide_next_round,
+    decide_replace,
     has_reached_min,
 )
 
@@ -57,9 +59,13 @@ def test_decide_join_waits_when_already_on_the_waiting_list() -> None:
     assert join(state, C, lo=2, hi=3) == Decision(Verdict.WAIT)
 
 
-def test_decide_join_waits_without_queueing_when_the_complete_round_is_full() -> None:
+def test_decide_join_registers_a_spare_node_when_the_complete_round_is_full() -> None:
+    # (it used to wait unlisted; a listed spare node can replace a lost one without a restart)
     state = RdzvState(complete=True, participants=(A, B))
-    assert join(state, C, lo=2, hi=2) == Decision(Verdict.WAIT)
+    decision = join(state, C, lo=2, hi=2)
+    assert decision == Decision(Verdict.UPDATE, replace(state, spares=(C,)))
+    assert decision.state is not None
+    assert join(decision.state, C, lo=2, hi=2) == Decision(Verdict.SPARE)
 
 
 def test_decide_join_waits_when_an_incomplete_round_is_full() -> None:
@@ -297,3 +303,66 @@ def test_rdzv_state_node_rank_follows_participant_order() -> None:
     assert state.node_rank("a") == 1
     assert state.node_rank("c") is None
     assert state.has_participant("a") and not state.has_participant("c")
+
+
+# -- spare nodes ------------------------------------------------------------------------------------
+def test_a_spare_node_waits_for_its_grace_before_taking_a_place_in_a_new_round() -> None:
+    # Given a restart opened round 4 while C stood by as a spare
+    state = RdzvState(round=4, participants=(A,), spares=(C,))
+    assert decide_join(state, C, min_nodes=2, max_nodes=2, last_call_elapsed=False, spare_grace_elapsed=False) == (
+        Decision(Verdict.WAIT)
+    )
+    # After the grace it joins and leaves the spare list
+    decision = decide_join(state, C, min_nodes=2, max_nodes=2, last_call_elapsed=False, spare_grace_elapsed=True)
+    assert decision.verdict is Verdict.UPDATE and decision.state is not None
+    assert decision.state.complete and [n.node_id for n in decision.state.participants] == ["a", "c"]
+    assert decision.state.spares == ()
+
+
+def test_next_round_keeps_the_spare_nodes() -> None:
+    state = RdzvState(round=2, complete=True, participants=(A, B), spares=(C,))
+    new = decide_next_round(state, 2, failure={"m": 1}, max_restarts=3)
+    assert new is not None and new.spares == (C,) and new.round == 3
+
+
+def test_replace_puts_a_spare_node_in_the_lost_nodes_place_as_a_recovery() -> None:
+    state = RdzvState(round=2, complete=True, participants=(A, B), spares=(C,), recoveries=1)
+    new = decide_replace(state, 2, ("a",), {"message": "node lost"})
+    assert new is not None
+    assert [n.node_id for n in new.participants] == ["c", "b"]
+    assert new.participants[0].preferred_rank == 0
+    assert new.spares == () and new.recovering and new.complete
+    assert (new.round, new.recoveries, new.restarts) == (3, 2, 0)
+
+
+@pytest.mark.parametrize(
+    ("state", "observed", "lost"),
+    [
+        (RdzvState(round=2, complete=True, participants=(A, B)), 2, ("a",)),  # no spare
+        (RdzvState(round=3, complete=True, participants=(A, B), spares=(C,)), 2, ("a",)),  # job moved on
+        (RdzvState(round=2, complete=True, participants=(A, B), spares=(C,)), 2, ("a", "b")),  # too few
+        (RdzvState(round=2, complete=True, participants=(A, B), spares=(C,)), 2, ("z",)),  # not a participant
+        (RdzvState(round=2, complete=True, participants=(A, B), spares=(replace(C, local_world_size=1),)), 2, ("a",)),
+        (RdzvState(round=2, complete=True, closed=True, participants=(A, B), spares=(C,)), 2, ("a",)),
+    ],
+)
+def test_replace_refuses_what_it_cannot_do(state: RdzvState, observed: int, lost: tuple[str, ...]) -> None:
+    assert decide_replace(state, observed, lost, None) is None
+
+
+def test_dead_spares_are_dropped_and_a_spare_can_leave() -> None:
+    state = RdzvState(round=1, complete=True, participants=(A, B), spares=(C,))
+    assert decide_drop_spares(state, ("x",)) is None
+    dropped = decide_drop_spares(state, ("c",))
+    assert dropped is not None and dropped.spares == ()
+    left = decide_leave(state, "c")
+    assert left is not None and left.spares == ()
+
+
+def test_the_state_round_trips_with_spares_and_reads_documents_without_them() -> None:
+    state = RdzvState(round=1, complete=True, participants=(A, B), spares=(C,))
+    assert RdzvState.from_bytes(state.to_bytes()) == state
+    # (documents written before spare nodes existed have no "spares" field)
+    assert RdzvState.from_bytes(b'{"closed":false,"complete":false,"failure":null,"outcome":null,'
+                                b'"participants":[],"recovering":false,"recoveries":0,"restarts":0,'
+                                b'"round":0,"waiting":[]}') == RdzvState()
