@@ -70,8 +70,10 @@ class _Round:
     spare_index: int = 0
     respawn_at: float | None = None
     killed: set[int] = field(default_factory=set)  # pids SIGKILLed as hung, not yet reaped
-    # Newest step committed on this node when the last in-process recovery started.
+    # Newest step committed on this node when the last in-process recovery started, and the
+    # global ranks that had failed then.
     recovered_at_step: int | None = None
+    recovered_ranks: frozenset[int] = frozenset()
 
 
 class Supervisor:
@@ -244,10 +246,13 @@ class Supervisor:
             return False
         newest = self.control.newest_step([w.pid for w in round_.workers])
         newest = -1 if newest is None else newest
-        if round_.recovered_at_step is not None and newest <= round_.recovered_at_step:
-            # No step was committed since the last recovery: a deterministic failure (a bug, bad
-            # data) would make spares fail at the same step forever. The bounded restart path
-            # (--max-restarts) decides instead.
+        ranks = frozenset(w.spec.global_rank for w in failed)
+        no_progress = round_.recovered_at_step is not None and newest <= round_.recovered_at_step
+        if no_progress and ranks & round_.recovered_ranks:
+            # The same rank failed again with no step committed since its last recovery: a
+            # deterministic failure (a bug, bad data) would make spares fail at the same step
+            # forever. The bounded restart path (--max-restarts) decides instead. (Another rank
+            # failing during a recovery is an independent failure and is recovered in-process.)
             logger.warning("no progress since the last in-process recovery (step %s): not recovering again", newest)
             return False
         ready = self._ready_spares(round_, len(failed))
@@ -268,6 +273,7 @@ class Supervisor:
             new.round,
         )
         round_.recovered_at_step = newest
+        round_.recovered_ranks = ranks
         self._enter_generation(round_, new, dict(zip([w.spec.local_rank for w in failed], ready, strict=False)))
         logger.info("recovery decided in %.3f s", time.monotonic() - started)
         return True

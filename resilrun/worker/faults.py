@@ -6,6 +6,8 @@
     exit:rank=0,step=3,code=7        exit with code 7
     raise:rank=2,step=5              raise RuntimeError (the error file records it)
     hang:rank=1,step=8               SIGSTOP itself (a hang the agent must detect)
+    kill:rank=0,step=restore,attempt=1   SIGKILL while restoring in attempt 1 (a failure during
+                                         a recovery: the others are mid-restore)
 
 ``attempt=N`` (default 0) limits a fault to one restart attempt (TORCHELASTIC_RESTART_COUNT), so
 the recovered run does not fail again. Faults fire at the start of the step, before its work.
@@ -19,6 +21,9 @@ import sys
 from dataclasses import dataclass
 
 KINDS = ("kill", "exit", "raise", "hang")
+# ``step=restore``: the fault fires while the rank restores a snapshot, after the restore plan was
+# agreed with the other ranks and before its state is loaded.
+RESTORE_STEP = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +46,10 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
         fields: dict[str, int] = {}
         for item in filter(None, (i.strip() for i in rest.split(","))):
             key, sep, value = item.partition("=")
+            if key == "step" and value.strip() == "restore":
+                value = str(RESTORE_STEP)
             if not sep or key not in ("rank", "step", "attempt", "code") or not value.strip().lstrip("-").isdigit():
-                raise ValueError(f"fault field {item!r} in {part!r} is not rank|step|attempt|code=INT")
+                raise ValueError(f"fault field {item!r} in {part!r} is not rank|step|attempt|code=INT or step=restore")
             fields[key] = int(value)
         if "rank" not in fields or "step" not in fields:
             raise ValueError(f"fault {part!r} needs rank= and step=")

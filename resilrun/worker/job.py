@@ -24,7 +24,7 @@ from resilrun.state.restore import Tier, plan_restore
 from resilrun.state.tree import flatten, unflatten
 from resilrun.worker._abort import GenerationWatchdog, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient
-from resilrun.worker.faults import Fault, fire, parse_faults
+from resilrun.worker.faults import RESTORE_STEP, Fault, fire, parse_faults
 from resilrun.worker.snapshot import Snapshotter
 
 logger = logging.getLogger(__name__)
@@ -158,6 +158,7 @@ class Job:
             if any(s >= 0 for row in gathered for s in row):
                 logger.warning("ranks hold no common snapshot step; starting from step 0")
             return -1
+        fire(self._faults, rank=self._rank, step=RESTORE_STEP, attempt=self._attempt)
         tier = plan.sources[self._rank]
         if tier is not Tier.MEMORY:
             self._snapshotter.fetch(plan.step, "peer" if tier is Tier.PEER else "persistent")

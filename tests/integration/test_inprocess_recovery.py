@@ -98,3 +98,21 @@ def test_a_failure_that_repeats_at_the_same_step_is_not_recovered_forever(launch
     assert err.count("hot spare takes over") == 1
     assert "no progress since the last in-process recovery" in err
     assert "ValueError: bad batch at step 5" in err
+
+
+def test_a_failure_during_a_recovery_is_recovered_too(launcher, tmp_path: Path) -> None:
+    # Given rank 1 SIGKILLed at step 12, and rank 0 SIGKILLed while it restores in the recovery
+    # that follows (attempt 1): a second, independent failure in the middle of the first recovery
+    target = tmp_path / "faulty.sha"
+    plan = "kill:rank=1,step=12; kill:rank=0,step=restore,attempt=1"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "2", "--max-restarts", "0",
+        str(EXAMPLE), *ARGS, "--checksum-file", str(target), env={"RESILRUN_FAULTS": plan},
+    )  # fmt: skip
+    # Then both are replaced by spares in-process (no restart allowed), resuming at step 11
+    assert run.wait(180) == 0, run.stderr()[-3000:]
+    err = run.stderr()
+    assert err.count("hot spare takes over") == 2
+    assert "restarting the job" not in err
+    assert "rank 0 resumed from step 11 (node memory)" in err
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
