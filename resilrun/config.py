@@ -230,6 +230,14 @@ class Config:
     hang_timeout_s: float = field(
         default=300.0, metadata=_meta("--hang-timeout", H, "Seconds without a committed step before a hang.", pet=False)
     )
+    # Separate from --hang-timeout: imports, compilation and a restore make the first step of a
+    # worker (and of every recovered generation) far slower than the steady state.
+    first_step_timeout_s: float = field(
+        default=1800.0,
+        metadata=_meta(
+            "--first-step-timeout", H, "Seconds a worker may take to its first committed step.", pet=False
+        ),
+    )
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.")
     )
@@ -374,6 +382,8 @@ class Config:
             raise ConfigError(f"--shutdown-timeout ({self.shutdown_timeout_s}) must be >= 0")
         if not self.hang_timeout_s > 0:
             raise ConfigError(f"--hang-timeout ({self.hang_timeout_s}) must be > 0")
+        if not self.first_step_timeout_s > 0:
+            raise ConfigError(f"--first-step-timeout ({self.first_step_timeout_s}) must be > 0")
         if self.spares < 0:
             raise ConfigError(f"--spares ({self.spares}) must be >= 0")
         if not self.heartbeat_interval_s > 0:

@@ -28,6 +28,7 @@ class WorkerControl:
         self._progress: dict[int, tuple[int, float]] = {}  # pid -> (step, when it changed)
         self._beats: dict[int, float] = {}  # pid -> when its heartbeat thread last spoke
         self._finished: set[int] = set()
+        self._started: dict[int, float] = {}  # pid -> when it was given its rank in this generation
 
     # -- channel side -------------------------------------------------------------------------
     def register_api(self, pid: int) -> None:
@@ -82,6 +83,14 @@ class WorkerControl:
             seen = None if pid in self._finished else self._progress.get(pid)
         return None if seen is None else time.monotonic() - seen[1]
 
+    def first_step_pending_for(self, pid: int) -> float | None:
+        """Seconds since the worker was given its rank in this generation, while it has committed no
+        step in it yet (None otherwise, and for scripts that do not use the resilrun API)."""
+        with self._cond:
+            pending = pid in self._api_pids and pid not in self._progress and pid not in self._finished
+            started = self._started.get(pid) if pending else None
+        return None if started is None else time.monotonic() - started
+
     def report_step(self, pid: int, step: int) -> None:
         with self._cond:
             previous = self._progress.get(pid)
@@ -96,6 +105,15 @@ class WorkerControl:
     def uses_api(self, pids: list[int]) -> bool:
         with self._cond:
             return all(pid in self._api_pids for pid in pids)
+
+    def begin_generation(self, pids: list[int]) -> None:
+        """These workers start a generation (spawned, given a rank, or recovering in-process): the
+        first-step allowance applies to them until they commit a step in it."""
+        now = time.monotonic()
+        with self._cond:
+            for pid in pids:
+                self._started[pid] = now
+                self._progress.pop(pid, None)
 
     def assign(self, pid: int, env: dict[str, str]) -> None:
         with self._cond:

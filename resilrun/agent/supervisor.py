@@ -135,6 +135,7 @@ class Supervisor:
             self.config.max_restarts,
         )
         round_ = _Round(state, node_rank, [procs.spawn(spec) for spec in specs], [], worker_store)
+        self.control.begin_generation([w.pid for w in round_.workers])
         self._top_up_spares(round_)
         try:
             return self._monitor(round_)
@@ -215,11 +216,16 @@ class Supervisor:
                 continue
             silent = self.control.silent_for(worker.pid)
             stalled = self.control.stalled_for(worker.pid)
+            pending = self.control.first_step_pending_for(worker.pid)
             reason = None
             if silent is not None and silent > self.config.heartbeat_timeout_s:
                 reason = f"no heartbeat for {silent:.1f} s (frozen?)"
             elif stalled is not None and stalled > self.config.hang_timeout_s:
                 reason = f"no step committed for {stalled:.0f} s (--hang-timeout {self.config.hang_timeout_s:g})"
+            elif pending is not None and pending > self.config.first_step_timeout_s:
+                reason = (
+                    f"no first step after {pending:.0f} s (--first-step-timeout {self.config.first_step_timeout_s:g})"
+                )
             if reason is not None:
                 logger.error("rank %d hung: %s; killing it", worker.spec.global_rank, reason)
                 round_.killed.add(worker.pid)
@@ -311,6 +317,7 @@ class Supervisor:
                 envs[worker.pid] = spec.env
                 workers.append(worker)
         round_.workers = workers
+        self.control.begin_generation([w.pid for w in workers])
         self.control.publish_generation(new.round, envs)
         round_.state = new
         round_.store = store  # the previous generation's store goes; its clients have moved on

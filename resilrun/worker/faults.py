@@ -6,6 +6,8 @@
     exit:rank=0,step=3,code=7        exit with code 7
     raise:rank=2,step=5              raise RuntimeError (the error file records it)
     hang:rank=1,step=8               SIGSTOP itself (a hang the agent must detect)
+    stall:rank=1,step=0              sleep forever, heartbeats still running (a deadlock in user
+                                     code: only the step timeouts catch it)
     kill:rank=0,step=restore,attempt=1   SIGKILL while restoring in attempt 1 (a failure during
                                          a recovery: the others are mid-restore)
 
@@ -18,9 +20,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
-KINDS = ("kill", "exit", "raise", "hang")
+KINDS = ("kill", "exit", "raise", "hang", "stall")
 # ``step=restore``: the fault fires while the rank restores a snapshot, after the restore plan was
 # agreed with the other ranks and before its state is loaded.
 RESTORE_STEP = -1
@@ -72,3 +75,6 @@ def fire(faults: tuple[Fault, ...], *, rank: int, step: int, attempt: int) -> No
             raise RuntimeError(f"injected fault at step {step} on rank {rank}")
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "stall":
+            while True:
+                time.sleep(3600)

@@ -116,3 +116,22 @@ def test_a_failure_during_a_recovery_is_recovered_too(launcher, tmp_path: Path) 
     assert "restarting the job" not in err
     assert "rank 0 resumed from step 11 (node memory)" in err
     assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
+
+
+def test_a_worker_stuck_before_its_first_step_is_caught_by_the_first_step_timeout(launcher, tmp_path: Path) -> None:
+    # Given rank 1 deadlocks at the start of step 0 (its heartbeats go on: only a step timeout sees it).
+    # Rank 0 then waits in a collective for it, so it makes no step either, and the agent cannot
+    # tell which of the two is stuck: both are replaced (two spares).
+    target = tmp_path / "faulty.sha"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "2", "--first-step-timeout", "8",
+        str(EXAMPLE), *ARGS, "--checksum-file", str(target), env={"RESILRUN_FAULTS": "stall:rank=1,step=0"},
+    )  # fmt: skip
+    # Then the first-step allowance runs out, the workers are killed and spares take over
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    err = run.stderr()
+    assert "rank 0 hung: no first step after" in err
+    assert "rank 1 hung: no first step after" in err
+    assert err.count("hot spare takes over") == 1
+    assert "restarting the job" not in err
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)

@@ -470,6 +470,7 @@ def test_bad_endpoint_is_reported_by_from_cli(script: str) -> None:
 _RESILRUN_ONLY = {
     "spares",
     "hang_timeout_s",
+    "first_step_timeout_s",
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
     "replicas",

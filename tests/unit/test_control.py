@@ -1,0 +1,57 @@
+"""WorkerControl: what the supervisor learns about its workers' progress and waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from resilrun.agent.control import WorkerControl
+
+
+def test_the_first_step_allowance_runs_from_the_generation_start_until_a_step_is_committed() -> None:
+    control = WorkerControl()
+    control.begin_generation([10, 11])
+    control.register_api(10)
+    time.sleep(0.02)
+    # Only workers on the resilrun API are judged (a plain torchrun script reports no steps)
+    pending = control.first_step_pending_for(10)
+    assert pending is not None and pending >= 0.02
+    assert control.first_step_pending_for(11) is None
+    control.report_step(10, 0)
+    assert control.first_step_pending_for(10) is None
+    assert control.stalled_for(10) is not None
+    # A new generation (a recovery) restarts the allowance and forgets the old progress
+    control.begin_generation([10])
+    assert control.first_step_pending_for(10) is not None
+    assert control.stalled_for(10) is None
+    assert control.newest_step([10]) is None
+    control.finished(10)
+    assert control.first_step_pending_for(10) is None
+
+
+def test_a_spare_waits_for_its_assignment_and_a_survivor_for_its_generation() -> None:
+    control = WorkerControl()
+    results: dict[str, object] = {}
+
+    def spare() -> None:
+        results["spare"] = control.await_assignment(7, timeout_s=5)
+
+    def survivor() -> None:
+        results["survivor"] = control.await_generation(8, after_round=0, timeout_s=5)
+
+    threads = [threading.Thread(target=spare), threading.Thread(target=survivor)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 5
+    while control.waiting_spares() != [7] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    control.assign(7, {"RANK": "1"})
+    control.publish_generation(1, {8: {"RANK": "0"}})
+    for thread in threads:
+        thread.join(5)
+    assert results == {"spare": {"RANK": "1"}, "survivor": {"RANK": "0"}}
+    # A generation never moves backwards, and waits end with None at their deadline
+    control.publish_generation(0, {8: {"RANK": "9"}})
+    assert control.await_generation(8, after_round=0, timeout_s=0.05) == {"RANK": "0"}
+    assert control.await_generation(8, after_round=1, timeout_s=0.05) is None
+    assert control.await_assignment(9, timeout_s=0.05) is None
