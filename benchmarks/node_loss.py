@@ -1,0 +1,283 @@
+"""Node loss: a whole node (agent + workers) SIGKILLed mid-training, with a spare node standing by.
+
+    python benchmarks/node_loss.py [--timeouts 2,5] [--runs 2] [--mib 16] [--json out.json]
+    python benchmarks/node_loss.py --quick        # smoke check: one run per launcher
+
+Three agents on loopback, ``--nnodes 2 --nproc-per-node 2``: two run the job, the third finds it
+full and waits (resilrun: a spare node with warm workers; torchrun: an agent waiting for the next
+rendezvous round, torchrun's only form of spare). When rank 0 has done ``--kill-at`` steps, every
+process of the node that neither hosts the rendezvous store nor stands by is SIGKILLed at once.
+
+resilrun (``_recovery_resilrun.py``, ``--replicas 1``) must notice the silence (``--heartbeat-timeout``,
+one row per value), give the node's place to the spare node, which takes the lost ranks from the
+survivor's replicas, while the survivor's workers stay in their processes. torchrun
+(``_recovery_torchrun.py``, DCP every 10 steps, ``--max-restarts 1``,
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) learns it from its workers' broken collectives, restarts every
+worker and reloads the newest DCP checkpoint. Reported, medians with min-max: kill → the survivor
+declares the node lost (resilrun: detection vs the timeout), → next step done by rank 0, → progress
+regained (the first step beyond the ones done before the kill), steps redone, whether the final
+parameters equal a failure-free run of the same launcher, leftover processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from launch_overhead import clean_env, fmt
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from recovery import parse_events  # noqa: E402 - benchmarks/ is not a package
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]
+LOST_MARK = {"resilrun": "node lost: no heartbeat", "torchrun": "failed (exitcode"}
+
+
+class Agent:
+    """One launcher process; stderr lines stamped with their arrival time."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._sink = log.open("w", encoding="utf-8")
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+        self.seen: dict[tuple[int, float], psutil.Process] = {}
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            self.lines.append((time.time(), line.rstrip("\n")))
+            self._sink.write(line)
+        self._sink.close()
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def track(self) -> list[psutil.Process]:
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    self.seen.setdefault((child.pid, child.create_time()), child)
+        return list(self.seen.values())
+
+    def listens_on(self, port: int) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return any(
+                c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                for c in psutil.Process(self.proc.pid).net_connections()
+            )
+        return False
+
+    def kill_node(self) -> float:
+        """SIGKILL the agent and every worker it ever had, all at once (a node going away)."""
+        victims = [psutil.Process(self.proc.pid), *self.track()]
+        at = time.time()
+        for proc in victims:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        return at
+
+    def stop(self) -> int:
+        """Kill whatever is left of this agent's tree; returns how many processes were still alive."""
+        left = 0
+        for proc in [psutil.Process(self.proc.pid), *self.track()] if self.proc.poll() is None else self.track():
+            with contextlib.suppress(psutil.Error):
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    proc.kill()
+                    left += 1
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        return left
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_one(launcher: str, timeout_s: float | None, killed: bool, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    run_dir = args.out_dir / tag
+    run_dir.mkdir(parents=True)
+    events, ckpt = run_dir / "events.log", Path(tempfile.mkdtemp(prefix="dcp-"))
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
+    common += ["--rdzv-endpoint", f"127.0.0.1:{port}"]
+    script_args = ["--mib", str(args.mib), "--steps", str(args.steps), "--events", str(events), "--ckpt-dir", str(ckpt)]
+    if launcher == "resilrun":
+        cmd = [sys.executable, "-m", "resilrun", *common, "--replicas", "1", "--heartbeat-timeout", str(timeout_s)]
+        cmd += [str(HERE / "_recovery_resilrun.py"), *script_args]
+        env = clean_env({})
+    else:
+        cmd = [*TORCHRUN, *common, str(HERE / "_recovery_torchrun.py"), *script_args]
+        env = clean_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    agents = [Agent(cmd, env, run_dir / f"agent{i}.err") for i in range(3)]
+    res: dict[str, Any] = {"launcher": launcher, "timeout": timeout_s, "killed": killed, "tag": tag, "status": "ok"}
+    started = time.time()
+    try:
+        kill_at = None
+        while True:
+            for agent in agents:
+                agent.track()
+            parsed = parse_events(events)
+            done = [n for n, _ in parsed["steps"]]
+            if killed and kill_at is None and done and max(done) + 1 >= args.kill_at:
+                res["doomed"], kill_at = _kill_a_worker_node(agents, port)
+                res["kill"] = kill_at
+            if all(a.proc.poll() is not None for a in agents if a is not res.get("doomed")):
+                break
+            if time.time() - started > args.timeout:
+                res["status"] = "timeout"
+                break
+            time.sleep(0.1)
+        # (torchrun's waiting agent may exit non-zero once the job is over: the training decides)
+        res["exit_codes"] = [a.proc.poll() for a in agents if a is not res.get("doomed")]
+        if res["status"] == "ok" and launcher == "resilrun" and any(code != 0 for code in res["exit_codes"]):
+            res["status"] = f"failed (exit codes {res['exit_codes']})"
+    finally:
+        res["leftovers"] = sum(a.stop() for a in agents)
+        shutil.rmtree(ckpt, ignore_errors=True)
+    parsed = parse_events(events)
+    res.update(steps=parsed["steps"], checksum=parsed["checksum"], state_mib=parsed["state_mib"])
+    res["phases"] = parsed["phases"]
+    if res["status"] == "ok" and (parsed["checksum"] is None or len({n for n, _ in parsed["steps"]}) < args.steps):
+        res["status"] = "incomplete"
+    if killed and res.get("kill"):
+        _analyze(res, agents, launcher)
+    res.pop("doomed", None)
+    print(f"  {tag}: {res['status']}, {_summary(res)}", file=sys.stderr, flush=True)
+    return res
+
+
+def _kill_a_worker_node(agents: list[Agent], port: int) -> tuple[Agent, float]:
+    """The node to kill: one running workers that does not host the store (that would end any c10d job)."""
+    hosts = [a for a in agents if a.listens_on(port)]
+    with_workers = [a for a in agents if len([p for p in a.track() if p.is_running()]) >= 2 and a not in hosts]
+    resilrun_spares = [a for a in agents if "standing by as a spare node" in a.text()]
+    candidates = [a for a in with_workers if a not in resilrun_spares] or with_workers
+    doomed = candidates[0]
+    return doomed, doomed.kill_node()
+
+
+def _analyze(res: dict[str, Any], agents: list[Agent], launcher: str) -> None:
+    kill = res["kill"]
+    survivors = [a for a in agents if a is not res["doomed"]]
+    lost = [t for a in survivors for t, line in a.lines if t >= kill and LOST_MARK[launcher] in line]
+    if lost:
+        res["detected"] = min(lost) - kill
+    # Recovery starts where rank 0 next begins a first step (its "first" phase after the kill); a
+    # step stamped before that (the one in flight, whose collective had completed) was not recovered.
+    firsts = [at for rank, name, at in res["phases"] if rank == 0 and name == "first" and at >= kill]
+    resumed = min(firsts, default=None)
+    if resumed is None:
+        return
+    steps = res["steps"]
+    before = {n for n, t in steps if t < resumed}
+    after = sorted((t, n) for n, t in steps if t >= resumed)
+    if after:
+        res["to_next"] = after[0][0] - kill
+        newest = max(before) if before else -1
+        regained = [t for t, n in after if n > newest]
+        if regained:
+            res["to_regained"] = regained[0] - kill
+        res["redone"] = sum(n in before for _, n in after)
+
+
+def _summary(res: dict[str, Any]) -> str:
+    if not res["killed"]:
+        return "failure-free"
+    parts = [f"{key} {res[key]:.2f} s" for key in ("detected", "to_next", "to_regained") if key in res]
+    return ", ".join(parts + [f"redone {res.get('redone', '?')}", f"leftovers {res['leftovers']}"])
+
+
+def report(runs: list[dict[str, Any]]) -> str:
+    md = [
+        "| launcher | --heartbeat-timeout | recovered | kill → node declared lost (s) | kill → next step (s) | "
+        "kill → progress regained (s) | steps redone | final params equal | leftover procs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    clean = {r["launcher"]: r["checksum"] for r in runs if not r["killed"] and r["status"] == "ok"}
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for r in runs:
+        if r["killed"]:
+            groups.setdefault((r["launcher"], r["timeout"]), []).append(r)
+    for (name, timeout), rows in groups.items():
+        ok = [r for r in rows if r["status"] == "ok"]
+        ref = clean.get(name)
+        equal = f"{sum(r['checksum'] == ref for r in ok)}/{len(rows)}" if ref else "—"
+        redone = sorted({r["redone"] for r in ok if r.get("redone") is not None})
+        md.append(
+            f"| {name} | {timeout if timeout is not None else '— (worker errors)'} | {len(ok)}/{len(rows)} | "
+            f"{fmt([r['detected'] for r in ok if 'detected' in r])} | "
+            f"{fmt([r['to_next'] for r in ok if 'to_next' in r])} | "
+            f"{fmt([r['to_regained'] for r in ok if 'to_regained' in r])} | {'/'.join(map(str, redone)) or '—'} | "
+            f"{equal} | {sum(r['leftovers'] for r in rows)} |"
+        )
+    torch_next = [r["to_regained"] for r in runs if r["killed"] and r["launcher"] == "torchrun" and "to_regained" in r]
+    if torch_next:
+        base = statistics.median(torch_next)
+        md.append("")
+        for (name, timeout), rows in groups.items():
+            vals = [r["to_regained"] for r in rows if "to_regained" in r and r["status"] == "ok"]
+            if name == "resilrun" and vals:
+                md.append(
+                    f"- resilrun (--heartbeat-timeout {timeout}) / torchrun, kill → progress regained: "
+                    f"{statistics.median(vals) / base:.2f}×"
+                )
+    return "\n".join(md)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeouts", default="2,5", help="resilrun --heartbeat-timeout values (seconds)")
+    parser.add_argument("--runs", type=int, default=2, help="killed runs per launcher and timeout")
+    parser.add_argument("--mib", type=float, default=16.0, help="state per rank (params + AdamW moments)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-at", type=int, default=15, help="kill once rank 0 has done this many steps")
+    parser.add_argument("--timeout", type=float, default=300.0, help="per launch, seconds")
+    parser.add_argument("--quick", action="store_true", help="one run per launcher, first timeout only")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    timeouts = [float(t) for t in args.timeouts.split(",")]
+    if args.quick:
+        args.runs, timeouts = 1, timeouts[:1]
+    args.out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="resilrun-node-loss-"))
+    print(f"logs under {args.out_dir}", file=sys.stderr)
+    runs = [
+        run_one("resilrun", timeouts[0], False, args, "000-resilrun-clean"),
+        run_one("torchrun", None, False, args, "001-torchrun-clean"),
+    ]
+    index = 2
+    for i in range(args.runs):
+        plan: list[tuple[str, float | None]] = [("resilrun", t) for t in timeouts] + [("torchrun", None)]
+        for launcher, timeout in plan[i % len(plan) :] + plan[: i % len(plan)]:  # rotate against drift
+            runs.append(run_one(launcher, timeout, True, args, f"{index:03d}-{launcher}-{timeout}"))
+            index += 1
+    text = report(runs)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1, default=str), encoding="utf-8")
+    return 0 if all(r["status"] == "ok" for r in runs if r["launcher"] == "resilrun") else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
