@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 from typing import Any
 
 from resilrun.errors import CheckpointCorruptError
+from resilrun.state._crc import crc32
 from resilrun.state.layout import DTYPES, FORMAT, MAX_HEADER_BYTES, Layout
 
 COMPLETE_NAME = "COMPLETE.json"
@@ -170,7 +170,7 @@ def parse_manifest(raw: bytes, step: int, rank: int, world_size: int | None, whe
 
 def check_layout(layout: Layout, manifest: dict[str, Any], where: str) -> None:
     """The parsed header must be the one the manifest recorded: same bytes, same tensors."""
-    if zlib.crc32(layout.header) != manifest["header_crc32"]:
+    if crc32(layout.header) != manifest["header_crc32"]:
         raise CheckpointCorruptError(f"{where}: the header does not match the checksum in its manifest")
     tensors = manifest["tensors"]
     names = {entry.name for entry in layout.entries}
@@ -190,11 +190,11 @@ def check_layout(layout: Layout, manifest: dict[str, Any], where: str) -> None:
 
 
 def check_tensor_crcs(layout: Layout, data: bytes | memoryview, manifest: dict[str, Any], where: str) -> None:
-    """Every tensor's bytes must have the crc32 its manifest recorded (zlib.crc32 releases the GIL)."""
+    """Every tensor's bytes must have the crc32 its manifest recorded (crc32 releases the GIL)."""
     view = memoryview(data)
     start = layout.data_start
     for entry in layout.entries:
-        if zlib.crc32(view[start + entry.begin : start + entry.end]) != manifest["tensors"][entry.name]["crc32"]:
+        if crc32(view[start + entry.begin : start + entry.end]) != manifest["tensors"][entry.name]["crc32"]:
             raise CheckpointCorruptError(f"{where}: tensor '{entry.name}' fails its crc32 checksum")
 
 

@@ -25,7 +25,6 @@ mismatch is a CheckpointCorruptError naming the step, rank, file and tensor.
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any, TypeVar
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, StorageNotFoundError
 from resilrun.state import _manifest as m
+from resilrun.state._crc import crc32
 from resilrun.state._manifest import COMPLETE_NAME, complete_key, data_key, manifest_key, step_prefix
 from resilrun.state.layout import FORMAT, MAX_HEADER_BYTES, Layout, parse_header
 from resilrun.storage.api import Storage
@@ -103,7 +103,7 @@ def write_rank(
             "dtype": entry.dtype,
             "shape": list(entry.shape),
             "data_offsets": [entry.begin, entry.end],
-            "crc32": zlib.crc32(data[start + entry.begin : start + entry.end]),
+            "crc32": crc32(data[start + entry.begin : start + entry.end]),
         }
     manifest = {
         "format": FORMAT,
@@ -112,7 +112,7 @@ def write_rank(
         "world_size": world_size,
         "file": m.data_file_name(rank),
         "file_bytes": layout.total_bytes,
-        "header_crc32": zlib.crc32(layout.header),
+        "header_crc32": crc32(layout.header),
         "tensors": tensors,
         "values": values,
         "created_unix": time.time(),
@@ -147,7 +147,7 @@ def commit_step(storage: Storage, step: int, world_size: int) -> dict[str, Any]:
             raise CheckpointCorruptError(
                 f"{data_key(step, rank)} is {size} bytes but its manifest says {manifest['file_bytes']}"
             )
-        return str(rank), {"file_bytes": size, "manifest_crc32": zlib.crc32(raw)}
+        return str(rank), {"file_bytes": size, "manifest_crc32": crc32(raw)}
 
     ranks = dict(_parallel(check, range(world_size)))
     complete = {"format": FORMAT, "step": step, "world_size": world_size, "ranks": ranks}
@@ -314,7 +314,7 @@ def _read_manifest(
             raise CheckpointNotFoundError(f"step {step} has ranks 0..{world_size - 1}, not rank {rank}")
         expected = complete["ranks"][str(rank)]
         raw = _get_small(storage, key, m.MAX_MANIFEST_BYTES, missing=CheckpointCorruptError)
-        if zlib.crc32(raw) != expected["manifest_crc32"]:
+        if crc32(raw) != expected["manifest_crc32"]:
             raise CheckpointCorruptError(f"{key} does not match the checksum recorded in {COMPLETE_NAME}")
         manifest = m.parse_manifest(raw, step, rank, world_size, where=key)
         if manifest["file_bytes"] != expected["file_bytes"]:

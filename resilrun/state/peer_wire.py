@@ -32,7 +32,6 @@ import os
 import socket
 import struct
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError
+from resilrun.state._crc import crc32
 from resilrun.state.layout import parse_header
 
 MAGIC = b"RSLRPR01"
@@ -273,7 +273,7 @@ def check_snapshot(view: memoryview) -> None:
 
 
 class Checksums:
-    """Per-segment crc32, fed the stream's bytes in order (zlib.crc32 releases the GIL)."""
+    """Per-segment crc32, fed the stream's bytes in order (crc32 releases the GIL)."""
 
     def __init__(self, bounds: Sequence[int]) -> None:
         self._bounds = bounds
@@ -286,7 +286,7 @@ class Checksums:
         while start < count:
             segment_end = self._bounds[len(self.values) + 1]
             take = min(count - start, segment_end - self._position)
-            self._crc = zlib.crc32(piece[start : start + take], self._crc)
+            self._crc = crc32(piece[start : start + take], self._crc)
             start += take
             self._position += take
             if self._position == segment_end:
@@ -299,7 +299,7 @@ class _Hasher:
 
     Why: a crc32 pass costs about as much CPU as the socket copy; done in line, each side stops
     moving bytes while it hashes and the two ends run in lock-step. Pipelined, hashing frame i
-    overlaps moving frame i + 1 (zlib.crc32, sendall and recv_into all release the GIL). Frames are
+    overlaps moving frame i + 1 (crc32, sendall and recv_into all release the GIL). Frames are
     hashed in order (one helper), at most ``_PIPELINE_DEPTH`` frames behind.
     """
 

@@ -223,3 +223,17 @@ def test_storage_errors_pass_through_unchanged() -> None:
 
     with pytest.raises(StorageError, match="on fire"):
         durable.latest_complete_step(Broken())
+
+
+def test_the_fast_crc32_is_zlibs_crc32() -> None:
+    # Stored checksums must verify with plain zlib (other tools, older versions) and vice versa.
+    import os
+    import zlib
+
+    from resilrun.state._crc import crc32
+
+    data = os.urandom(1 << 20)
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data[1000:], crc32(data[:1000])) == zlib.crc32(data)
+    assert crc32(memoryview(data)[5:77]) == zlib.crc32(data[5:77])
+    assert crc32(b"") == 0
