@@ -33,6 +33,9 @@ class Committed:
     slot: int
     nbytes: int
     values: Any
+    # The slot's sequence counter when the commit arrived: a reader's copy is of this step only if
+    # the counter still has this value after the copy (the worker may have rewritten the slot since).
+    seq: int = 0
 
 
 class RankMemory:
@@ -105,7 +108,7 @@ class NodeMemoryTier:
         with self._lock:
             if memory.slots[slot] is None:
                 raise CheckpointError(f"rank {rank} committed step {step} to unallocated slot {slot}")
-            committed = Committed(step, slot, nbytes, values)
+            committed = Committed(step, slot, nbytes, values, memory.seq.read(slot))
             memory.committed[slot] = committed
         for listener in self._listeners:
             listener(rank, committed)
@@ -122,9 +125,10 @@ class NodeMemoryTier:
             buffer = None if found is None or memory is None else memory.slots[found.slot]
         if memory is None or found is None or buffer is None:
             return None
-        before = memory.seq.read(found.slot)
+        if memory.seq.read(found.slot) != found.seq:
+            return None  # already being (or been) overwritten by a newer step
         data = bytes(buffer.view()[: found.nbytes])
-        if not memory.seq.is_stable(found.slot, before):
+        if not memory.seq.is_stable(found.slot, found.seq):
             return None
         return data, found.values
 

@@ -1,0 +1,73 @@
+"""Tier 1 (node memory): slots, commits, consistent reads while the worker keeps writing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from resilrun.errors import CheckpointError
+from resilrun.state.memory import NodeMemoryTier
+
+
+@pytest.fixture
+def tier() -> Iterator[NodeMemoryTier]:
+    memory = NodeMemoryTier("unit")
+    yield memory
+    memory.close()
+
+
+def _write(tier: NodeMemoryTier, rank: int, step: int, slot: int, payload: bytes) -> None:
+    """What a worker does: bump the slot's counter, copy, bump again, commit."""
+    buffer = tier.rank(rank).slots[slot] or tier.allocate(rank, slot, len(payload))
+    assert buffer is not None
+    seq = tier.rank(rank).seq
+    seq.begin(slot)
+    buffer.view()[: len(payload)] = payload
+    seq.end(slot)
+    tier.commit(rank, step, slot, len(payload), {"step": step})
+
+
+def test_a_committed_step_reads_back_with_its_values(tier: NodeMemoryTier) -> None:
+    _write(tier, 0, 5, 0, b"five" * 10)
+    _write(tier, 0, 6, 1, b"six!" * 10)
+    assert tier.read(0, 5) == (b"five" * 10, {"step": 5})
+    assert tier.read(0, 6) == (b"six!" * 10, {"step": 6})
+    assert tier.read(0, 7) is None and tier.read(3, 5) is None
+    assert sorted(int(c["step"]) for c in tier.describe(0)["committed"].values()) == [5, 6]
+
+
+def test_a_slot_rewritten_after_its_commit_never_reads_as_the_old_step(tier: NodeMemoryTier) -> None:
+    # Given step 5 committed in slot 0
+    _write(tier, 0, 5, 0, b"A" * 64)
+    # When the worker rewrites slot 0 with step 7 bytes completely but has not committed yet
+    memory = tier.rank(0)
+    buffer = memory.slots[0]
+    assert buffer is not None
+    memory.seq.begin(0)
+    buffer.view()[:64] = b"B" * 64
+    memory.seq.end(0)
+    # Then a read of step 5 says "gone", never returns step 7's bytes labelled as step 5
+    assert tier.read(0, 5) is None
+
+
+def test_a_read_during_a_write_is_refused(tier: NodeMemoryTier) -> None:
+    _write(tier, 0, 5, 0, b"A" * 64)
+    tier.rank(0).seq.begin(0)  # the worker is mid-copy
+    assert tier.read(0, 5) is None
+
+
+def test_install_places_a_fetched_snapshot_in_the_free_slot(tier: NodeMemoryTier) -> None:
+    _write(tier, 1, 5, 0, b"old" * 8)
+    tier.install(1, 9, b"fetched!" * 4, {"step": 9})
+    assert tier.read(1, 9) == (b"fetched!" * 4, {"step": 9})
+    assert tier.read(1, 5) == (b"old" * 8, {"step": 5})  # the other slot is untouched
+
+
+def test_bad_slots_and_commits_to_unallocated_slots_are_errors(tier: NodeMemoryTier) -> None:
+    with pytest.raises(CheckpointError, match="slot 2 does not exist"):
+        tier.allocate(0, 2, 16)
+    with pytest.raises(CheckpointError, match="unallocated slot"):
+        tier.commit(0, 1, 1, 16, {})
+    with pytest.raises(CheckpointError, match="node memory cannot hold"):
+        tier.allocate(0, 0, 1 << 62)
