@@ -11,6 +11,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+# A worker exits with this code when its state is in no tier (StateLostError): retrying cannot help,
+# so the agent stops the job at once instead of spending restarts on it.
+STATE_LOST_EXIT_CODE = 76
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerEnv:

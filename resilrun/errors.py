@@ -94,6 +94,11 @@ class CheckpointNotFoundError(CheckpointError):
     """No checkpoint (or not the requested step or rank) exists where one was looked for."""
 
 
+class StateLostError(CheckpointError):
+    """Some ranks' state is in no tier at all (e.g. two adjacent nodes lost with --replicas 1 and no
+    persistent tier): resuming is impossible and starting over would silently drop every step."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A snapshot's bytes do not match its header or its checksums (or were forged)."""
 

@@ -26,7 +26,8 @@ from resilrun.agent.heartbeat import read_counters as heartbeat_reader
 from resilrun.agent.policy import Action, AgentView, decide
 from resilrun.agent.specs import NodeSetup, spare_spec, worker_specs
 from resilrun.config import Config
-from resilrun.errors import RendezvousClosedError, ShutdownRequested, WorkerGroupFailed
+from resilrun.env import STATE_LOST_EXIT_CODE
+from resilrun.errors import RendezvousClosedError, ShutdownRequested, StateLostError, WorkerGroupFailed
 from resilrun.rendezvous.c10d import host_store
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
@@ -198,6 +199,8 @@ class Supervisor:
                     continue
                 return self._node_lost(state, lost, judge, everyone)
             if action is Action.RESTART_JOB:
+                if any(code == STATE_LOST_EXIT_CODE for code in codes):
+                    return self._stop_state_lost(round_)
                 if self._recover_in_process(round_):
                     continue
                 return self._restart_job(state, round_.node_rank, round_.workers, round_.spares)
@@ -490,6 +493,16 @@ class Supervisor:
         procs.stop([*workers, *spares], signal.SIGTERM, self.config.shutdown_timeout_s)
         return self._open_next_round(state, [self._describe(w, node_rank) for w in failed])
 
+    def _stop_state_lost(self, round_: _Round) -> _RoundEnd:
+        """Workers found their state in no tier: a restart would find the same, so the job stops now."""
+        failed = [w for w in round_.workers if w.poll() not in (None, 0)]
+        procs.stop(round_.workers + round_.spares, signal.SIGTERM, self.config.shutdown_timeout_s)
+        failures = [self._describe(w, round_.node_rank) for w in failed]
+        self._record_failures(round_.state.round, failures)
+        cause = root_cause(failures)
+        new = self.rdzv.next_round(round_.state.round, failure=cause.to_dict() if cause else None, max_restarts=0)
+        return self._follow_close(new) if new.closed else _RoundEnd.REJOIN
+
     def _open_next_round(self, state: RdzvState, failures: list[ProcessFailure]) -> _RoundEnd:
         self._record_failures(state.round, failures)
         cause = root_cause(failures)
@@ -518,6 +531,12 @@ class Supervisor:
                 failures = [ProcessFailure.from_dict(state.failure)]
             report = format_report("resilrun: the job failed", failures)
             cause = root_cause(failures)
+            if cause is not None and cause.exit_code == STATE_LOST_EXIT_CODE:
+                raise StateLostError(
+                    f"the job's state is lost: {cause.message.splitlines()[0] if cause.message else '?'}",
+                    hint="a lost node and every node holding its replicas went together; use --replicas 2 or a "
+                    "--checkpoint-uri to survive that; to start over from step 0 on purpose, use a new --rdzv-id",
+                )
             summary = (
                 f"rank {cause.global_rank} on node {cause.node_rank} ({cause.host}) failed: "
                 f"{cause.message.splitlines()[0] if cause.message else cause.exit_code}"

@@ -26,6 +26,9 @@ import sys
 import time
 import traceback
 
+from resilrun.env import STATE_LOST_EXIT_CODE
+from resilrun.errors import StateLostError
+
 
 def write_error_file(exc: BaseException) -> None:
     """Write torchrun's error-file format, unless the script already wrote one (it knows better)."""
@@ -139,6 +142,12 @@ def main(argv: list[str]) -> None:
                 raise
             _tell_agent_finished()
             _exit_now(0)
+        except StateLostError as exc:
+            # Nothing to resume from, and retrying cannot change that: a distinct exit code tells
+            # the agent to stop the job now instead of spending restarts.
+            write_error_file(exc)
+            traceback.print_exception(exc)
+            _exit_now(STATE_LOST_EXIT_CODE)
         except BaseException as exc:
             env = _next_generation(exc)
             if env is None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
+from resilrun.errors import StateLostError
 from resilrun.state.restore import Tier, plan_restore
 from resilrun.state.tree import flatten, unflatten
 from resilrun.worker._abort import GenerationWatchdog, shut_down, tcp_sockets
@@ -154,10 +155,25 @@ class Job:
             for row in gathered
         ]
         plan = plan_restore(available)
+        newest = max((s for row in gathered for s in row), default=-1)
         if plan is None:
-            if any(s >= 0 for row in gathered for s in row):
-                logger.warning("ranks hold no common snapshot step; starting from step 0")
-            return -1
+            if newest < 0:
+                return -1  # a fresh job
+            bare = [rank for rank, tiers in enumerate(available) if not any(tiers.values())]
+            raise StateLostError(
+                f"no snapshot step is held by every rank: rank(s) {_ranges(bare) or '?'} have none in node memory, "
+                f"peer replicas or persistent storage, while others reached step {newest}",
+                hint="the nodes holding them and their replicas were lost together; use --replicas 2 or a "
+                "--checkpoint-uri to survive that; to start over from step 0 on purpose, use a new --rdzv-id",
+            )
+        if self._rank == 0 and plan.step < newest - 1:
+            logger.warning(
+                "resuming from step %d (%s): steps %d-%d are lost, the newest step held by every rank is older",
+                plan.step,
+                _TIER_NAMES[plan.slowest],
+                plan.step + 1,
+                newest,
+            )
         fire(self._faults, rank=self._rank, step=RESTORE_STEP, attempt=self._attempt)
         tier = plan.sources[self._rank]
         if tier is not Tier.MEMORY:
@@ -177,6 +193,17 @@ class Job:
 
 
 _TIER_NAMES = {Tier.MEMORY: "node memory", Tier.PEER: "peer replica", Tier.PERSISTENT: "persistent storage"}
+
+
+def _ranges(ranks: list[int]) -> str:
+    """1,2,3,7 -> '1-3, 7'."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
 
 
 def _pad(steps: list[int | None], count: int) -> list[int]:
