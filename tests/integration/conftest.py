@@ -85,6 +85,29 @@ def alive(pids: set[int]) -> set[int]:
     return living
 
 
+def memfd_holders(prefix: str = "resilrun-") -> dict[int, list[str]]:
+    """Processes holding resilrun's node-memory memfds (pid -> names): after a job, there must be none."""
+    held: dict[int, list[str]] = {}
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            for fd in (proc_dir / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith(f"/memfd:{prefix}"):
+                        held.setdefault(int(proc_dir.name), []).append(target)
+    return held
+
+
+def assert_nothing_left(launch: Launch, grace_s: float = 10.0) -> None:
+    """Every process the launcher ever started exited by itself, and no memfd of the job survives."""
+    deadline = time.monotonic() + grace_s
+    while alive(launch.descendants) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(launch.descendants), f"orphans: {sorted(alive(launch.descendants))}"
+    holders = {pid: names for pid, names in memfd_holders().items() if pid in launch.descendants | {launch.pid}}
+    assert not holders, f"node memory still held: {holders}"
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - any callable
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.integration.conftest import assert_nothing_left
 from tests.integration.test_tier1_restore import ARGS, EXAMPLE, _clean_checksum
 
 pytestmark = pytest.mark.integration
@@ -22,6 +23,7 @@ def test_sigkilled_worker_is_replaced_by_a_hot_spare_and_the_survivor_keeps_its_
         str(EXAMPLE), *ARGS, "--checksum-file", str(target), env={"RESILRUN_FAULTS": "kill:rank=1,step=12"},
     )  # fmt: skip
     assert run.wait(150) == 0, run.stderr()[-3000:]
+    assert_nothing_left(run)
     err = run.stderr()
     # Then the spare took rank 1 without a restart, rank 0 recovered in its own process,
     assert "hot spare takes over" in err
@@ -45,6 +47,7 @@ def test_two_nodes_recover_in_process_from_a_worker_failure_on_the_other_node(la
     ]  # fmt: skip
     for node in nodes:
         assert node.wait(150) == 0, node.stderr()[-3000:]
+        assert_nothing_left(node)
     err = nodes[0].stderr() + nodes[1].stderr()
     # Then every survivor on both nodes recovered in-process and all resumed from step 8
     for rank in (0, 1, 2):
@@ -64,6 +67,7 @@ def test_two_successive_failures_and_a_failure_in_the_first_step(launcher, tmp_p
         str(EXAMPLE), *ARGS, "--checksum-file", str(target), env={"RESILRUN_FAULTS": plan},
     )  # fmt: skip
     assert run.wait(180) == 0, run.stderr()[-3000:]
+    assert_nothing_left(run)
     err = run.stderr()
     assert err.count("hot spare takes over") == 2
     assert "rank 0 resumed from step 14 (node memory)" in err
@@ -79,6 +83,7 @@ def test_a_frozen_worker_is_detected_killed_and_replaced_by_a_spare(launcher, tm
     )  # fmt: skip
     # Then the agent sees its heartbeat stop, kills it, and a spare takes over; no orphan is left
     assert run.wait(150) == 0, run.stderr()[-3000:]
+    assert_nothing_left(run)
     err = run.stderr()
     assert "rank 1 hung: no heartbeat" in err
     assert "hot spare takes over" in err
@@ -111,6 +116,7 @@ def test_a_failure_during_a_recovery_is_recovered_too(launcher, tmp_path: Path) 
     )  # fmt: skip
     # Then both are replaced by spares in-process (no restart allowed), resuming at step 11
     assert run.wait(180) == 0, run.stderr()[-3000:]
+    assert_nothing_left(run)
     err = run.stderr()
     assert err.count("hot spare takes over") == 2
     assert "restarting the job" not in err
@@ -129,6 +135,7 @@ def test_a_worker_stuck_before_its_first_step_is_caught_by_the_first_step_timeou
     )  # fmt: skip
     # Then the first-step allowance runs out, the workers are killed and spares take over
     assert run.wait(150) == 0, run.stderr()[-3000:]
+    assert_nothing_left(run)
     err = run.stderr()
     assert "rank 0 hung: no first step after" in err
     assert "rank 1 hung: no first step after" in err

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from tests.conftest import free_port
-from tests.integration.conftest import alive, wait_for
+from tests.integration.conftest import alive, assert_nothing_left, wait_for
 from tests.integration.test_peer_restore import _clean_checksum_40
 from tests.integration.test_tier1_restore import EXAMPLE
 
@@ -46,6 +46,7 @@ def test_a_spare_node_takes_a_lost_nodes_ranks_without_restarting_the_survivors(
     # and the job finishes, bitwise equal to a clean run
     for node in (survivor, spare):
         assert node.wait(200) == 0, node.stderr()[-4000:]
+        assert_nothing_left(node)
     err = survivor.stderr() + spare.stderr()
     assert "take the lost node's place" in err
     assert "spare node takes node rank" in spare.stderr()
