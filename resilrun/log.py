@@ -18,3 +18,14 @@ class ContextAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]  # generi
 
 def get_logger(name: str, **context: Any) -> ContextAdapter:
     return ContextAdapter(logging.getLogger(name), context)
+
+
+def rank_ranges(ranks: list[int], sep: str = ",") -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (sorted input): messages stay readable for thousands of ranks."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return sep.join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

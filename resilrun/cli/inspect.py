@@ -34,6 +34,7 @@ import typer
 from resilrun.cli._errors import render
 from resilrun.cli._output import Output
 from resilrun.errors import CheckpointNotFoundError
+from resilrun.log import rank_ranges
 
 # Ranks are read concurrently: per-request latency, not bandwidth, dominates S3 reads of headers.
 _HEADER_CONCURRENCY = 8
@@ -188,7 +189,7 @@ def _human(report: dict[str, Any]) -> Iterator[str]:
     yield f"{len(steps)} step(s), {sum(s['complete'] for s in steps)} complete"
     yield from _table(
         [("STEP", "STATE", "RANKS")]
-        + [(str(s["step"]), "complete" if s["complete"] else "partial", _ranges(s["ranks"])) for s in steps],
+        + [(str(s["step"]), "complete" if s["complete"] else "partial", rank_ranges(s["ranks"]) or "-") for s in steps],
         indent=2,
     )
     selected = report["selected"]
@@ -219,17 +220,6 @@ def _table(rows: Sequence[Sequence[str]], *, indent: int) -> Iterator[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         yield " " * indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: readable for thousands of ranks."""
-    spans: list[list[int]] = []
-    for rank in ranks:
-        if spans and rank == spans[-1][1] + 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "-"
 
 
 def _size(nbytes: int) -> str:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
 from resilrun.errors import StateLostError
+from resilrun.log import rank_ranges
 from resilrun.state.restore import Tier, plan_restore
 from resilrun.state.tree import flatten, unflatten
 from resilrun.worker._abort import GenerationWatchdog, shut_down, tcp_sockets
@@ -161,8 +162,8 @@ class Job:
                 return -1  # a fresh job
             bare = [rank for rank, tiers in enumerate(available) if not any(tiers.values())]
             raise StateLostError(
-                f"no snapshot step is held by every rank: rank(s) {_ranges(bare) or '?'} have none in node memory, "
-                f"peer replicas or persistent storage, while others reached step {newest}",
+                f"no snapshot step is held by every rank: rank(s) {rank_ranges(bare, ', ') or '?'} have none in node "
+                f"memory, peer replicas or persistent storage, while others reached step {newest}",
                 hint="the nodes holding them and their replicas were lost together; use --replicas 2 or a "
                 "--checkpoint-uri to survive that; to start over from step 0 on purpose, use a new --rdzv-id",
             )
@@ -193,17 +194,6 @@ class Job:
 
 
 _TIER_NAMES = {Tier.MEMORY: "node memory", Tier.PEER: "peer replica", Tier.PERSISTENT: "persistent storage"}
-
-
-def _ranges(ranks: list[int]) -> str:
-    """1,2,3,7 -> '1-3, 7'."""
-    spans: list[list[int]] = []
-    for rank in ranks:
-        if spans and rank == spans[-1][1] + 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
 
 
 def _pad(steps: list[int | None], count: int) -> list[int]:
