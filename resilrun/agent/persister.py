@@ -20,6 +20,7 @@ from typing import Any
 
 from resilrun.errors import CheckpointError, ResilrunError
 from resilrun.state import durable
+from resilrun.state._priority import yield_to_training
 from resilrun.state.memory import Committed, NodeMemoryTier
 from resilrun.storage.api import Storage
 
@@ -76,6 +77,7 @@ class Persister:
             self._cond.notify()
 
     def _run(self) -> None:
+        yield_to_training()  # uploads are background work: they may lag, steps may not slow down
         while True:
             with self._cond:
                 while not self._due and not self._closed:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from resilrun.errors import CheckpointCorruptError
+from resilrun.state._priority import yield_to_training
 from resilrun.state.memory import Committed, NodeMemoryTier, RankMemory
 from resilrun.state.peer_client import DEFAULT_TIMEOUT, fetch, held, push, push_view
 from resilrun.state.peer_server import ReplicaServer
@@ -174,6 +175,7 @@ class Replicator:
 
     # -- one target's loop --------------------------------------------------------------------------
     def _run_target(self, target: _Target) -> None:
+        yield_to_training()
         while True:
             with self._cond:
                 source = self._next_source(target)

@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError
+from resilrun.state._priority import yield_to_training
 from resilrun.state.memory import NodeMemoryTier
 from resilrun.state.peer_store import Replica, ReplicaStore
 from resilrun.state.peer_wire import (
@@ -131,6 +132,7 @@ class ReplicaServer:
             request = recv_message(conn, deadline)
             op = request.get("op")
             if op == "push":
+                yield_to_training()  # receiving a replica is background work; serving a fetch is not
                 self._push(conn, request, deadline)
             elif op == "fetch":
                 self._fetch(conn, request, deadline)

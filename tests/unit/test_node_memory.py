@@ -71,3 +71,26 @@ def test_bad_slots_and_commits_to_unallocated_slots_are_errors(tier: NodeMemoryT
         tier.commit(0, 1, 1, 16, {})
     with pytest.raises(CheckpointError, match="node memory cannot hold"):
         tier.allocate(0, 0, 1 << 62)
+
+
+def test_background_threads_yield_the_cpu_to_training_and_never_raise_their_priority() -> None:
+    import os
+    import threading
+
+    from resilrun.state._priority import BACKGROUND_NICE, yield_to_training
+
+    seen: list[int] = []
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # (pytest may itself run niced)
+
+    def background() -> None:
+        yield_to_training()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(base, 15))
+        yield_to_training()  # already lower: left alone
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen == [max(base, BACKGROUND_NICE), max(base, 15)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller is untouched
