@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -241,3 +242,39 @@ def s3_proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
         yield proxy
     finally:
         proxy.close()
+
+
+# -- etcd: real servers on loopback (skipped without the etcd binary, except in CI) -----------------
+def _require_etcd() -> None:
+    from tests.etcd_server import etcd_binary
+
+    if etcd_binary() is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("etcd is required in CI (make test-tools installs Debian's etcd-server as root)")
+        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One single-member etcd for the session; tests keep apart by their keys (fresh run ids)."""
+    _require_etcd()
+    from tests.etcd_server import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"), size=1).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[Any]:
+    """A fresh three-member etcd cluster on loopback (tests may kill members)."""
+    _require_etcd()
+    from tests.etcd_server import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path / "etcd", size=3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

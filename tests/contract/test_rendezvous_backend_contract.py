@@ -1,17 +1,15 @@
 """The RendezvousBackend contract: every backend passes this suite unchanged.
 
-Parametrised over the in-memory backend and the c10d backend (a real TCPStore hosted on port 0 on
-loopback, used through a second, client-side connection as a remote node would).
+Parametrised over the in-memory backend, the c10d backend (a real TCPStore hosted on port 0 on
+loopback, used through a second, client-side connection as a remote node would) and the etcd backend
+(a real single-member etcd on loopback; skipped without the etcd binary, except in CI).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import pytest
 
@@ -19,31 +17,7 @@ from resilrun.errors import ExitCode, StoreConnectionError
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.rendezvous.memory import MemoryBackend
 from tests.conftest import free_port
-
-
-@dataclass
-class HostedStore:
-    server: Any
-    port: int
-    client: RendezvousBackend
-
-
-@pytest.fixture(scope="module")
-def hosted_store() -> Iterator[HostedStore]:
-    """One TCPStore per module: creating many in quick succession makes torch's connects flaky."""
-    from resilrun.rendezvous.c10d import C10dBackend, connect_store, host_store
-
-    server = host_store("127.0.0.1", 0, timedelta(seconds=5))
-    client = connect_store("127.0.0.1", server.port, timedelta(seconds=5))
-    yield HostedStore(server, server.port, C10dBackend(client, f"127.0.0.1:{server.port}"))
-
-
-@pytest.fixture(params=["memory", "c10d"])
-def backend(request: pytest.FixtureRequest) -> RendezvousBackend:
-    if request.param == "memory":
-        return MemoryBackend()
-    hosted: HostedStore = request.getfixturevalue("hosted_store")
-    return hosted.client
+from tests.contract.conftest import HostedStore
 
 
 @pytest.fixture
@@ -230,3 +204,38 @@ def test_a_second_client_sees_what_the_first_wrote(key: str, hosted_store: Hoste
     assert other.get(key) == b"mine"
     assert one.add(key + "/n", 1) == 1
     assert other.add(key + "/n", 1) == 2
+
+
+# -- concurrency: what the protocol relies on when many agents share one store ----------------------
+def test_concurrent_adds_from_many_threads_are_all_counted(key: str, backend: RendezvousBackend) -> None:
+    import threading
+
+    threads = [threading.Thread(target=lambda: [backend.add(key, 1) for _ in range(10)]) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert backend.add(key, 0) == 40
+
+
+def test_concurrent_compare_sets_of_the_same_expected_value_have_one_winner(
+    key: str, backend: RendezvousBackend
+) -> None:
+    import threading
+
+    backend.set(key, b"base")
+    wins: list[bytes] = []
+    lock = threading.Lock()
+
+    def race(name: bytes) -> None:
+        if backend.compare_set(key, b"base", name):
+            with lock:
+                wins.append(name)
+
+    threads = [threading.Thread(target=race, args=(f"node-{i}".encode(),)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(wins) == 1
+    assert backend.get(key) == wins[0]

@@ -1,0 +1,312 @@
+"""The etcd v3 rendezvous backend: the same five calls on a highly available store.
+
+Why etcd and why this client: with the c10d backend the store lives inside one agent, so losing that
+node ends the job. etcd is replicated by raft, so the rendezvous survives any node (and a minority
+of etcd members). The client is ``etcd3gw`` (OpenStack): it speaks etcd's v3 JSON gRPC-gateway over
+HTTP with ``requests``, so it pulls in no ``grpcio``/``protobuf`` whose pins fight torch's, and it
+works with every etcd >= 3.4, including Debian's ``etcd-server`` 3.4.23. (``python-etcd3`` needs
+an old protobuf and is unmaintained; ``aetcd`` is asyncio-only.)
+
+How the contract maps onto etcd:
+
+| call          | etcd requests                                                             |
+|---------------|---------------------------------------------------------------------------|
+| get           | one range                                                                  |
+| set           | one put                                                                    |
+| compare_set   | one txn: compare value == expected (or create_revision == 0 for absent),  |
+|               | put on success, range on failure (to report "already holds desired")      |
+| add(key, 0)   | one range (a read never writes: polling a counter costs no raft proposal) |
+| add(key, n)   | one txn: compare mod_revision == cached, put value+n; on a lost race the   |
+|               | failure branch returns the fresh value and the txn is retried             |
+
+Invariants: every call is bounded by the operation timeout (a deadline on the monotonic clock, and
+a per-request HTTP timeout); connection failures move to the next endpoint of
+``host:port,host:port``; every failure surfaces as :class:`StoreConnectionError` with a hint. An
+``add`` whose request was lost *after* it reached etcd may be applied twice when it is retried
+(at-least-once): heartbeats do not care, and only a member dying mid-request can cause it.
+
+Cleanup: every key this backend writes is attached to one *job lease* (``attach_job_lease``), which
+every agent of the job keeps alive; when the last agent is gone etcd deletes the job's keys after
+the lease's TTL, so a cluster that runs many jobs is not polluted and a rerun with the same
+``--rdzv-id`` starts clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from resilrun.errors import StoreConnectionError
+from resilrun.rendezvous.api import RendezvousBackend
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_ETCD_PORT = 2379
+# Connecting to a live etcd on a LAN takes milliseconds; 2 s bounds a dead host that drops SYNs
+# before we fail over to the next endpoint.
+_CONNECT_TIMEOUT_S = 2.0
+# A single request's answer: etcd answers in milliseconds, or within its own 5 s request timeout
+# ("etcdserver: request timed out") while a new leader is elected. Longer waits retry instead.
+_REQUEST_TIMEOUT_S = 7.0
+# Backoff between retries: an election on a 3-member cluster takes ~1-2 s (1 s election timeout).
+_BACKOFF_FIRST_S = 0.05
+_BACKOFF_MAX_S = 0.5
+# Job keys outlive their last agent by this long: long enough that every agent being cut off from
+# etcd for a moment does not erase a running job, short enough that a rerun soon starts clean.
+JOB_LEASE_TTL_S = 120
+
+
+class _Retryable(Exception):
+    """A failure worth retrying (on this or the next endpoint) until the deadline."""
+
+
+def parse_endpoints(value: str, default_port: int = DEFAULT_ETCD_PORT) -> list[tuple[str, int]]:
+    """Parse ``host[:port][,host[:port]...]`` (IPv6 as ``[addr]:port``).
+
+    Raises:
+        ConfigError: an entry is not ``host[:port]`` or a port is out of range.
+    """
+    from resilrun.config import parse_endpoint
+
+    entries = [part.strip() for part in value.split(",") if part.strip()]
+    return [parse_endpoint(entry, default_port) for entry in entries]
+
+
+class EtcdBackend(RendezvousBackend):
+    """See base class. Talks to an etcd v3 cluster through its JSON gateway (``etcd3gw``)."""
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]], *, timeout: timedelta) -> None:
+        """Build the clients; no request is made until the first call.
+
+        Args:
+            endpoints: one or more ``(host, port)`` of the same etcd cluster, tried in order.
+            timeout: bound of each call, retries and failovers included.
+        """
+        if not endpoints:
+            raise ValueError("EtcdBackend needs at least one endpoint")
+        import etcd3gw
+
+        self.endpoints = [f"{host}:{port}" for host, port in endpoints]
+        self.timeout_s = timeout.total_seconds()
+        request_timeout = (_CONNECT_TIMEOUT_S, min(_REQUEST_TIMEOUT_S, max(self.timeout_s, 0.5)))
+        # etcd >= 3.4 serves the gateway at /v3/; naming it skips a discovery request per endpoint.
+        self._clients = [
+            etcd3gw.Etcd3Client(host=host, port=port, timeout=request_timeout, api_path="/v3/")
+            for host, port in endpoints
+        ]
+        self._current = 0
+        self._lock = threading.Lock()  # guards _current and _revisions, not the requests
+        self._revisions: dict[str, tuple[int, int]] = {}  # key -> (value, mod_revision) last seen by add
+        self._lease_id: int | None = None
+        self._keepalive: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- the contract ---------------------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        kvs = self._post("/kv/range", {"key": _b64(key)}).get("kvs")
+        return _value(kvs[0]) if kvs else None
+
+    def set(self, key: str, value: bytes) -> None:
+        self._post("/kv/put", self._put(key, value))
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
+        if expected is None:
+            compare = {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+        else:
+            compare = {"key": _b64(key), "result": "EQUAL", "target": "VALUE", "value": _b64(expected)}
+        result = self._txn(compare, key, desired)
+        if result.get("succeeded"):
+            return True
+        kvs = _failure_kvs(result)
+        return bool(kvs) and _value(kvs[0]) == desired
+
+    def add(self, key: str, amount: int) -> int:
+        if amount == 0:
+            kvs = self._post("/kv/range", {"key": _b64(key)}).get("kvs")
+            return int(_value(kvs[0]) or b"0") if kvs else 0
+        deadline = time.monotonic() + self.timeout_s
+        with self._lock:
+            known = self._revisions.get(key)
+        while True:
+            if known is None:  # never seen: assume absent; a lost race tells us the truth
+                compare = {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+                base = 0
+            else:
+                base, revision = known
+                compare = {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(revision)}
+            new = base + amount
+            result = self._txn(compare, key, str(new).encode())
+            if result.get("succeeded"):
+                revision = int(result.get("header", {}).get("revision", 0))
+                with self._lock:
+                    self._revisions[key] = (new, revision)
+                return new
+            kvs = _failure_kvs(result)
+            known = (int(_value(kvs[0]) or b"0"), int(kvs[0]["mod_revision"])) if kvs else None
+            if time.monotonic() >= deadline:  # only under extreme contention on one counter
+                raise StoreConnectionError(
+                    f"etcd at {self._endpoint()}: add to '{key}' lost every race for {self.timeout_s:g} s",
+                    hint="too many writers on one counter; raise --rdzv-conf read_timeout=SECONDS",
+                )
+
+    def close(self) -> None:
+        """Stop keeping the job lease alive (the job's keys expire once no agent refreshes it)."""
+        self._stop.set()
+        if self._keepalive is not None:
+            self._keepalive.join(timeout=_CONNECT_TIMEOUT_S + _REQUEST_TIMEOUT_S)
+        for client in self._clients:
+            client.session.close()
+
+    # -- job lease ------------------------------------------------------------------------------
+    def attach_job_lease(self, key: str, ttl_s: int = JOB_LEASE_TTL_S) -> int:
+        """Attach every later write to the job's lease, and keep it alive from this process.
+
+        The first agent grants a lease and records its id at ``key`` (attached to the lease itself);
+        the others reuse it. If the recorded lease has expired (every agent was gone for ``ttl_s``),
+        a new one replaces it. Returns the lease id.
+        """
+        while True:
+            raw = self.get(key)
+            if raw is not None:
+                lease_id = int(raw)
+                if self._lease_ttl(lease_id) > 0:
+                    break
+            granted = self._post("/lease/grant", {"TTL": str(ttl_s), "ID": "0"})
+            candidate = int(granted["ID"])
+            self._lease_id = candidate
+            if self.compare_set(key, raw, str(candidate).encode()):
+                lease_id = candidate
+                break
+            self._lease_id = None
+            self._post("/kv/lease/revoke", {"ID": str(candidate)})
+        self._lease_id = lease_id
+        interval = max(ttl_s / 4, 1.0)
+        self._keepalive = threading.Thread(
+            target=self._keep_alive, args=(lease_id, interval), name="resilrun-etcd-lease", daemon=True
+        )
+        self._keepalive.start()
+        return lease_id
+
+    def _keep_alive(self, lease_id: int, interval: float) -> None:
+        failing = False
+        while not self._stop.wait(interval):
+            try:
+                self._post("/lease/keepalive", {"ID": str(lease_id)})
+                failing = False
+            except StoreConnectionError as exc:
+                if not failing:
+                    logger.warning("could not refresh the job's etcd lease: %s", exc.message)
+                failing = True
+
+    # -- mechanism ------------------------------------------------------------------------------
+    def _put(self, key: str, value: bytes) -> dict[str, Any]:
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if self._lease_id is not None:
+            put["lease"] = str(self._lease_id)
+        return put
+
+    def _txn(self, compare: dict[str, Any], key: str, value: bytes) -> dict[str, Any]:
+        body = {
+            "compare": [compare],
+            "success": [{"request_put": self._put(key, value)}],
+            "failure": [{"request_range": {"key": _b64(key)}}],
+        }
+        return self._post("/kv/txn", body)
+
+    def _lease_ttl(self, lease_id: int) -> int:
+        return int(self._post("/kv/lease/timetolive", {"ID": str(lease_id)}).get("TTL", -1))
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One gateway request (JSON in, JSON out), with failover and retries."""
+        result: dict[str, Any] = self._call(lambda client: client.post(client.get_url(path), json=body))
+        return result
+
+    def _endpoint(self) -> str:
+        return ", ".join(self.endpoints)
+
+    def _call(self, request: Callable[[Any], T]) -> T:
+        """Run ``request`` against the current endpoint, failing over and retrying until the deadline."""
+        from etcd3gw import exceptions
+
+        deadline = time.monotonic() + self.timeout_s
+        backoff = _BACKOFF_FIRST_S
+        last: Exception | None = None
+        tried = 0
+        while True:
+            with self._lock:
+                index = self._current
+            client = self._clients[index]
+            try:
+                try:
+                    return request(client)
+                except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError) as exc:
+                    raise _Retryable(str(exc)) from exc
+                except exceptions.Etcd3Exception as exc:  # 500/503 during elections, "no leader", ...
+                    raise _Retryable(f"{exc} {getattr(exc, 'detail_text', '')}".strip()) from exc
+                except OSError as exc:
+                    raise _Retryable(str(exc)) from exc
+            except _Retryable as exc:
+                last = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+                tried += 1
+                with self._lock:
+                    if self._current == index:  # move on, unless another thread already did
+                        self._current = (index + 1) % len(self._clients)
+                if time.monotonic() >= deadline:
+                    break
+                if tried % len(self._clients) == 0:  # every endpoint failed once: back off
+                    time.sleep(min(backoff, max(deadline - time.monotonic(), 0.0)))
+                    backoff = min(backoff * 2, _BACKOFF_MAX_S)
+        detail = str(last).splitlines()[0][:300] if last is not None and str(last) else type(last).__name__
+        raise StoreConnectionError(
+            f"etcd at {self._endpoint()} did not answer within {self.timeout_s:g} s: {detail}",
+            hint="check --rdzv-endpoint (etcd's client URLs, host:2379[,host:2379]), that a quorum of etcd "
+            "members is up, and firewalls; raise the wait with --rdzv-conf read_timeout=SECONDS",
+        ) from last
+
+
+def _b64(data: str | bytes) -> str:
+    import base64
+
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _value(kv: dict[str, Any]) -> bytes:
+    import base64
+
+    # The gateway omits empty fields (proto3 JSON): an absent "value" is b"", not a missing key.
+    return base64.b64decode(kv.get("value", ""))
+
+
+def _failure_kvs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    for response in result.get("responses", []):
+        ranged = response.get("response_range")
+        if ranged is not None:
+            return list(ranged.get("kvs", []))
+    return []
+
+
+def open_etcd(endpoint: str, *, timeout: timedelta) -> EtcdBackend:
+    """An :class:`EtcdBackend` for ``--rdzv-endpoint host:2379[,host:2379...]``, checked reachable.
+
+    Raises:
+        StoreConnectionError: no endpoint answered within ``timeout``.
+    """
+    backend = EtcdBackend(parse_endpoints(endpoint), timeout=timeout)
+    try:
+        backend._post("/maintenance/status", {})
+    except StoreConnectionError as exc:
+        with contextlib.suppress(Exception):
+            backend.close()
+        raise StoreConnectionError(
+            f"could not reach etcd at {backend._endpoint()} within {timeout.total_seconds():g} s",
+            hint=exc.hint,
+        ) from exc.__cause__
+    return backend
