@@ -21,6 +21,8 @@ from typing import Any
 from resilrun.errors import ConfigError
 
 DEFAULT_RDZV_PORT = 29400
+# etcd's standard client port, as torchrun's etcd backend assumes.
+DEFAULT_ETCD_PORT = 2379
 
 
 class Std(IntEnum):
@@ -148,6 +150,18 @@ def parse_endpoint(value: str, default_port: int = DEFAULT_RDZV_PORT) -> tuple[s
     return host, port
 
 
+def parse_endpoints(value: str, default_port: int = DEFAULT_ETCD_PORT) -> list[tuple[str, int]]:
+    """Parse ``host[:port][,host[:port]...]``: the members of an etcd cluster, tried in order.
+
+    Raises:
+        ConfigError: the list is empty, or an entry is not ``host[:port]``.
+    """
+    entries = [part.strip() for part in value.split(",") if part.strip()]
+    if not entries:
+        raise ConfigError(f"--rdzv-endpoint '{value}' names no host", hint="e.g. --rdzv-endpoint etcd1:2379,etcd2:2379")
+    return [parse_endpoint(entry, default_port) for entry in entries]
+
+
 def parse_std_map(value: str, flag: str) -> dict[int, Std] | Std:
     """Parse torchrun's ``0..3`` or ``local_rank:0..3,...`` stream selection."""
     value = value.strip() or "0"
@@ -184,7 +198,9 @@ class Config:
         default=None, metadata=_meta("--node-rank", R, "This node's rank (default: assigned at rendezvous).")
     )
     rdzv_backend: str = field(default="c10d", metadata=_meta("--rdzv-backend", R, "c10d, etcd or static."))
-    rdzv_endpoint: str = field(default="", metadata=_meta("--rdzv-endpoint", R, "Rendezvous host[:port]."))
+    rdzv_endpoint: str = field(
+        default="", metadata=_meta("--rdzv-endpoint", R, "Rendezvous host[:port]; etcd: host:2379[,host:2379...].")
+    )
     rdzv_id: str = field(default="none", metadata=_meta("--rdzv-id", R, "Job id shared by all nodes."))
     rdzv_conf: str = field(default="", metadata=_meta("--rdzv-conf", R, "Extra rendezvous settings k=v,..."))
     standalone: bool = field(
@@ -274,9 +290,19 @@ class Config:
 
     @property
     def endpoint(self) -> tuple[str, int]:
+        """The c10d/static store's ``(host, port)``; for etcd, the first member (see ``endpoints``)."""
         if self.rdzv_backend == "static" and not self.rdzv_endpoint:
             return self.master_addr, self.master_port
+        if self.rdzv_backend == "etcd":
+            return self.endpoints[0]
         return parse_endpoint(self.rdzv_endpoint or "localhost:0")
+
+    @property
+    def endpoints(self) -> list[tuple[str, int]]:
+        """Every ``(host, port)`` of ``--rdzv-endpoint`` (etcd takes a comma-separated list)."""
+        if self.rdzv_backend == "etcd":
+            return parse_endpoints(self.rdzv_endpoint)
+        return [self.endpoint]
 
     @property
     def monitor_interval(self) -> timedelta:
@@ -337,10 +363,7 @@ class Config:
                 f"--rdzv-backend '{self.rdzv_backend}' is unknown", hint="use c10d (default), static or etcd"
             )
         if self.rdzv_backend == "etcd":
-            raise ConfigError(
-                "--rdzv-backend etcd is not available in this version",
-                hint="use --rdzv-backend c10d with --rdzv-endpoint HOST:PORT",
-            )
+            self._validate_etcd()
         if self.standalone and max_nodes != 1:
             raise ConfigError(f"--standalone runs one node, but --nnodes is '{self.nnodes}'")
         self.rdzv  # noqa: B018 - parses and validates
@@ -369,6 +392,21 @@ class Config:
         self._validate_processes()
         self._validate_checkpoints()
         self._validate_script()
+
+    def _validate_etcd(self) -> None:
+        if not self.rdzv_endpoint:
+            raise ConfigError(
+                "--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]",
+                hint="name the client URLs of your etcd cluster, e.g. --rdzv-endpoint etcd1:2379,etcd2:2379",
+            )
+        for host, port in self.endpoints:
+            if port == 0:
+                raise ConfigError(f"--rdzv-endpoint '{self.rdzv_endpoint}': etcd member {host} has port 0")
+        if self.rdzv.is_host is not None:
+            raise ConfigError(
+                "--rdzv-conf is_host applies to the c10d backend only",
+                hint="with --rdzv-backend etcd no node hosts the rendezvous; drop is_host",
+            )
 
     def _validate_processes(self) -> None:
         nproc = self.nproc_per_node.strip().lower()

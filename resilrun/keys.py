@@ -60,3 +60,8 @@ def persist_count(run_id: str, step: int) -> str:
 def job_secret(run_id: str) -> str:
     """The per-job secret peers prove to each other (set once, by the first agent)."""
     return f"{_base(run_id)}/secret"
+
+
+def job_lease(run_id: str) -> str:
+    """The id of the etcd lease every key of the job is attached to (expires after the last agent)."""
+    return f"{_base(run_id)}/lease"

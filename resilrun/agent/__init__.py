@@ -1,8 +1,8 @@
 """The agent: the composition root of one node (store, rendezvous, supervision).
 
 ``run(config)`` resolves the node's facts (worker count, advertised address, log directory), opens
-the rendezvous store (hosting it when this node owns the endpoint), runs the supervisor, and, when
-it hosts the store, stays until every other node has seen the job end.
+the rendezvous store (c10d: hosting it when this node owns the endpoint; etcd: an external cluster),
+runs the supervisor, and, when it hosts the store, stays until every other node has seen the job end.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from resilrun.agent.tiers import NodeTiers
 from resilrun.config import Config
 from resilrun.env import agent_environ
 from resilrun.errors import ConfigError, ResilrunError, ShutdownRequested
-from resilrun.rendezvous.c10d import C10dBackend, open_store
 from resilrun.rendezvous.executor import RendezvousClient
+from resilrun.rendezvous.factory import open_backend
 from resilrun.rendezvous.protocol import NodeInfo
 from resilrun.state.memory import NodeMemoryTier
 from resilrun.storage.api import Storage
@@ -67,14 +67,12 @@ def run(config: Config) -> None:
     """
     nproc = resolve_nproc(config.nproc_per_node)
     min_nodes, max_nodes = config.node_range
-    host, port = config.endpoint
     rdzv_conf = config.rdzv
     signals = SignalFlag()
     previous = {sig: signal.signal(sig, signals.handler) for sig in HANDLED_SIGNALS}
     try:
-        store, hosting = open_store(host, port, is_host=rdzv_conf.is_host, timeout=_seconds(rdzv_conf.read_timeout_s))
-        endpoint = f"{host}:{store.port if hosting else port}"
-        backend = C10dBackend(store, endpoint)
+        opened = open_backend(config)
+        backend, endpoint, hosting = opened.backend, opened.endpoint, opened.hosting
         # As torchrun: the FQDN unless --local-addr says otherwise (workers reach rank 0 there).
         addr = config.local_addr or socket.getfqdn()
         me = NodeInfo(
@@ -149,6 +147,7 @@ def run(config: Config) -> None:
             memory.close()
             if hosting:
                 _linger_for_peers(rdzv, supervisor, rdzv_conf.close_timeout_s)
+            backend.close()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from resilrun.config import parse_endpoints
 from resilrun.errors import StoreConnectionError
 from resilrun.rendezvous.api import RendezvousBackend
 
@@ -48,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_ETCD_PORT = 2379
 # Connecting to a live etcd on a LAN takes milliseconds; 2 s bounds a dead host that drops SYNs
 # before we fail over to the next endpoint.
 _CONNECT_TIMEOUT_S = 2.0
@@ -65,18 +65,6 @@ JOB_LEASE_TTL_S = 120
 
 class _Retryable(Exception):
     """A failure worth retrying (on this or the next endpoint) until the deadline."""
-
-
-def parse_endpoints(value: str, default_port: int = DEFAULT_ETCD_PORT) -> list[tuple[str, int]]:
-    """Parse ``host[:port][,host[:port]...]`` (IPv6 as ``[addr]:port``).
-
-    Raises:
-        ConfigError: an entry is not ``host[:port]`` or a port is out of range.
-    """
-    from resilrun.config import parse_endpoint
-
-    entries = [part.strip() for part in value.split(",") if part.strip()]
-    return [parse_endpoint(entry, default_port) for entry in entries]
 
 
 class EtcdBackend(RendezvousBackend):
@@ -152,7 +140,7 @@ class EtcdBackend(RendezvousBackend):
             known = (int(_value(kvs[0]) or b"0"), int(kvs[0]["mod_revision"])) if kvs else None
             if time.monotonic() >= deadline:  # only under extreme contention on one counter
                 raise StoreConnectionError(
-                    f"etcd at {self._endpoint()}: add to '{key}' lost every race for {self.timeout_s:g} s",
+                    f"etcd at {self.endpoint_list}: add to '{key}' lost every race for {self.timeout_s:g} s",
                     hint="too many writers on one counter; raise --rdzv-conf read_timeout=SECONDS",
                 )
 
@@ -228,8 +216,10 @@ class EtcdBackend(RendezvousBackend):
         result: dict[str, Any] = self._call(lambda client: client.post(client.get_url(path), json=body))
         return result
 
-    def _endpoint(self) -> str:
-        return ", ".join(self.endpoints)
+    @property
+    def endpoint_list(self) -> str:
+        """The members, as ``--rdzv-endpoint`` names them (for logs and messages)."""
+        return ",".join(self.endpoints)
 
     def _call(self, request: Callable[[Any], T]) -> T:
         """Run ``request`` against the current endpoint, failing over and retrying until the deadline."""
@@ -265,7 +255,7 @@ class EtcdBackend(RendezvousBackend):
                     backoff = min(backoff * 2, _BACKOFF_MAX_S)
         detail = str(last).splitlines()[0][:300] if last is not None and str(last) else type(last).__name__
         raise StoreConnectionError(
-            f"etcd at {self._endpoint()} did not answer within {self.timeout_s:g} s: {detail}",
+            f"etcd at {self.endpoint_list} did not answer within {self.timeout_s:g} s: {detail}",
             hint="check --rdzv-endpoint (etcd's client URLs, host:2379[,host:2379]), that a quorum of etcd "
             "members is up, and firewalls; raise the wait with --rdzv-conf read_timeout=SECONDS",
         ) from last

@@ -438,11 +438,32 @@ def test_bad_local_ranks_filter_is_a_usage_error_quoting_the_value(script: str, 
     assert f"--local-ranks-filter '{value}'" in error.message
 
 
-def test_etcd_backend_is_a_usage_error_saying_it_is_not_available(script: str) -> None:
+def test_etcd_backend_without_an_endpoint_is_a_usage_error(script: str) -> None:
     error = _config_error(script=script, rdzv_backend="etcd")
-    assert "etcd is not available" in error.message
-    assert error.hint is not None
-    assert "c10d" in error.hint
+    assert "--rdzv-backend etcd needs --rdzv-endpoint" in error.message
+    assert error.hint is not None and "2379" in error.hint
+
+
+def test_etcd_endpoint_takes_a_list_of_members_with_the_default_etcd_port(script: str) -> None:
+    config = Config.from_cli(
+        script=script, nnodes="2", rdzv_backend="etcd", rdzv_endpoint="e1:2380, e2 ,[::1]:3000", rdzv_id="j"
+    )
+    assert config.endpoints == [("e1", 2380), ("e2", 2379), ("::1", 3000)]
+    assert config.endpoint == ("e1", 2380)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "conf", "fragment"),
+    [
+        ("e1:2379,e2:0", "", "port 0"),
+        ("e1:2379,e2:x", "", "'e2:x'"),
+        (",", "", "names no host"),
+        ("e1:2379", "is_host=true", "is_host applies to the c10d backend only"),
+    ],
+)
+def test_bad_etcd_endpoints_are_usage_errors(script: str, endpoint: str, conf: str, fragment: str) -> None:
+    error = _config_error(script=script, nnodes="2", rdzv_backend="etcd", rdzv_endpoint=endpoint, rdzv_conf=conf)
+    assert fragment in error.message
 
 
 def test_unknown_backend_is_a_usage_error_quoting_it(script: str) -> None:
