@@ -3,6 +3,12 @@
 Heartbeats are counters, never timestamps: a watcher records, on its own monotonic clock, when it
 last saw a node's counter change, so clock skew between machines cannot make a live node look dead
 (or a dead one alive). A node is stale when its counter has not moved for the heartbeat timeout.
+
+Only time the watcher actually spent watching counts: when two of its observations of a node are
+further apart than half the timeout, the watcher itself was blind (its store reads were stalled,
+e.g. during an etcd leader election, or its process was descheduled), and the senders' writes were
+most likely stalled by the same cause; the excess is not held against the node. Without this, a
+store hiccup longer than the timeout made every node declare every other node lost at once.
 """
 
 from __future__ import annotations
@@ -20,18 +26,30 @@ logger = logging.getLogger(__name__)
 
 
 class StalenessJudge:
-    """Tracks when each watched counter last changed; pure apart from the injected clock."""
+    """Tracks when each watched counter last changed; pure apart from the injected clock.
 
-    def __init__(self, timeout_s: float, clock: Clock | None = None) -> None:
+    Args:
+        timeout_s: how long a counter may stand still (in watched time) before its node is stale.
+        max_gap_s: the longest span between two observations that counts in full (default: half
+            the timeout, so a watcher that observes every heartbeat interval never hits it).
+    """
+
+    def __init__(self, timeout_s: float, clock: Clock | None = None, *, max_gap_s: float | None = None) -> None:
         self.timeout_s = timeout_s
+        self.max_gap_s = timeout_s / 2 if max_gap_s is None else max_gap_s
         self.clock = clock or SystemClock()
-        self._seen: dict[str, tuple[int, float]] = {}  # node -> (counter, when it last changed)
+        # node -> (counter, when it last changed, less blind time; when it was last observed)
+        self._seen: dict[str, tuple[int, float, float]] = {}
 
     def observe(self, node: str, counter: int) -> None:
         now = self.clock.monotonic()
         previous = self._seen.get(node)
         if previous is None or previous[0] != counter:
-            self._seen[node] = (counter, now)
+            self._seen[node] = (counter, now, now)
+            return
+        _, changed, observed = previous
+        blind = now - observed - self.max_gap_s
+        self._seen[node] = (counter, changed + max(blind, 0.0), now)
 
     def forget_all_but(self, nodes: Iterable[str]) -> None:
         keep = set(nodes)
@@ -40,7 +58,7 @@ class StalenessJudge:
     def stale(self) -> list[str]:
         """Nodes whose counter has not moved for longer than the timeout."""
         now = self.clock.monotonic()
-        return sorted(n for n, (_, changed) in self._seen.items() if now - changed > self.timeout_s)
+        return sorted(n for n, (_, changed, _) in self._seen.items() if now - changed > self.timeout_s)
 
     def age(self, node: str) -> float | None:
         seen = self._seen.get(node)

@@ -37,9 +37,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 from resilrun.config import parse_endpoints
 from resilrun.errors import StoreConnectionError
@@ -47,14 +47,20 @@ from resilrun.rendezvous.api import RendezvousBackend
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 # Connecting to a live etcd on a LAN takes milliseconds; 2 s bounds a dead host that drops SYNs
 # before we fail over to the next endpoint.
 _CONNECT_TIMEOUT_S = 2.0
-# A single request's answer: etcd answers in milliseconds, or within its own 5 s request timeout
-# ("etcdserver: request timed out") while a new leader is elected. Longer waits retry instead.
-_REQUEST_TIMEOUT_S = 7.0
+# A single request's answer: etcd answers in milliseconds. A write a dying leader swallowed is only
+# failed by etcd after its own ~7 s request timeout, longer than a heartbeat timeout, so the first
+# attempts give up after 2 s and retry; an election takes 1-4 s, so a third attempt lands on the new
+# leader. Then the timeout doubles up to 8 s, for requests that are merely slow (huge N, overload).
+_FIRST_REQUEST_TIMEOUT_S = 2.0
+_SHORT_ATTEMPTS = 3
+_MAX_REQUEST_TIMEOUT_S = 8.0
+# 500/503/504 come from the gateway while there is no leader or a request timed out inside etcd;
+# 408 and 429 are transient too. Any other status means a bug or a server that is not etcd.
+_RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Backoff between retries: an election on a 3-member cluster takes ~1-2 s (1 s election timeout).
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 0.5
@@ -63,8 +69,8 @@ _BACKOFF_MAX_S = 0.5
 JOB_LEASE_TTL_S = 120
 
 
-class _Retryable(Exception):
-    """A failure worth retrying (on this or the next endpoint) until the deadline."""
+class _GatewayError(Exception):
+    """A non-200 answer of etcd's gateway (kept as the cause of the StoreConnectionError)."""
 
 
 class EtcdBackend(RendezvousBackend):
@@ -83,12 +89,8 @@ class EtcdBackend(RendezvousBackend):
 
         self.endpoints = [f"{host}:{port}" for host, port in endpoints]
         self.timeout_s = timeout.total_seconds()
-        request_timeout = (_CONNECT_TIMEOUT_S, min(_REQUEST_TIMEOUT_S, max(self.timeout_s, 0.5)))
         # etcd >= 3.4 serves the gateway at /v3/; naming it skips a discovery request per endpoint.
-        self._clients = [
-            etcd3gw.Etcd3Client(host=host, port=port, timeout=request_timeout, api_path="/v3/")
-            for host, port in endpoints
-        ]
+        self._clients = [etcd3gw.Etcd3Client(host=host, port=port, api_path="/v3/") for host, port in endpoints]
         self._current = 0
         self._lock = threading.Lock()  # guards _current and _revisions, not the requests
         self._revisions: dict[str, tuple[int, int]] = {}  # key -> (value, mod_revision) last seen by add
@@ -148,7 +150,7 @@ class EtcdBackend(RendezvousBackend):
         """Stop keeping the job lease alive (the job's keys expire once no agent refreshes it)."""
         self._stop.set()
         if self._keepalive is not None:
-            self._keepalive.join(timeout=_CONNECT_TIMEOUT_S + _REQUEST_TIMEOUT_S)
+            self._keepalive.join(timeout=_CONNECT_TIMEOUT_S + _MAX_REQUEST_TIMEOUT_S)
         for client in self._clients:
             client.session.close()
 
@@ -213,46 +215,58 @@ class EtcdBackend(RendezvousBackend):
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One gateway request (JSON in, JSON out), with failover and retries."""
-        result: dict[str, Any] = self._call(lambda client: client.post(client.get_url(path), json=body))
-        return result
+        return self._call(path, body)
 
     @property
     def endpoint_list(self) -> str:
         """The members, as ``--rdzv-endpoint`` names them (for logs and messages)."""
         return ",".join(self.endpoints)
 
-    def _call(self, request: Callable[[Any], T]) -> T:
-        """Run ``request`` against the current endpoint, failing over and retrying until the deadline."""
-        from etcd3gw import exceptions
+    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to the gateway's ``path``, failing over and retrying until the deadline.
+
+        Each attempt has its own read timeout, short at first, then doubling: a request a dead leader
+        swallowed is abandoned after 2 s and retried (the new leader answers it), while a request
+        that is merely slow at scale still gets up to 8 s on later attempts.
+        """
+        import requests
 
         deadline = time.monotonic() + self.timeout_s
         backoff = _BACKOFF_FIRST_S
+        attempt_timeout = _FIRST_REQUEST_TIMEOUT_S
         last: Exception | None = None
-        tried = 0
+        tried = timeouts = 0
         while True:
             with self._lock:
                 index = self._current
             client = self._clients[index]
+            remaining = max(deadline - time.monotonic(), 0.05)
             try:
-                try:
-                    return request(client)
-                except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError) as exc:
-                    raise _Retryable(str(exc)) from exc
-                except exceptions.Etcd3Exception as exc:  # 500/503 during elections, "no leader", ...
-                    raise _Retryable(f"{exc} {getattr(exc, 'detail_text', '')}".strip()) from exc
-                except OSError as exc:
-                    raise _Retryable(str(exc)) from exc
-            except _Retryable as exc:
-                last = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-                tried += 1
-                with self._lock:
-                    if self._current == index:  # move on, unless another thread already did
-                        self._current = (index + 1) % len(self._clients)
-                if time.monotonic() >= deadline:
-                    break
-                if tried % len(self._clients) == 0:  # every endpoint failed once: back off
-                    time.sleep(min(backoff, max(deadline - time.monotonic(), 0.0)))
-                    backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                response = client.session.post(
+                    client.get_url(path), json=body, timeout=(_CONNECT_TIMEOUT_S, min(attempt_timeout, remaining))
+                )
+                if response.status_code == 200:
+                    result: dict[str, Any] = response.json()
+                    return result
+                last = _GatewayError(f"HTTP {response.status_code} from {self.endpoints[index]}: {response.text[:200]}")
+                if response.status_code not in _RETRYABLE_STATUS:
+                    break  # a bug or not an etcd gateway: retrying cannot help
+            except requests.Timeout as exc:
+                last = exc
+                timeouts += 1
+                if timeouts >= _SHORT_ATTEMPTS:
+                    attempt_timeout = min(attempt_timeout * 2, _MAX_REQUEST_TIMEOUT_S)
+            except (requests.RequestException, OSError, ValueError) as exc:  # refused, reset, bad JSON
+                last = exc
+            tried += 1
+            with self._lock:
+                if self._current == index:  # move on, unless another thread already did
+                    self._current = (index + 1) % len(self._clients)
+            if time.monotonic() >= deadline:
+                break
+            if tried % len(self._clients) == 0:  # every endpoint failed once: back off
+                time.sleep(min(backoff, max(deadline - time.monotonic(), 0.0)))
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
         detail = str(last).splitlines()[0][:300] if last is not None and str(last) else type(last).__name__
         raise StoreConnectionError(
             f"etcd at {self.endpoint_list} did not answer within {self.timeout_s:g} s: {detail}",
@@ -296,7 +310,7 @@ def open_etcd(endpoint: str, *, timeout: timedelta) -> EtcdBackend:
         with contextlib.suppress(Exception):
             backend.close()
         raise StoreConnectionError(
-            f"could not reach etcd at {backend._endpoint()} within {timeout.total_seconds():g} s",
+            f"could not reach etcd at {backend.endpoint_list} within {timeout.total_seconds():g} s",
             hint=exc.hint,
         ) from exc.__cause__
     return backend

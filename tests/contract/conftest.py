@@ -52,8 +52,6 @@ def backend(request: pytest.FixtureRequest) -> RendezvousBackend:
     return hosted.client
 
 
-
-
 @pytest.fixture(params=BACKENDS)
 def connect(request: pytest.FixtureRequest) -> Iterator[Any]:
     """Factory of independent clients of one store, as separate nodes would hold (closed afterwards)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from resilrun.agent.heartbeat import StalenessJudge
 from resilrun.agent.policy import Action, AgentView, decide
 from resilrun.rendezvous.protocol import RdzvState
@@ -30,13 +32,17 @@ def test_a_node_whose_counter_keeps_moving_is_never_stale() -> None:
 def test_a_node_whose_counter_stops_is_stale_after_the_timeout_and_not_before() -> None:
     clock = FakeClock()
     judge = StalenessJudge(5.0, clock)
+    for _ in range(6):  # observed every second, as the supervisor does every heartbeat interval
+        judge.observe("a", 7)
+        clock.sleep(1.0)
+    assert judge.stale() == ["a"]
+    assert judge.age("a") == 6.0
+    judge = StalenessJudge(5.0, clock)
     judge.observe("a", 7)
     clock.sleep(5.0)
-    judge.observe("a", 7)
     assert judge.stale() == []
     clock.sleep(0.5)
     assert judge.stale() == ["a"]
-    assert judge.age("a") == 5.5
 
 
 def test_a_counter_that_moves_again_clears_staleness() -> None:
@@ -65,6 +71,46 @@ def test_forgetting_nodes_that_left_the_round() -> None:
     judge.forget_all_but(["b"])
     clock.sleep(2.0)
     assert judge.stale() == ["b"]
+
+
+def test_time_the_watcher_itself_was_blind_is_not_held_against_a_node() -> None:
+    # Given a watcher observing every second whose own store reads then stall for 6 s (an etcd election)
+    clock = FakeClock()
+    judge = StalenessJudge(5.0, clock)
+    judge.observe("a", 1)
+    clock.sleep(1.0)
+    judge.observe("a", 1)
+    clock.sleep(6.0)
+    # When its first read after the stall still shows the old counter (the sender was stalled too)
+    judge.observe("a", 1)
+    # Then only 1 s + half the timeout counts: not stale, and a counter that moves soon clears it
+    assert judge.stale() == []
+    assert judge.age("a") == 1.0 + 2.5
+    clock.sleep(1.0)
+    judge.observe("a", 2)
+    assert judge.stale() == []
+
+
+def test_a_dead_node_is_still_found_after_the_watcher_was_blind() -> None:
+    clock = FakeClock()
+    judge = StalenessJudge(4.0, clock)
+    judge.observe("a", 1)
+    clock.sleep(10.0)  # blind: counts as 2 s
+    judge.observe("a", 1)
+    for _ in range(3):  # watching again, the counter never moves
+        clock.sleep(1.0)
+        judge.observe("a", 1)
+    assert judge.stale() == ["a"]
+
+
+@pytest.mark.parametrize(("gap", "counted"), [(0.5, 0.5), (2.5, 2.5), (3.0, 2.5), (30.0, 2.5)])
+def test_one_gap_between_observations_counts_at_most_half_the_timeout(gap: float, counted: float) -> None:
+    clock = FakeClock()
+    judge = StalenessJudge(5.0, clock)
+    judge.observe("a", 1)
+    clock.sleep(gap)
+    judge.observe("a", 1)
+    assert judge.age("a") == pytest.approx(counted)
 
 
 def test_policy_reports_a_lost_node_before_local_worker_exits() -> None:
