@@ -17,6 +17,11 @@ def rdzv_state(run_id: str) -> str:
     return f"{_base(run_id)}/rdzv/state"
 
 
+def rdzv_version(run_id: str) -> str:
+    """Counter bumped after every successful write of the rendezvous state (a cheap change hint)."""
+    return f"{_base(run_id)}/rdzv/version"
+
+
 def node_heartbeat(run_id: str, node_id: str) -> str:
     """A counter the node's agent increments; observers judge staleness on their own clock."""
     return f"{_base(run_id)}/hb/{node_id}"

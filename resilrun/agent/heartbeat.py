@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from resilrun import keys
 from resilrun.clock import Clock, SystemClock
@@ -101,3 +101,21 @@ def read_counters(backend: RendezvousBackend, run_id: str, nodes: Iterable[str])
         return {node: backend.add(keys.node_heartbeat(run_id, node), 0) for node in node_list}
 
     return read
+
+
+def watched_nodes(participants: Sequence[str], me: str, fanout: int) -> list[str]:
+    """The nodes this one watches: its ``fanout`` successors on the ring of participants.
+
+    Every node watching every other costs N reads per node per interval, O(N^2) for the job; on a
+    ring each node reads ``fanout`` counters, O(N) in all, and a lost node is still seen by its
+    ``fanout`` predecessors (any one of them opens the next round, which every node follows). While
+    any node lives, some loss is seen: the nearest live predecessor of a run of dead nodes watches
+    the first of them. A fanout above 1 covers a watcher that is itself slow. ``fanout`` <= 0
+    watches everyone (the O(N^2) behaviour).
+    """
+    others = [p for p in participants if p != me]
+    if fanout <= 0 or fanout >= len(others) or me not in participants:
+        return others
+    index = list(participants).index(me)
+    count = len(participants)
+    return [participants[(index + step) % count] for step in range(1, fanout + 1)]

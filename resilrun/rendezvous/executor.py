@@ -2,6 +2,13 @@
 
 Optimistic concurrency: read the state, decide, compare-and-set; a node that loses a race simply
 reads the newer state and decides again. Every loop is bounded by the join deadline.
+
+Reading at scale: the state is one document whose size grows with the node count, and every agent
+polls it every monitor interval, so N agents re-reading it costs O(N^2) bytes per interval. With
+``refresh_s`` set, a client polls a tiny version counter instead (bumped after every successful
+write, always *after* the compare-and-set) and re-reads the document only when the counter moved,
+or when ``refresh_s`` has passed: the safety net for a writer that died between its write and its
+bump. A reader can therefore never keep a stale document past a bump it has seen.
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ class RendezvousClient:
         join_timeout: timedelta,
         last_call_timeout: timedelta,
         clock: Clock | None = None,
+        refresh_s: float | None = None,
     ) -> None:
+        """See the module docstring for ``refresh_s`` (None: read the whole document every time)."""
         self.backend = backend
         self.run_id = run_id
         self.me = me
@@ -52,11 +61,35 @@ class RendezvousClient:
         self.last_call_timeout = last_call_timeout
         self.clock = clock or SystemClock()
         self._key = keys.rdzv_state(run_id)
+        self._version_key = keys.rdzv_version(run_id)
+        self.refresh_s = refresh_s
+        # (version, state, raw document, when it was read) of the last full read, when gated.
+        self._cached: tuple[int, RdzvState, bytes | None, float] | None = None
 
     # -- reads ----------------------------------------------------------------------------------
     def read(self) -> tuple[RdzvState, bytes | None]:
+        """The current state and its raw bytes (the compare-and-set's expected value)."""
+        if self.refresh_s is None:
+            raw = self.backend.get(self._key)
+            return RdzvState.from_bytes(raw), raw
+        version = self.backend.add(self._version_key, 0)
+        now = self.clock.monotonic()
+        cached = self._cached
+        if cached is not None and cached[0] == version and now - cached[3] < self.refresh_s:
+            return cached[1], cached[2]
         raw = self.backend.get(self._key)
-        return RdzvState.from_bytes(raw), raw
+        state = RdzvState.from_bytes(raw)
+        self._cached = (version, state, raw, now)
+        return state, raw
+
+    def _write(self, raw: bytes | None, proposed: RdzvState) -> bool:
+        """Compare-and-set the document; on success bump the version so gated readers re-read it."""
+        written = self.backend.compare_set(self._key, raw, proposed.to_bytes())
+        if self.refresh_s is not None:
+            self._cached = None  # ours or a newer one: read it afresh either way
+            if written:
+                self.backend.add(self._version_key, 1)
+        return written
 
     def state(self) -> RdzvState:
         return self.read()[0]
@@ -69,7 +102,7 @@ class RendezvousClient:
             proposed = decide(state)
             if proposed is None:
                 return state
-            if self.backend.compare_set(self._key, raw, proposed.to_bytes()):
+            if self._write(raw, proposed):
                 return proposed
 
     def join(self, on_wait: Callable[[], None] | None = None) -> RdzvState:
@@ -110,7 +143,7 @@ class RendezvousClient:
             if decision.verdict is Verdict.CLOSED:
                 raise closed_error(state)
             if decision.verdict is Verdict.UPDATE and decision.state is not None:
-                self.backend.compare_set(self._key, raw, decision.state.to_bytes())
+                self._write(raw, decision.state)
                 continue
             if now >= deadline:
                 self._update(lambda s: protocol.decide_leave(s, self.me.node_id))

@@ -22,6 +22,15 @@ from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 pytestmark = pytest.mark.timeout(60)
 
 
+# Whole-document reads, and reads gated by the version counter (the scale mode): same behaviour.
+_REFRESH: list[float | None] = [None]
+
+
+@pytest.fixture(autouse=True, params=[None, 30.0], ids=["full-reads", "version-gated"])
+def refresh(request: pytest.FixtureRequest) -> None:
+    _REFRESH[0] = request.param
+
+
 def _client(backend: RendezvousBackend, run_id: str, name: str, nodes: tuple[int, int]) -> RendezvousClient:
     me = NodeInfo(node_id=name, addr="127.0.0.1", local_world_size=2, hostname=name)
     return RendezvousClient(
@@ -32,6 +41,7 @@ def _client(backend: RendezvousBackend, run_id: str, name: str, nodes: tuple[int
         max_nodes=nodes[1],
         join_timeout=timedelta(seconds=30),
         last_call_timeout=timedelta(seconds=0.3),
+        refresh_s=_REFRESH[0],
     )
 
 

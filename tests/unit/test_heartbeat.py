@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from resilrun.agent.heartbeat import StalenessJudge
+from resilrun.agent.heartbeat import StalenessJudge, watched_nodes
 from resilrun.agent.policy import Action, AgentView, decide
 from resilrun.rendezvous.protocol import RdzvState
 
@@ -118,3 +118,25 @@ def test_policy_reports_a_lost_node_before_local_worker_exits() -> None:
     view = AgentView(round=3, exit_codes=(None, 1), state=state, lost_nodes=("b",))
     assert decide(view) is Action.NODE_LOST
     assert decide(AgentView(round=4, exit_codes=(None,), state=RdzvState(round=5), lost_nodes=("b",))) is Action.REJOIN
+
+
+@pytest.mark.parametrize(
+    ("me", "fanout", "watched"),
+    [
+        ("a", 1, ["b"]),
+        ("d", 1, ["a"]),
+        ("c", 2, ["d", "a"]),
+        ("b", 0, ["a", "c", "d"]),
+        ("b", 3, ["a", "c", "d"]),
+        ("b", 9, ["a", "c", "d"]),
+        ("z", 1, ["a", "b", "c", "d"]),
+    ],
+)
+def test_each_node_watches_its_ring_successors(me: str, fanout: int, watched: list[str]) -> None:
+    assert watched_nodes(["a", "b", "c", "d"], me, fanout) == watched
+
+
+def test_every_node_is_watched_by_fanout_others_on_the_ring() -> None:
+    nodes = [f"n{i}" for i in range(7)]
+    watchers = {n: [w for w in nodes if n in watched_nodes(nodes, w, 2)] for n in nodes}
+    assert all(len(found) == 2 for found in watchers.values())

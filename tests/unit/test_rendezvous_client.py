@@ -238,3 +238,32 @@ def test_closed_acks_count_each_node_that_saw_the_close() -> None:
     assert rdzv.ack_closed() == 1
     assert rdzv.ack_closed() == 2
     assert rdzv.closed_acks() == 2
+
+
+# -- version-gated reads (the scale mode) ----------------------------------------------------------
+def test_a_gated_reader_rereads_the_document_only_when_the_version_moves() -> None:
+    backend, clock = MemoryBackend(), FakeClock()
+    writer = client(backend, node("a"), clock, lo=1, hi=1)
+    writer.refresh_s = 60.0
+    reader = client(backend, node("b"), clock, lo=1, hi=1)
+    reader.refresh_s = 60.0
+    writer.join()
+    first = reader.state()
+    gets = []
+    original = backend.get
+    backend.get = lambda key: gets.append(key) or original(key)  # type: ignore[method-assign]  # counting spy
+    assert reader.state() == first and gets == []  # unchanged: only the version counter was read
+    writer.close("succeeded")
+    assert reader.state().closed and gets == [keys.rdzv_state(RUN)]
+
+
+def test_a_gated_reader_refreshes_after_refresh_s_even_without_a_bump() -> None:
+    # A writer that died between its compare-and-set and its bump is covered by the periodic refresh.
+    backend, clock = MemoryBackend(), FakeClock()
+    reader = client(backend, node("b"), clock, lo=1, hi=1)
+    reader.refresh_s = 5.0
+    assert reader.state().round == 0
+    write_state(backend, RdzvState(round=7))
+    assert reader.state().round == 0
+    clock.sleep(5.0)
+    assert reader.state().round == 7
