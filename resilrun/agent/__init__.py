@@ -41,6 +41,11 @@ __all__ = ["resolve_nproc", "run"]
 
 logger = logging.getLogger(__name__)
 
+# Agents poll a tiny version counter every monitor tick and re-read the O(nodes) rendezvous document
+# only when it moved, or after this long (the net under a writer that died mid-update); see
+# rendezvous/executor.py and the control-plane benchmark in the README.
+_STATE_REFRESH_S = 10.0
+
 
 def resolve_nproc(value: str) -> int:
     """torchrun's ``--nproc-per-node``: a number, ``cpu``, ``gpu`` or ``auto``."""
@@ -90,6 +95,7 @@ def run(config: Config) -> None:
             max_nodes=max_nodes,
             join_timeout=_seconds(rdzv_conf.join_timeout_s),
             last_call_timeout=_seconds(rdzv_conf.last_call_timeout_s),
+            refresh_s=_STATE_REFRESH_S,
         )
         heartbeat = HeartbeatSender(backend, config.rdzv_id, me.node_id, config.heartbeat_interval_s)
         log_root = _log_root(config)

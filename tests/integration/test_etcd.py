@@ -68,7 +68,7 @@ def test_losing_node_rank_0_is_survivable_on_etcd(
         "--shutdown-timeout", "2",
     )  # fmt: skip
     nodes = [
-        launcher("resilrun", *args, str(TRAIN_TINY), "--out", str(out), "--steps", "150", "--sleep", "0.05")
+        launcher("resilrun", *args, str(TRAIN_TINY), "--out", str(out), "--steps", "100", "--sleep", "0.05")
         for _ in range(2)
     ]
     wait_for(lambda: all((out / f"step_rank{r}").exists() for r in range(4)), 60, "4 ranks to train")
