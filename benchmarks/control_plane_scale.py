@@ -27,6 +27,7 @@ import argparse
 import heapq
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -342,14 +343,20 @@ def etcd_store() -> tuple[Callable[[], RendezvousBackend], int, Callable[[], Non
     # tmpfs when there is one: this measures etcd's CPU cost, not this VM's disk (production etcd
     # runs on SSDs with fsync; expect higher write latency there, the same op counts).
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    cluster = EtcdCluster(Path(tempfile.mkdtemp(prefix="resilrun-bench-etcd-", dir=base))).start()
+    root = Path(tempfile.mkdtemp(prefix="resilrun-bench-etcd-", dir=base))
+    cluster = EtcdCluster(root).start()
 
     def connect() -> RendezvousBackend:
         return open_etcd(cluster.endpoint, timeout=timedelta(seconds=30))
 
     popen = cluster.members[0].popen
     assert popen is not None
-    return connect, popen.pid, cluster.stop
+
+    def stop() -> None:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+    return connect, popen.pid, stop
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
