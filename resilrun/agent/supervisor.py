@@ -21,7 +21,7 @@ from resilrun import keys
 from resilrun.agent import procs
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.failures import ProcessFailure, collect_failure, format_report, root_cause
-from resilrun.agent.heartbeat import StalenessJudge
+from resilrun.agent.heartbeat import StalenessJudge, watched_nodes
 from resilrun.agent.heartbeat import read_counters as heartbeat_reader
 from resilrun.agent.policy import Action, AgentView, decide
 from resilrun.agent.specs import NodeSetup, spare_spec, worker_specs
@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 # A failure in the first seconds finds the spare still importing torch: waiting for it (still far
 # quicker than a restart) beats giving up on in-process recovery. Survivors wait longer than this.
 _SPARE_READY_TIMEOUT_S = 30.0
+# Ring successors each node watches: two, so that two adjacent nodes lost together are seen together
+# and a watcher that is itself slow is covered (see heartbeat.watched_nodes).
+_WATCH_FANOUT = 2
 
 
 class SignalFlag:
@@ -401,8 +404,12 @@ class Supervisor:
         """Read the heartbeats of the round's other nodes and of the spare nodes; returns the lost
         participants (a spare node that went silent is dropped from the spare list here)."""
         me = self.rdzv.me.node_id
-        participants = [p.node_id for p in state.participants if p.node_id != me]
-        spares = [n.node_id for n in current.spares] if current.round == state.round else []
+        ring = [p.node_id for p in state.participants]
+        # Each node watches its _WATCH_FANOUT ring successors (O(N) store reads for the job, not
+        # O(N^2)); the first two node ranks also watch the spare nodes.
+        participants = watched_nodes(ring, me, _WATCH_FANOUT)
+        watches_spares = ring.index(me) < 2 if me in ring else False
+        spares = [n.node_id for n in current.spares] if current.round == state.round and watches_spares else []
         watched = participants + spares
         judge.forget_all_but(watched)
         if not watched:
