@@ -40,7 +40,7 @@ def _meta(flag: str, panel: str, help: str, *, pet: bool = True) -> dict[str, An
     return {"flag": flag, "env": envs, "panel": panel, "help": help}
 
 
-R, P, H, C = "Rendezvous", "Processes", "Health", "Checkpoints"
+R, P, H, C, OBS = "Rendezvous", "Processes", "Health", "Checkpoints", "Observability"
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +275,15 @@ class Config:
     s3_expected_owner: str | None = field(
         default=None, metadata=_meta("--s3-expected-owner", C, "Account id that must own the bucket.", pet=False)
     )
+    # Observability (resilrun's own). Off by default: an open port is a choice, not a side effect.
+    metrics_port: int | None = field(
+        default=None,
+        metadata=_meta("--metrics-port", OBS, "Serve Prometheus metrics on this port (0: a free one).", pet=False),
+    )
+    # Loopback: the endpoint is unauthenticated and shows the job's shape and progress.
+    metrics_addr: str = field(
+        default="127.0.0.1", metadata=_meta("--metrics-addr", OBS, "Address the metrics endpoint binds.", pet=False)
+    )
     # What to run
     script: str = ""
     script_args: tuple[str, ...] = ()
@@ -340,7 +349,15 @@ class Config:
         ``--standalone`` forces an embedded store on a free loopback port and a fresh run id, as
         torchrun does.
         """
-        nullable = ("node_rank", "log_dir", "local_addr", "checkpoint_uri", "s3_endpoint_url", "s3_expected_owner")
+        nullable = (
+            "node_rank",
+            "log_dir",
+            "local_addr",
+            "checkpoint_uri",
+            "s3_endpoint_url",
+            "s3_expected_owner",
+            "metrics_port",
+        )
         values = {k: v for k, v in values.items() if v is not None or k in nullable}
         values["rdzv_backend"] = (values.get("rdzv_backend") or "c10d").lower()
         if values.get("standalone"):
@@ -434,6 +451,10 @@ class Config:
             )
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port ({self.master_port}) must be in 0..65535")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port ({self.metrics_port}) must be in 0..65535")
+        if not self.metrics_addr.strip():
+            raise ConfigError("--metrics-addr is empty", hint="e.g. --metrics-addr 127.0.0.1")
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ConfigError(f"--start-method '{self.start_method}' is not spawn, fork or forkserver")
         self.redirects_spec  # noqa: B018 - parses and validates

@@ -70,3 +70,49 @@ def job_secret(run_id: str) -> str:
 def job_lease(run_id: str) -> str:
     """The id of the etcd lease every key of the job is attached to (expires after the last agent)."""
     return f"{_base(run_id)}/lease"
+
+
+# -- status, history and recovery timelines (resilrun status; small JSON documents only) --------------
+def latest_run() -> str:
+    """The run id of the newest job that registered with this store (``resilrun status`` without an id)."""
+    return f"{PREFIX}/_latest_run"
+
+
+def status_node_count(run_id: str) -> str:
+    """Counter of agents that ever published a status document (also their registry index)."""
+    return f"{_base(run_id)}/status/nodes/count"
+
+
+def status_node_index(run_id: str, index: int) -> str:
+    """The node id registered at ``index`` (1-based), so readers can list every node without a scan."""
+    return f"{_base(run_id)}/status/nodes/{index}"
+
+
+def node_status(run_id: str, node_id: str) -> str:
+    """One agent's status document, rewritten by that agent only (no contention between nodes)."""
+    return f"{_base(run_id)}/status/node/{node_id}"
+
+
+def node_lost(run_id: str, node_id: str) -> str:
+    """Set by the agent that judged ``node_id`` lost: JSON with the round and heartbeat age."""
+    return f"{_base(run_id)}/status/lost/{node_id}"
+
+
+def history_count(run_id: str) -> str:
+    """Counter of job history records ever appended (failures, recoveries, restarts, node losses)."""
+    return f"{_base(run_id)}/history/count"
+
+
+def history_slot(run_id: str, slot: int) -> str:
+    """One slot of the bounded history ring; a record carries its index, so readers skip stale slots."""
+    return f"{_base(run_id)}/history/slot/{slot}"
+
+
+def history_claim(run_id: str, name: str) -> str:
+    """Claimed once by compare-and-set, so a job-wide record (a restart, a recovery) is written once."""
+    return f"{_base(run_id)}/history/claim/{name}"
+
+
+def recovery_part(run_id: str, round: int, node_rank: int) -> str:
+    """One node's share of the timeline of the recovery into ``round`` (what its workers reported)."""
+    return f"{_base(run_id)}/history/round/{round}/node/{node_rank}"

@@ -14,28 +14,42 @@ import socket
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from resilrun import keys
 from resilrun.agent.channel import AgentChannel
 from resilrun.agent.control import WorkerControl
+from resilrun.agent.events import EVENTS_FILE, EventLog
 from resilrun.agent.heartbeat import HeartbeatSender
 from resilrun.agent.persister import Persister
 from resilrun.agent.procs import HANDLED_SIGNALS
 from resilrun.agent.replication import PeerTier, job_secret
 from resilrun.agent.specs import NodeSetup
+from resilrun.agent.status import StatusPublisher
 from resilrun.agent.supervisor import SignalFlag, Supervisor
+from resilrun.agent.telemetry import AgentTelemetry
 from resilrun.agent.tiers import NodeTiers
 from resilrun.config import Config
 from resilrun.env import agent_environ
-from resilrun.errors import ConfigError, ResilrunError, ShutdownRequested
+from resilrun.errors import (
+    ConfigError,
+    RendezvousClosedError,
+    ResilrunError,
+    ShutdownRequested,
+    WorkerGroupFailed,
+)
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.factory import open_backend
 from resilrun.rendezvous.protocol import NodeInfo
 from resilrun.state.memory import NodeMemoryTier
 from resilrun.storage.api import Storage
+
+if TYPE_CHECKING:
+    from resilrun.agent.metrics import AgentMetrics
 
 __all__ = ["resolve_nproc", "run"]
 
@@ -117,6 +131,11 @@ def run(config: Config) -> None:
             nproc=nproc, addr=addr, log_root=log_root, base_env=agent_environ(), agent_socket=channel.path
         )
         supervisor = Supervisor(config, setup, rdzv, signals, control)
+        events = EventLog(log_root / EVENTS_FILE, node_id=me.node_id, host=me.hostname)
+        publisher: list[StatusPublisher] = []  # set below; the metrics read its latest document
+        metrics = _metrics(config, lambda: publisher[0].latest if publisher else None)
+        telemetry = AgentTelemetry(events, backend, config.rdzv_id, metrics)
+        supervisor.telemetry = channel.telemetry = telemetry
         peers = None
         if config.replicas > 0 and max_nodes > 1:
             peers = PeerTier(
@@ -127,6 +146,7 @@ def run(config: Config) -> None:
                 targets=supervisor.replica_targets,
                 peers=supervisor.peer_addresses,
                 world_size=supervisor.world_size,
+                on_replicated=telemetry.replicated,
             )
             rdzv.me = replace(rdzv.me, peer_addr=peers.address)
             tiers.peer_held, tiers.peer_fetch = peers.held_steps, peers.fetch
@@ -139,11 +159,52 @@ def run(config: Config) -> None:
                 keep_last=config.keep_last,
                 count_persisted=lambda step: backend.add(keys.persist_count(config.rdzv_id, step), 1),
                 world_size=supervisor.world_size,
+                on_persisted=telemetry.persisted,
             )
+        publisher.append(
+            StatusPublisher(
+                supervisor,
+                control,
+                memory,
+                telemetry,
+                replication=peers.replicator.status if peers is not None else None,
+                interval_s=config.heartbeat_interval_s,
+            )
+        )
+        metrics_at = metrics.serve(config.metrics_port or 0, config.metrics_addr) if metrics is not None else None
+        events.record(
+            "agent_started",
+            run_id=config.rdzv_id,
+            endpoint=endpoint,
+            hosting_store=hosting,
+            agent_pid=os.getpid(),
+            nproc=nproc,
+            spares=config.spares,
+            metrics=f"http://{metrics_at[0]}:{metrics_at[1]}/metrics" if metrics_at else None,
+        )
+        outcome, message = "error", None
         try:
             supervisor.run()
+            outcome = "succeeded"
             logger.info("job finished: all workers exited 0")
+        except ShutdownRequested:
+            outcome = "stopped"
+            raise
+        except RendezvousClosedError as exc:
+            outcome, message = exc.outcome, exc.message
+            raise
+        except WorkerGroupFailed as exc:
+            outcome, message = "failed", exc.message
+            raise
+        except ResilrunError as exc:
+            message = exc.message
+            raise
         finally:
+            telemetry.exit(outcome, message)
+            publisher[0].close(final_state=outcome)
+            if metrics is not None:
+                metrics.close()
+            events.close()
             heartbeat.close()
             if persister is not None:
                 persister.close()
@@ -157,6 +218,15 @@ def run(config: Config) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _metrics(config: Config, snapshot: Callable[[], dict[str, Any] | None]) -> AgentMetrics | None:
+    """The metrics registry when --metrics-port is given (prometheus_client is imported only then)."""
+    if config.metrics_port is None:
+        return None
+    from resilrun.agent.metrics import AgentMetrics
+
+    return AgentMetrics(snapshot)
 
 
 def _open_storage(config: Config) -> Storage | None:

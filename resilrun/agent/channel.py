@@ -18,6 +18,7 @@ from typing import Any
 
 from resilrun import wire
 from resilrun.agent.control import WorkerControl
+from resilrun.agent.telemetry import Telemetry
 from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import ResilrunError
 from resilrun.state.memory import SLOTS, NodeMemoryTier
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 class AgentChannel:
     """Accepts worker connections and answers their requests, one thread per worker."""
+
+    # Where commits and the workers' recovery milestones are reported (set by the composition root).
+    telemetry: Telemetry = Telemetry()
 
     def __init__(self, memory: NodeMemoryTier, tiers: NodeTiers, control: WorkerControl) -> None:
         self.memory = memory
@@ -89,6 +93,13 @@ class AgentChannel:
                 int(request["nbytes"]),
                 request.get("values"),
             )
+            copy_s = request.get("copy_s")
+            rank, step, nbytes = int(request["rank"]), int(request["step"]), int(request["nbytes"])
+            self.telemetry.committed(rank, step, nbytes, None if copy_s is None else float(copy_s))
+            return {"ok": True}, []
+        if op == "report":
+            # A worker's recovery milestone (state restored, collectives rebuilt, first step done).
+            self.telemetry.worker_report(int(request["pid"]), request)
             return {"ok": True}, []
         if op == "finished":
             self.control.finished(int(request["pid"]))

@@ -42,13 +42,16 @@ class Persister:
         keep_last: int,
         count_persisted: Callable[[int], int],
         world_size: Callable[[], int],
+        on_persisted: Callable[[int, int, int, float, bool], None] | None = None,
     ) -> None:
+        """``on_persisted(rank, step, bytes, seconds, step_complete)`` runs after each upload (events, metrics)."""
         self.memory = memory
         self.storage = storage
         self.every = every
         self.keep_last = keep_last
         self._count = count_persisted
         self._world_size = world_size
+        self._on_persisted = on_persisted
         self._due: deque[tuple[int, int, bytes, Any]] = deque()  # (rank, step, bytes, values)
         self._cond = threading.Condition()
         self._closed = False
@@ -94,12 +97,20 @@ class Persister:
         world = self._world_size()
         started = time.monotonic()
         durable.write_rank(self.storage, step, rank, world, data, values)
-        logger.debug("rank %d step %d persisted (%d bytes, %.2f s)", rank, step, len(data), time.monotonic() - started)
-        if self._count(step) >= world:
-            try:
-                durable.commit_step(self.storage, step, world)
-            except CheckpointError:
-                return  # another rank's upload is still missing; whoever finishes it commits
+        seconds = time.monotonic() - started
+        logger.debug("rank %d step %d persisted (%d bytes, %.2f s)", rank, step, len(data), seconds)
+        complete = False
+        try:
+            if self._count(step) >= world:
+                try:
+                    durable.commit_step(self.storage, step, world)
+                except CheckpointError:
+                    return  # another rank's upload is still missing; whoever finishes it commits
+                complete = True
+        finally:
+            if self._on_persisted is not None:
+                self._on_persisted(rank, step, len(data), seconds, complete)
+        if complete:
             self.persisted_step = step
             removed = durable.retain(self.storage, self.keep_last)
             logger.info("step %d persisted for all %d ranks%s", step, world, f"; removed {removed}" if removed else "")

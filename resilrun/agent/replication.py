@@ -48,11 +48,12 @@ class PeerTier:
         targets: Callable[[], list[str]],
         peers: Callable[[], list[str]],
         world_size: Callable[[], int],
+        on_replicated: Callable[[int, int, int, float], None] | None = None,
     ) -> None:
         self.secret = secret
         self.store = ReplicaStore(run_id)
         self.server = ReplicaServer(secret, self.store, memory, host=_resolve(host))
-        self.replicator = Replicator(memory, secret, targets, world_size=world_size)
+        self.replicator = Replicator(memory, secret, targets, world_size=world_size, on_replicated=on_replicated)
         self._peers = peers
 
     @property

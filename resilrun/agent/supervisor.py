@@ -25,6 +25,7 @@ from resilrun.agent.heartbeat import StalenessJudge, watched_nodes
 from resilrun.agent.heartbeat import read_counters as heartbeat_reader
 from resilrun.agent.policy import Action, AgentView, decide
 from resilrun.agent.specs import NodeSetup, spare_spec, worker_specs
+from resilrun.agent.telemetry import Telemetry
 from resilrun.config import Config
 from resilrun.env import STATE_LOST_EXIT_CODE
 from resilrun.errors import RendezvousClosedError, ShutdownRequested, StateLostError, WorkerGroupFailed
@@ -83,6 +84,9 @@ class _Round:
 class Supervisor:
     """Runs the node's share of the job until it succeeds, fails for good, or is stopped."""
 
+    # Events, status history and metrics (resilrun.agent.telemetry); the base class records nothing.
+    telemetry: Telemetry = Telemetry()
+
     def __init__(
         self, config: Config, setup: NodeSetup, rdzv: RendezvousClient, signals: SignalFlag, control: WorkerControl
     ) -> None:
@@ -95,6 +99,7 @@ class Supervisor:
         self.last_state: RdzvState | None = None
         # A spare node's warm workers, kept across rounds it does not take part in.
         self._standby: list[procs.WorkerProcess] = []
+        self.current: _Round | None = None  # what this node runs now (read by the status publisher)
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -140,6 +145,8 @@ class Supervisor:
         )
         round_ = _Round(state, node_rank, [procs.spawn(spec) for spec in specs], [], worker_store)
         self.control.begin_generation([w.pid for w in round_.workers])
+        self.current = round_
+        self.telemetry.round_started(state, node_rank, round_.workers)
         self._top_up_spares(round_)
         try:
             return self._monitor(round_)
@@ -234,6 +241,7 @@ class Supervisor:
                 )
             if reason is not None:
                 logger.error("rank %d hung: %s; killing it", worker.spec.global_rank, reason)
+                self.telemetry.hung(worker.spec.global_rank, worker.pid, reason)
                 round_.killed.add(worker.pid)
                 worker.signal_group(signal.SIGKILL)
 
@@ -286,7 +294,9 @@ class Supervisor:
         )
         round_.recovered_at_step = newest
         round_.recovered_ranks = ranks
-        self._enter_generation(round_, new, dict(zip([w.spec.local_rank for w in failed], ready, strict=False)))
+        replacements = dict(zip([w.spec.local_rank for w in failed], ready, strict=False))
+        self.telemetry.recovery_decided(new, failed, replacements, time.monotonic() - started)
+        self._enter_generation(round_, new, replacements)
         logger.info("recovery decided in %.3f s", time.monotonic() - started)
         return True
 
@@ -328,6 +338,7 @@ class Supervisor:
         round_.state = new
         round_.store = store  # the previous generation's store goes; its clients have moved on
         self.last_state = new
+        self.telemetry.generation_entered(new, round_.node_rank, round_.workers)
         if replacements:
             # Start replacement spares once the recovery is past its busiest seconds (2 cores here).
             round_.respawn_at = time.monotonic() + 5.0
@@ -338,6 +349,7 @@ class Supervisor:
         """A spare node: warm workers wait to take a lost node's ranks; the job is followed meanwhile."""
         me = self.rdzv.me.node_id
         round_ = _Round(state, -1, [], self._standby, None)
+        self.current = round_
         self._standby = []
         want = max(self.setup.nproc, self.config.spares)
         self._top_up_spares(round_, want)
@@ -440,6 +452,7 @@ class Supervisor:
         if new.node_rank(self.rdzv.me.node_id) != round_.node_rank:
             return False
         logger.error("%s", "; ".join(f"node {f.node_rank} ({f.host}) {f.message}" for f in failures))
+        self.telemetry.nodes_replaced(new, failures)
         logger.warning(
             "spare node(s) %s take the lost node's place: generation %d (no restart)",
             ", ".join(new.participants[f.node_rank].hostname or "?" for f in failures if f.node_rank >= 0),
@@ -487,6 +500,7 @@ class Supervisor:
                     f"(--heartbeat-timeout {self.config.heartbeat_timeout_s:g})",
                 )
             )
+        self.telemetry.node_lost(state, failures, lost)
         return failures
 
     def _restart_job(
@@ -522,6 +536,7 @@ class Supervisor:
         new = self.rdzv.next_round(
             state.round, failure=cause.to_dict() if cause else None, max_restarts=self.config.max_restarts
         )
+        self.telemetry.restart(state, new, cause)
         if new.closed:
             return self._follow_close(new)
         if new.round != state.round:
@@ -629,6 +644,7 @@ class Supervisor:
         return self.config.rdzv.read_timeout_s
 
     def _record_failures(self, round: int, failures: list[ProcessFailure]) -> None:
+        self.telemetry.failures(round, failures)
         for failure in failures:
             index = self.rdzv.backend.add(keys.round_failure_count(self.run_id, round), 1)
             self.rdzv.backend.set(keys.round_failure(self.run_id, round, index), json.dumps(failure.to_dict()).encode())

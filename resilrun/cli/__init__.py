@@ -15,6 +15,7 @@ import typer
 
 from resilrun import __version__
 from resilrun.cli import run as run_cmd
+from resilrun.cli import status as status_cmd
 from resilrun.cli._errors import render
 from resilrun.cli._output import Output
 from resilrun.cli.inspect import inspect_checkpoint
@@ -48,6 +49,7 @@ def _root(
 
 app.command("run", context_settings=run_cmd.CONTEXT)(run_cmd.run)
 app.command("inspect-checkpoint")(inspect_checkpoint)
+app.command("status")(status_cmd.status)
 
 _TOP_LEVEL = {"--help", "-h", "--version", "--install-completion", "--show-completion"}
 
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point; never shows a traceback for a user mistake."""
     command = typer.main.get_command(app)
     _complete_with_default_command(command)
-    args = _with_default_command(list(sys.argv[1:] if argv is None else argv))
+    args = status_cmd.normalize_argv(_with_default_command(list(sys.argv[1:] if argv is None else argv)))
     _setup_logging()
     out = Output()
     try:

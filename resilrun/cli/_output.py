@@ -19,6 +19,27 @@ class Output:
     def json(self, payload: Any) -> None:
         print(json.dumps({"data": payload}, indent=2, sort_keys=True), file=sys.stdout, flush=True)
 
+    def json_line(self, payload: Any) -> None:
+        """One compact document per line (``--watch --json``: a stream a program can read line by line)."""
+        print(json.dumps({"data": payload}, sort_keys=True, separators=(",", ":")), file=sys.stdout, flush=True)
+
+    def rich(self, renderable: Any) -> None:
+        """A rich renderable on stdout; callers use it only when stdout is a terminal."""
+        from rich.console import Console
+
+        Console(file=sys.stdout).print(renderable)
+
+    def live(self) -> Any:
+        """A started rich ``Live`` on stdout that redraws in place (``update(renderable)``, ``stop()``)."""
+        from rich.console import Console
+        from rich.live import Live
+
+        live = Live(console=Console(file=sys.stdout), auto_refresh=False, transient=False)
+        live.start()
+        original = live.update
+        live.update = lambda renderable: original(renderable, refresh=True)  # type: ignore[method-assign]
+        return live
+
     def error(self, message: str, hint: str | None = None, *, code: str = "error") -> None:
         if self.json_mode:
             body = {"error": {"code": code, "message": message, "hint": hint}}

@@ -69,6 +69,8 @@ def run(
     keep_last: o.KeepLast = "3",
     s3_endpoint_url: o.S3EndpointUrl = None,
     s3_expected_owner: o.S3ExpectedOwner = None,
+    metrics_port: o.MetricsPort = None,
+    metrics_addr: o.MetricsAddr = "127.0.0.1",
 ) -> None:
     """Launch SCRIPT on this node's workers and supervise them (torchrun's flags and semantics)."""
     from resilrun.config import Config
@@ -109,6 +111,8 @@ def run(
         keep_last=_int("--keep-last", keep_last),
         s3_endpoint_url=s3_endpoint_url,
         s3_expected_owner=s3_expected_owner,
+        metrics_port=_int("--metrics-port", metrics_port),
+        metrics_addr=metrics_addr,
         script=script,
         script_args=tuple(script_args or ()),
     )

@@ -92,6 +92,7 @@ class Replicator:
         world_size: Callable[[], int | None] | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         refresh: timedelta = timedelta(seconds=1),
+        on_replicated: Callable[[int, int, int, float], None] | None = None,
     ) -> None:
         """Start replicating; commits before this call are not replicated until their rank commits again.
 
@@ -99,6 +100,7 @@ class Replicator:
             targets: peer addresses (``host:port``), asked every ``refresh``; the lead's "next k nodes".
             world_size: recorded with each replica; None sends "unknown".
             timeout: per push, on top of the transfer's allowance at 50 MB/s.
+            on_replicated: ``(rank, step, bytes, seconds)`` after each confirmed push (metrics).
         """
         check_secret(secret)
         self._memory = memory
@@ -107,6 +109,7 @@ class Replicator:
         self._world_size = world_size
         self._timeout = timeout.total_seconds()
         self._refresh = refresh.total_seconds()
+        self._on_replicated = on_replicated
         self._cond = threading.Condition()
         self._latest: dict[int, _Source] = {}
         self._rank_memory: dict[int, RankMemory] = {}
@@ -186,7 +189,11 @@ class Replicator:
                     self._cond.wait(min(_IDLE_WAIT_S, max(wait, 0.0)))
                     source = self._next_source(target)
             try:
+                started = time.monotonic()
                 replicated = self._replicate(target, source)
+                if replicated and self._on_replicated is not None:
+                    seconds = time.monotonic() - started
+                    self._on_replicated(source.rank, source.committed.step, source.committed.nbytes, seconds)
             except ReplicationError as exc:
                 self._failed(target, exc.message)
                 continue

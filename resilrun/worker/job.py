@@ -74,6 +74,7 @@ class Job:
         snapshotter: Snapshotter | None,
         faults: tuple[Fault, ...] = (),
         attempt: int = 0,
+        round: int = 0,
     ) -> None:
         self._rank = rank
         self._world_size = world_size
@@ -85,6 +86,8 @@ class Job:
         self._step = -1
         self._faults = faults
         self._attempt = attempt
+        self._round = round
+        self._reported_first_step = False
         self._watchdog: GenerationWatchdog | None = None
 
     rank = property(lambda self: self._rank, doc="Global rank of this worker.")
@@ -122,8 +125,20 @@ class Job:
                 fire(self._faults, rank=self._rank, step=step, attempt=self._attempt)
             yield step
             self._commit(step)
+            if not self._reported_first_step:
+                self._reported_first_step = True
+                self._report("first_step", step=step)
 
     # -- internals -------------------------------------------------------------------------------
+    def _report(self, event: str, **fields: Any) -> None:
+        """A recovery milestone for the agent's timeline; never fails training over it."""
+        if self._snapshotter is None:
+            return
+        try:
+            self._snapshotter.report(event, round=self._round, at=time.time(), **fields)
+        except Exception as exc:  # noqa: BLE001 - the timeline is informational
+            logger.debug("could not report %s to the agent: %s", event, exc)
+
     def _collect(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors: dict[str, torch.Tensor] = {}
         trees: dict[str, Any] = {}
@@ -177,8 +192,10 @@ class Job:
             )
         fire(self._faults, rank=self._rank, step=RESTORE_STEP, attempt=self._attempt)
         tier = plan.sources[self._rank]
+        started = time.monotonic()
+        transfer: dict[str, Any] = {}
         if tier is not Tier.MEMORY:
-            self._snapshotter.fetch(plan.step, "peer" if tier is Tier.PEER else "persistent")
+            transfer = self._snapshotter.fetch(plan.step, "peer" if tier is Tier.PEER else "persistent")
         tensors, meta = self._snapshotter.load(plan.step, self._device)
         for name, obj in self._tracked.items():
             state = unflatten(meta["objects"][name], tensors)
@@ -190,10 +207,18 @@ class Job:
         self._values.update({name: unflatten(tree, tensors) for name, tree in meta["values"].items()})
         self._step = plan.step
         logger.warning("rank %d resumed from step %d (%s)", self._rank, plan.step, _TIER_NAMES[tier])
+        self._report(
+            "state_restored",
+            step=plan.step,
+            tier=_TIER_KEYS[tier],
+            bytes=int(transfer.get("bytes") or sum(t.numel() * t.element_size() for t in tensors.values())),
+            seconds=round(time.monotonic() - started, 6),
+        )
         return plan.step
 
 
 _TIER_NAMES = {Tier.MEMORY: "node memory", Tier.PEER: "peer replica", Tier.PERSISTENT: "persistent storage"}
+_TIER_KEYS = {Tier.MEMORY: "memory", Tier.PEER: "peer", Tier.PERSISTENT: "persistent"}
 
 
 def _pad(steps: list[int | None], count: int) -> list[int]:
@@ -258,10 +283,12 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     if use_cuda:
         torch.cuda.set_device(device)
     group_sockets: dict[int, int] = {}
+    pg_seconds: float | None = None
     if not dist.is_initialized():
         ensure_rendezvous_defaults()
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
         before = tcp_sockets()
+        pg_started = time.monotonic()
         dist.init_process_group(
             backend or ("nccl" if use_cuda else "gloo"),
             rank=variables.rank,
@@ -269,6 +296,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
             **kwargs,
         )
         group_sockets = {fd: inode for fd, inode in tcp_sockets().items() if before.get(fd) != inode}
+        pg_seconds = time.monotonic() - pg_started
     snapshotter = None
     if client is not None:
         client.request({"op": "hello_api", "pid": os.getpid()})
@@ -283,7 +311,10 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         snapshotter=snapshotter,
         faults=parse_faults(variables.faults),
         attempt=variables.attempt,
+        round=variables.round,
     )
+    if pg_seconds is not None:
+        _JOB._report("collectives_rebuilt", seconds=round(pg_seconds, 6))
     if variables.agent_socket:
         _JOB._watchdog = _start_watchdog(variables.agent_socket, variables.round, group_sockets)
         _start_heartbeat(variables.agent_socket, variables.heartbeat_interval_s)

@@ -9,6 +9,7 @@ written into the slot that does not hold the newest committed step.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -58,10 +59,19 @@ class Snapshotter:
         response, _ = self.client.request({"op": "restore_info", "rank": self.rank, "world_size": world_size})
         return response
 
-    def fetch(self, step: int, tier: str) -> None:
-        """Have the agent bring ``step`` from ``tier`` into node memory, then remap."""
-        self.client.request({"op": "fetch", "rank": self.rank, "step": step, "tier": tier})
+    def fetch(self, step: int, tier: str) -> dict[str, Any]:
+        """Have the agent bring ``step`` from ``tier`` into node memory, then remap.
+
+        Returns:
+            The agent's account of the transfer: ``{"bytes": int, "seconds": float}``.
+        """
+        response, _ = self.client.request({"op": "fetch", "rank": self.rank, "step": step, "tier": tier})
         self.attach()
+        return response
+
+    def report(self, event: str, **fields: Any) -> None:
+        """Tell the agent about a recovery milestone (for the job's recovery timeline); best effort."""
+        self.client.request({"op": "report", "event": event, "rank": self.rank, "pid": os.getpid(), **fields})
 
     # -- restore -------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -85,6 +95,7 @@ class Snapshotter:
     # -- commit --------------------------------------------------------------------------------
     def save(self, step: int, tensors: dict[str, torch.Tensor], values: Any) -> None:
         """Copy ``tensors`` into the free slot, then commit ``step`` with ``values``."""
+        started = time.perf_counter()
         layout = self._layout_for(tensors)
         slot = self._free_slot()
         buffer = self.slots[slot]
@@ -105,9 +116,11 @@ class Snapshotter:
         if asynchronous:
             torch.cuda.current_stream().synchronize()
         self.seq.end(slot)
+        copy_s = time.perf_counter() - started
         self.client.request(
             {
                 "op": "commit",
+                "copy_s": round(copy_s, 6),
                 "rank": self.rank,
                 "step": step,
                 "slot": slot,

@@ -1,0 +1,224 @@
+"""The node's status document, built from the agent's live state and published to the store.
+
+One background thread per agent rewrites one key (its own) every heartbeat interval, and at once
+when an event happens (a failure, a promotion, a recovery), so ``resilrun status`` is at most one
+interval stale. Cost per agent and interval: one write of about 1 KB (a few hundred bytes plus
+~150 bytes per local rank), plus reading the heartbeat counters of its next ``_WATCHED`` nodes in
+node-rank order: each node is watched by that many predecessors, so every node's heartbeat age is
+known without any agent reading every counter for status.
+
+Heartbeat ages are judged as the supervisor judges them (counters on the observer's monotonic clock),
+never from timestamps written by another machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from resilrun import keys
+from resilrun.agent.control import WorkerControl
+from resilrun.agent.heartbeat import StalenessJudge
+from resilrun.agent.telemetry import AgentTelemetry
+from resilrun.errors import ResilrunError
+from resilrun.state.memory import NodeMemoryTier
+from resilrun.status import records as history
+
+if TYPE_CHECKING:
+    from resilrun.agent.supervisor import Supervisor
+
+logger = logging.getLogger(__name__)
+
+_WATCHED = 2
+# Event-triggered publishes closer together than this are merged (a burst of reports in a recovery).
+_MIN_GAP_S = 0.1
+
+
+class StatusPublisher:
+    """Builds and publishes this node's status document until closed."""
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        control: WorkerControl,
+        memory: NodeMemoryTier,
+        telemetry: AgentTelemetry,
+        *,
+        replication: Callable[[], dict[int, dict[str, int | None]]] | None = None,
+        interval_s: float,
+    ) -> None:
+        self.supervisor = supervisor
+        self.control = control
+        self.memory = memory
+        self.telemetry = telemetry
+        self.replication = replication
+        self.interval_s = interval_s
+        self.backend = supervisor.rdzv.backend
+        self.run_id = supervisor.run_id
+        self.node_id = supervisor.rdzv.me.node_id
+        self.state = "joining"
+        self.started = time.monotonic()
+        self.latest: dict[str, Any] | None = None
+        self.bytes_written = 0
+        self.writes = 0
+        self._judge = StalenessJudge(supervisor.config.heartbeat_timeout_s)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._failing = False
+        self._seq = 0
+        telemetry.events.add_listener(lambda record: self._wake.set())
+        try:
+            history.register_node(self.backend, self.run_id, self.node_id)
+        except ResilrunError as exc:
+            logger.warning("status: could not register this node: %s", exc.message)
+        self._thread = threading.Thread(target=self._run, name="resilrun-status", daemon=True)
+        self._thread.start()
+
+    # -- the document -------------------------------------------------------------------------------
+    def build(self) -> dict[str, Any]:
+        """This node's document (schema in docs/status.md); pure reads of the agent's state."""
+        sup = self.supervisor
+        current = getattr(sup, "current", None)
+        state = sup.last_state
+        node_rank = state.node_rank(self.node_id) if state is not None else None
+        workers = list(current.workers) if current is not None else []
+        spares = list(current.spares) if current is not None else []
+        waiting = set(self.control.waiting_spares())
+        ranks = [self._rank(w) for w in workers]
+        node_state = self.state
+        if node_state in ("joining", "active"):
+            node_state = "active" if node_rank is not None and current is not None else "joining"
+        alive_spares = [s for s in spares if s.poll() is None]
+        return {
+            "schema": history.SCHEMA,
+            "node_id": self.node_id,
+            "host": socket.gethostname(),
+            "agent_pid": os.getpid(),
+            "addr": sup.rdzv.me.addr,
+            "state": node_state,
+            "node_rank": node_rank,
+            "round": state.round if state is not None else None,
+            "seq": self._seq,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "heartbeat_interval_s": sup.config.heartbeat_interval_s,
+            "ranks": ranks,
+            "spares": {
+                "configured": sup.config.spares,
+                "alive": len(alive_spares),
+                "ready": len([s for s in alive_spares if s.pid in waiting]),
+                "pids": [s.pid for s in alive_spares],
+            },
+            "tiers": self._tiers([w.spec.global_rank for w in workers]),
+            "peer_ages": self._peer_ages(),
+            "counts": dict(self.telemetry.counts),
+        }
+
+    def _rank(self, worker: Any) -> dict[str, Any]:
+        rank = worker.spec.global_rank
+        code = worker.poll()
+        silent = self.control.silent_for(worker.pid)
+        stalled = self.control.stalled_for(worker.pid)
+        progress = self.telemetry.progress.get(rank, {})
+        step_time = progress.get("step_time_s")
+        if code is None:
+            timeout = self.supervisor.config.heartbeat_timeout_s
+            state = "running" if silent is None or silent <= timeout else "unresponsive"
+            if silent is None and "step" not in progress:
+                state = "starting"
+        else:
+            state = "finished" if code == 0 else "failed"
+        return {
+            "rank": rank,
+            "local_rank": worker.spec.local_rank,
+            "pid": worker.pid,
+            "state": state,
+            "exit_code": code,
+            "step": int(progress["step"]) if "step" in progress else None,
+            "step_time_s": round(step_time, 6) if step_time else None,
+            "steps_per_s": round(1.0 / step_time, 3) if step_time else None,
+            "heartbeat_age_s": round(silent, 3) if silent is not None else None,
+            "since_commit_s": round(stalled, 3) if stalled is not None else None,
+        }
+
+    def _tiers(self, ranks: list[int]) -> dict[str, Any]:
+        steps = []
+        nbytes = 0
+        for rank in ranks:
+            committed = self.memory.describe(rank)["committed"].values()
+            if committed:
+                newest = max(committed, key=lambda c: int(c["step"]))
+                steps.append(int(newest["step"]))
+                nbytes += int(newest["nbytes"])
+            else:
+                steps.append(None)
+        memory_step = None if not steps or None in steps else min(s for s in steps if s is not None)
+        tiers: dict[str, Any] = {"memory": {"step": memory_step, "bytes": nbytes}}
+        if self.replication is not None:
+            status = self.replication()
+            replicated = [status.get(rank, {}).get("replicated") for rank in ranks]
+            step = None if not replicated or None in replicated else min(s for s in replicated if s is not None)
+            tiers["peer"] = {"step": step, "lag_steps": _lag(memory_step, step)}
+        persisted = self.telemetry.persisted_step
+        if self.supervisor.config.checkpoint_uri:
+            tiers["persistent"] = {"step": persisted, "lag_steps": _lag(memory_step, persisted)}
+        return tiers
+
+    def _peer_ages(self) -> dict[str, float | None]:
+        """Heartbeat ages of the next ``_WATCHED`` nodes, judged on this agent's clock."""
+        state = self.supervisor.last_state
+        if state is None or len(state.participants) < 2:
+            return {}
+        rank = state.node_rank(self.node_id)
+        if rank is None:
+            return {}
+        nodes = state.participants
+        watched = [nodes[(rank + i) % len(nodes)].node_id for i in range(1, min(_WATCHED, len(nodes) - 1) + 1)]
+        for node in watched:
+            self._judge.observe(node, self.backend.add(keys.node_heartbeat(self.run_id, node), 0))
+        self._judge.forget_all_but(watched)
+        return {node: _round(self._judge.age(node)) for node in watched}
+
+    # -- publishing -----------------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Build and write the document once (store errors are logged once, then retried)."""
+        self._seq += 1
+        try:
+            document = self.build()
+            self.latest = document
+            self.bytes_written += history.publish_node(self.backend, self.run_id, self.node_id, document)
+            self.writes += 1
+            self._failing = False
+        except ResilrunError as exc:
+            if not self._failing:
+                logger.warning("status: could not publish: %s", exc.message)
+            self._failing = True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.publish()
+            self._wake.wait(self.interval_s)
+            if self._wake.is_set():
+                self._wake.clear()
+                self._stop.wait(_MIN_GAP_S)
+
+    def close(self, final_state: str | None = None) -> None:
+        """Stop the thread; with ``final_state`` (succeeded, failed, stopped) publish it one last time."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(self.interval_s + 5)
+        if final_state is not None:
+            self.state = final_state
+            self.publish()
+
+
+def _lag(newest: int | None, step: int | None) -> int | None:
+    return None if newest is None or step is None else max(0, newest - step)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)

@@ -1,0 +1,220 @@
+"""How a job status document looks: plain text lines (pipes, logs) and rich tables (a terminal).
+
+Pure functions of the document ``resilrun.status.view.compose`` returns; nothing here reads a
+store or the clock, so the same document always renders the same way (and tests compare text).
+Health colours on a terminal: green is healthy, yellow needs a look (recovering, a late heartbeat,
+a lagging tier), red is broken (failed, lost, unresponsive).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+GOOD = {"running", "active", "succeeded", "finished", "complete"}
+WARN = {"recovering", "restarting", "forming", "joining", "starting", "waiting", "spare", "degraded", "in progress"}
+BAD = {"failed", "lost", "unresponsive", "stopped", "error", "unknown"}
+
+
+def colour(state: str) -> str:
+    if state in GOOD:
+        return "green"
+    if state in WARN:
+        return "yellow"
+    return "red" if state in BAD else "white"
+
+
+def _num(value: Any, fmt: str = "{}", missing: str = "-") -> str:
+    return missing if value is None else fmt.format(value)
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def _bytes(n: int | None) -> str:
+    if not n:
+        return "0 B"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]  # int to float on purpose
+    return f"{n} B"
+
+
+def _clock(wall: float | None) -> str:
+    return "-" if wall is None else datetime.fromtimestamp(wall).strftime("%H:%M:%S")
+
+
+def _span(ranks: list[int]) -> str:
+    if not ranks:
+        return "-"
+    ranks = sorted(ranks)
+    return (
+        f"{ranks[0]}-{ranks[-1]}"
+        if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1
+        else ",".join(map(str, ranks))
+    )
+
+
+def _tier(info: dict[str, Any] | None) -> str:
+    if not info:
+        return "-"
+    step = _num(info.get("step"))
+    lag = info.get("lag_steps")
+    return step if not lag else f"{step} (-{lag})"
+
+
+# -- the pieces, as rows ---------------------------------------------------------------------------------
+def summary(doc: dict[str, Any]) -> str:
+    job = doc["job"]
+    spares = doc["spares"]
+    return (
+        f"job {doc['run_id']}: {job['state']}, round {_num(job['round'])}, {job['nodes']} node(s), "
+        f"world size {job['world_size']}, step {_num(job['step'])}, restarts {job['restarts']}, "
+        f"recoveries {job['recoveries']}, spares ready {spares['processes_ready']}"
+        + (f" + {spares['nodes']} spare node(s)" if spares["nodes"] else "")
+    )
+
+
+NODE_COLUMNS = ("node", "host", "state", "round", "heartbeat", "ranks", "spares", "memory", "peer", "persisted")
+
+
+def node_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for node in doc["nodes"]:
+        spares = node.get("spares") or {}
+        tiers = node.get("tiers") or {}
+        rows.append(
+            (
+                _num(node["node_rank"]),
+                str(node.get("host") or "?"),
+                node["state"],
+                _num(node.get("round")),
+                _age(node.get("heartbeat_age_s")),
+                _span(node.get("ranks") or []),
+                f"{spares.get('ready', 0)}/{spares.get('configured', 0)}" if spares else "-",
+                _tier(tiers.get("memory")),
+                _tier(tiers.get("peer")),
+                _tier(tiers.get("persistent")),
+            )
+        )
+    return rows
+
+
+RANK_COLUMNS = ("rank", "node", "local", "pid", "state", "step", "steps/s", "heartbeat")
+
+
+def rank_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [
+        (
+            str(r["rank"]),
+            _num(r.get("node_rank")),
+            str(r.get("local_rank")),
+            str(r.get("pid")),
+            r["state"] if r.get("exit_code") in (None, 0) else f"{r['state']} ({r['exit_code']})",
+            _num(r.get("step")),
+            _num(r.get("steps_per_s"), "{:.2f}"),
+            _age(r.get("heartbeat_age_s")),
+        )
+        for r in doc["ranks"]
+    ]
+
+
+def snapshot_line(doc: dict[str, Any]) -> str:
+    parts = [f"{tier} {_tier(info)}" for tier, info in doc["snapshots"].items()]
+    return "snapshots (newest step every rank holds, -lag): " + (", ".join(parts) if parts else "none yet")
+
+
+HISTORY_COLUMNS = ("#", "time", "kind", "round", "what", "duration", "timeline")
+
+
+def history_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for entry in doc["history"]:
+        kind = entry.get("kind", "?")
+        cause = entry.get("cause") or {}
+        if kind == "node_lost":
+            what = f"node {_num(entry.get('node_rank'))} ({entry.get('host')}) lost"
+            when = entry.get("at")
+        else:
+            failed = entry.get("failed_ranks") or []
+            what = f"rank {','.join(map(str, failed))} " if failed else ""
+            what += (cause.get("message") or "")[:60]
+            when = entry.get("detected_at")
+        duration = entry.get("duration_s")
+        rows.append(
+            (
+                str(entry.get("index", "")),
+                _clock(when),
+                kind,
+                _num(entry.get("round")),
+                what.strip(),
+                _num(duration, "{:.2f}s", "in progress" if kind in ("recovery", "restart") else "-"),
+                timeline_text(entry) if "timeline" in entry else "",
+            )
+        )
+    return rows
+
+
+def timeline_text(entry: dict[str, Any]) -> str:
+    line = entry["timeline"]
+    steps = [("detected", line.get("detected"))]
+    if line.get("replacement_chosen") is not None:
+        decided = "spare chosen" if entry.get("kind") == "recovery" else "restart decided"
+        steps.append((decided, line["replacement_chosen"]))
+    state = line.get("state_transferred")
+    if state is not None:
+        tiers = "+".join(line.get("state_tiers") or []) or "?"
+        steps.append((f"state {_bytes(line.get('state_bytes'))} from {tiers}", state))
+    steps += [("collectives", line.get("collectives_rebuilt")), ("first step", line.get("first_step_done"))]
+    text = " > ".join(f"{name} {_num(t, '{:.2f}s')}" for name, t in steps if t is not None)
+    redone = entry.get("steps_redone")
+    return text + ("" if redone is None else f"; steps redone {redone}")
+
+
+# -- plain text -----------------------------------------------------------------------------------------
+def _table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*columns).rstrip(), *(fmt.format(*row).rstrip() for row in rows)]
+
+
+def text_lines(doc: dict[str, Any]) -> list[str]:
+    """The document as plain lines (no colour, no box drawing): for pipes, files and logs."""
+    lines = [summary(doc), f"endpoint {doc['endpoint']} ({doc['backend']})", "", "NODES"]
+    lines += _table(NODE_COLUMNS, node_rows(doc))
+    lines += ["", "RANKS"] + (_table(RANK_COLUMNS, rank_rows(doc)) if doc["ranks"] else ["(no ranks running)"])
+    lines += ["", snapshot_line(doc), "", "HISTORY"]
+    lines += _table(HISTORY_COLUMNS, history_rows(doc)) if doc["history"] else ["(no failures)"]
+    return lines
+
+
+# -- rich -----------------------------------------------------------------------------------------------
+def rich_view(doc: dict[str, Any]) -> Any:
+    """The document as rich tables with health colours (only ever called on a terminal)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    def table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], state_col: int | None) -> Table:
+        t = Table(title=title, title_justify="left", expand=False, show_edge=False, pad_edge=False)
+        for column in columns:
+            t.add_column(column, overflow="fold")
+        for row in rows:
+            cells: list[Any] = list(row)
+            if state_col is not None:
+                cells[state_col] = Text(row[state_col], style=colour(row[state_col].split(" ")[0]))
+            t.add_row(*cells)
+        return t
+
+    head = Text(summary(doc), style=f"bold {colour(doc['job']['state'])}")
+    parts: list[Any] = [head, Text(f"endpoint {doc['endpoint']} ({doc['backend']})", style="dim")]
+    parts.append(table("Nodes", NODE_COLUMNS, node_rows(doc), 2))
+    parts.append(table("Ranks", RANK_COLUMNS, rank_rows(doc), 4))
+    parts.append(Text(snapshot_line(doc)))
+    if doc["history"]:
+        parts.append(table("History", HISTORY_COLUMNS, history_rows(doc), None))
+    else:
+        parts.append(Text("History: no failures", style="green"))
+    return Group(*parts)

@@ -1,0 +1,65 @@
+"""Open a job's rendezvous backend as a read-only observer (``resilrun status``), never as a host.
+
+An observer must not change the job: it never binds the endpoint (a status call on the head node
+must not start a store when the job is down), never joins, and fails fast. A plain TCP connect
+probes the endpoint first, so a closed port is refused in milliseconds and a silent host costs the
+timeout once, before the backend's own client (whose connect retries for its whole timeout) runs.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+from resilrun.errors import ConfigError, StoreConnectionError
+from resilrun.rendezvous.api import RendezvousBackend
+
+BACKENDS = ("c10d", "etcd")
+
+
+def open_readonly(kind: str, host: str, port: int, timeout: timedelta) -> RendezvousBackend:
+    """A client of the backend at ``host:port`` whose every call is bounded by ``timeout``.
+
+    Raises:
+        StoreConnectionError: nothing answers at the endpoint within ``timeout``.
+        ConfigError: ``kind`` is not a backend this version can read.
+    """
+    if kind not in BACKENDS:
+        raise ConfigError(f"--rdzv-backend '{kind}' is unknown", hint=f"use one of {', '.join(BACKENDS)}")
+    endpoint = f"{host}:{port}"
+    probe(host, port, timeout)
+    if kind == "etcd":
+        raise ConfigError("--rdzv-backend etcd is not available in this version", hint="use --rdzv-backend c10d")
+    from resilrun.rendezvous.c10d import C10dBackend, _call
+
+    def connect() -> object:
+        from torch.distributed import TCPStore
+
+        return TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+    try:
+        store = _call(endpoint, connect)
+    except StoreConnectionError as exc:
+        raise StoreConnectionError(
+            f"{endpoint} accepts connections but does not answer as a rendezvous store",
+            hint="check --rdzv-endpoint (host:port of the job's rendezvous) and --rdzv-backend",
+        ) from exc.__cause__
+    return C10dBackend(store, endpoint)  # type: ignore[arg-type]  # a TCPStore, built lazily above
+
+
+def probe(host: str, port: int, timeout: timedelta) -> None:
+    """Raise StoreConnectionError unless a TCP connection to ``host:port`` opens within ``timeout``."""
+    endpoint = f"{host}:{port}"
+    seconds = timeout.total_seconds()
+    hint = "check --rdzv-endpoint, that the job is running, and firewalls; or raise --timeout"
+    try:
+        with socket.create_connection((host, port), timeout=seconds):
+            return
+    except socket.gaierror as exc:
+        raise StoreConnectionError(f"{endpoint}: host '{host}' is not known ({exc.strerror})", hint=hint) from exc
+    except TimeoutError as exc:
+        raise StoreConnectionError(f"{endpoint} did not answer within {seconds:g} s", hint=hint) from exc
+    except ConnectionRefusedError as exc:
+        raise StoreConnectionError(f"nothing listens at {endpoint} (connection refused)", hint=hint) from exc
+    except OSError as exc:
+        raise StoreConnectionError(f"{endpoint} is not reachable: {exc.strerror or exc}", hint=hint) from exc

@@ -1,0 +1,211 @@
+"""The job status document that ``resilrun status`` shows: read from the store, joined, judged.
+
+Reading is separate from joining: :func:`read_raw` does the store reads (read-only, a handful per
+node plus the recent history), and :func:`compose` is a pure function from those raw records to the
+one stable document described in docs/status.md (unit-tested without a store).
+
+Judgements made here, and why:
+- a node is ``lost`` when an agent marked it so in a round at least as new as the node's own last
+  document (a node that came back later publishes a newer round and is not lost any more);
+- a node's heartbeat age is the smallest age any other agent reports for it (each agent watches its
+  next nodes in rank order on its own clock);
+- the job-wide snapshot steps are the newest step *every* rank holds in that tier (min over ranks
+  and nodes), except persisted, which is job-wide already (max over nodes that saw it complete).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from resilrun import keys
+from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.rendezvous.protocol import RdzvState
+from resilrun.status import records as history
+
+SCHEMA = 1
+TERMINAL = ("succeeded", "failed", "stopped")
+
+
+def read_raw(backend: RendezvousBackend, run_id: str, history_limit: int = 20) -> dict[str, Any]:
+    """Every record the document is made of (raises StoreConnectionError when the store fails)."""
+    rdzv_raw = backend.get(keys.rdzv_state(run_id))
+    node_ids = history.node_ids(backend, run_id)
+    nodes = []
+    for node_id in node_ids:
+        nodes.append(
+            {
+                "node_id": node_id,
+                "doc": history.node_document(backend, run_id, node_id),
+                "lost": history.lost_marker(backend, run_id, node_id),
+            }
+        )
+    records = history.read_history(backend, run_id, history_limit)
+    parts: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+        if record.get("kind") in ("recovery", "restart") and isinstance(record.get("round"), int):
+            count = int(record.get("nodes") or len(node_ids) or 1)
+            parts[record["round"]] = history.read_parts(backend, run_id, record["round"], count)
+    return {
+        "run_id": run_id,
+        "rdzv": RdzvState.from_bytes(rdzv_raw) if rdzv_raw is not None else None,
+        "nodes": nodes,
+        "history": records,
+        "parts": parts,
+    }
+
+
+def compose(raw: dict[str, Any], *, endpoint: str = "", backend: str = "") -> dict[str, Any]:
+    """The job status document from :func:`read_raw`'s records (pure)."""
+    rdzv: RdzvState | None = raw["rdzv"]
+    participants = [p.node_id for p in rdzv.participants] if rdzv is not None else []
+    waiting = set(rdzv.waiting) if rdzv is not None else set()
+    ages = _peer_ages(raw["nodes"])
+    nodes = []
+    for entry in raw["nodes"]:
+        doc = entry["doc"] or {}
+        node_id = entry["node_id"]
+        state = str(doc.get("state") or "joining")
+        lost = entry["lost"]
+        if lost is not None and state not in TERMINAL and int(lost.get("round", -1)) >= int(doc.get("round") or -1):
+            state = "lost"
+        elif state in ("active", "joining") and node_id in waiting:
+            state = "waiting"
+        nodes.append(
+            {
+                "node_id": node_id,
+                "host": doc.get("host") or (lost or {}).get("host"),
+                "agent_pid": doc.get("agent_pid"),
+                "node_rank": doc.get("node_rank") if state != "lost" else (lost or {}).get("node_rank"),
+                "state": state,
+                "round": doc.get("round"),
+                "heartbeat_age_s": ages.get(node_id),
+                "uptime_s": doc.get("uptime_s"),
+                "ranks": [r["rank"] for r in doc.get("ranks", [])],
+                "spares": doc.get("spares", {}),
+                "tiers": doc.get("tiers", {}),
+                "lost": lost,
+            }
+        )
+    nodes.sort(key=lambda n: (n["state"] == "lost", n["node_rank"] if n["node_rank"] is not None else 1 << 30))
+    live = {e["node_id"]: e["doc"] or {} for e in raw["nodes"]}
+    ranks = []
+    for node in nodes:
+        if node["state"] in ("active",) or (node["state"] in TERMINAL and node["node_id"] in participants):
+            for rank in live[node["node_id"]].get("ranks", []):
+                ranks.append({**rank, "node_rank": node["node_rank"], "host": node["host"]})
+    ranks.sort(key=lambda r: r["rank"])
+    job = _job(rdzv, nodes, ranks)
+    return {
+        "schema": SCHEMA,
+        "run_id": raw["run_id"],
+        "endpoint": endpoint,
+        "backend": backend,
+        "job": job,
+        "nodes": nodes,
+        "ranks": ranks,
+        "spares": {
+            "processes_ready": sum(int(n["spares"].get("ready") or 0) for n in nodes if n["state"] == "active"),
+            "processes_alive": sum(int(n["spares"].get("alive") or 0) for n in nodes if n["state"] == "active"),
+            "nodes": len([n for n in nodes if n["state"] in ("waiting", "spare")]),
+        },
+        "snapshots": _snapshots(nodes, ranks),
+        "history": [_entry(record, raw["parts"].get(record.get("round"), [])) for record in raw["history"]],
+    }
+
+
+def _peer_ages(entries: list[dict[str, Any]]) -> dict[str, float]:
+    ages: dict[str, float] = {}
+    for entry in entries:
+        for node_id, age in ((entry["doc"] or {}).get("peer_ages") or {}).items():
+            if age is not None and (node_id not in ages or age < ages[node_id]):
+                ages[node_id] = float(age)
+    return ages
+
+
+def _job(rdzv: RdzvState | None, nodes: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    if rdzv is None:
+        state = "unknown"
+    elif rdzv.closed:
+        state = rdzv.outcome or "stopped"
+    elif any(n["state"] == "lost" and (n["lost"] or {}).get("round", -1) >= rdzv.round for n in nodes):
+        state = "degraded"
+    elif not rdzv.complete:
+        state = "forming" if rdzv.round == 0 and not rdzv.restarts else "restarting"
+    elif rdzv.recovering and any(r["state"] in ("starting", "failed") for r in ranks):
+        state = "recovering"
+    else:
+        state = "running"
+    steps = [r["step"] for r in ranks if r.get("step") is not None]
+    return {
+        "state": state,
+        "round": rdzv.round if rdzv is not None else None,
+        "restarts": rdzv.restarts if rdzv is not None else 0,
+        "recoveries": rdzv.recoveries if rdzv is not None else 0,
+        "nodes": len(rdzv.participants) if rdzv is not None else 0,
+        "world_size": sum(p.local_world_size for p in rdzv.participants) if rdzv is not None else 0,
+        "step": min(steps) if steps and len(steps) == len(ranks) else None,
+        "newest_step": max(steps) if steps else None,
+    }
+
+
+def _snapshots(nodes: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    active = [n for n in nodes if n["state"] == "active" or n["state"] in TERMINAL]
+    newest = max((r["step"] for r in ranks if r.get("step") is not None), default=None)
+
+    def every(tier: str) -> int | None:
+        steps = [n["tiers"].get(tier, {}).get("step") for n in active if tier in n["tiers"]]
+        return None if not steps or None in steps else min(steps)
+
+    persisted = [n["tiers"]["persistent"].get("step") for n in active if "persistent" in n["tiers"]]
+    tiers = {
+        "memory": every("memory"),
+        "peer": every("peer"),
+        "persistent": max((s for s in persisted if s is not None), default=None),
+    }
+    configured = {"memory": True, "peer": any("peer" in n["tiers"] for n in active), "persistent": bool(persisted)}
+    return {
+        tier: {"step": step, "lag_steps": None if step is None or newest is None else max(0, newest - step)}
+        for tier, step in tiers.items()
+        if configured[tier]
+    }
+
+
+def _entry(record: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A history record for display; recoveries and restarts get their timeline."""
+    entry = {k: v for k, v in record.items() if k not in ("exit_codes",)}
+    if record.get("kind") in ("recovery", "restart"):
+        entry["timeline"], entry["duration_s"], entry["steps_redone"], entry["complete"] = timeline(record, parts)
+    return entry
+
+
+def timeline(
+    record: dict[str, Any], parts: list[dict[str, Any]]
+) -> tuple[dict[str, Any], float | None, int | None, bool]:
+    """(milestones as seconds after the failure, total seconds, steps redone, complete) of one recovery.
+
+    Milestones: ``detected`` (0), ``replacement_chosen`` (the decision), ``state_transferred`` (last
+    rank's restore done, with bytes and the slowest transfer), ``collectives_rebuilt`` and
+    ``first_step_done`` (the last rank's). A milestone no rank reached yet is None.
+    """
+    start = float(record.get("detected_at") or 0.0)
+    ranks = [info for part in parts for info in (part.get("ranks") or {}).values()]
+
+    def last(field: str) -> float | None:
+        values = [float(r[field]) for r in ranks if r.get(field) is not None]
+        return round(max(values) - start, 3) if values and len(values) == len(ranks) else None
+
+    decided = record.get("decided_at")
+    tiers = sorted({str(r["tier"]) for r in ranks if r.get("tier")})
+    line = {
+        "detected": 0.0,
+        "replacement_chosen": round(float(decided) - start, 3) if decided is not None else None,
+        "state_transferred": last("restored_at"),
+        "state_bytes": sum(int(r.get("bytes") or 0) for r in ranks),
+        "state_tiers": tiers,
+        "transfer_s": max((float(r["transfer_s"]) for r in ranks if r.get("transfer_s") is not None), default=None),
+        "collectives_rebuilt": last("collectives_at"),
+        "first_step_done": last("first_step_at"),
+    }
+    redone = [int(p["steps_redone"]) for p in parts if p.get("steps_redone") is not None]
+    complete = bool(parts) and all(p.get("complete") for p in parts)
+    return line, line["first_step_done"] if complete else None, max(redone) if redone else None, complete
