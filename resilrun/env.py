@@ -156,6 +156,15 @@ def spare_environ(base: Mapping[str, str], agent_socket: str, log_dir: str) -> d
     return env
 
 
+def quiet_torch_native_logs() -> None:
+    """Keep torch's C++ warnings (store connect retries, with stack traces) off a CLI's stderr.
+
+    Read by torch when it is first imported, so this only has an effect before that; an explicit
+    ``TORCH_CPP_LOG_LEVEL`` from the user wins.
+    """
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+
 def ensure_rendezvous_defaults() -> None:
     """Let ``resilrun.init()`` run without a launcher (a single process, for quick experiments)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

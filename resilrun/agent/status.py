@@ -163,9 +163,14 @@ class StatusPublisher:
             replicated = [status.get(rank, {}).get("replicated") for rank in ranks]
             step = None if not replicated or None in replicated else min(s for s in replicated if s is not None)
             tiers["peer"] = {"step": step, "lag_steps": _lag(memory_step, step)}
-        persisted = self.telemetry.persisted_step
         if self.supervisor.config.checkpoint_uri:
-            tiers["persistent"] = {"step": persisted, "lag_steps": _lag(memory_step, persisted)}
+            uploaded = [self.telemetry.uploaded.get(rank) for rank in ranks]
+            step = None if not uploaded or None in uploaded else min(s for s in uploaded if s is not None)
+            tiers["persistent"] = {
+                "step": step,  # newest step every local rank uploaded
+                "lag_steps": _lag(memory_step, step),
+                "complete_step": self.telemetry.persisted_step,  # newest step this agent committed for all
+            }
         return tiers
 
     def _peer_ages(self) -> dict[str, float | None]:

@@ -130,7 +130,8 @@ class AgentTelemetry(Telemetry):
         self.newest_committed = -1
         # rank -> {"step", "at" (monotonic), "step_time_s"}: what status shows as steps/s
         self.progress: dict[int, dict[str, float]] = {}
-        self.persisted_step: int | None = None
+        self.persisted_step: int | None = None  # newest step whose COMPLETE.json this agent wrote
+        self.uploaded: dict[int, int] = {}  # rank -> newest step of it uploaded by this agent
         self.counts = {"failures": 0, "recoveries": 0, "restarts": 0, "nodes_lost": 0}
         self.outcome: str | None = None
         self._seen_failures: set[tuple[int, int, int]] = set()
@@ -364,9 +365,10 @@ class AgentTelemetry(Telemetry):
             ranks=sorted(part.ranks),
         )
         if self.metrics is not None:
+            kind = "in_process" if part.kind == "recovery" else "restart"
             if part.kind == "recovery":
-                self.metrics.recoveries.labels(kind="in_process").inc()
-            self.metrics.recovery_seconds.labels(kind=part.kind).observe(max(seconds, last - part.entered_at))
+                self.metrics.recoveries.labels(kind=kind).inc()
+            self.metrics.recovery_seconds.labels(kind=kind).observe(max(seconds, last - part.entered_at))
 
     def replicated(self, rank: int, step: int, nbytes: int, seconds: float) -> None:
         if self.metrics is not None:
@@ -375,6 +377,8 @@ class AgentTelemetry(Telemetry):
     def persisted(self, rank: int, step: int, nbytes: int, seconds: float, complete: bool) -> None:
         if self.metrics is not None:
             self.metrics.on_snapshot("persistent", nbytes, seconds)
+        with self._lock:
+            self.uploaded[rank] = max(step, self.uploaded.get(rank, -1))
         if complete:
             self.persisted_step = max(step, self.persisted_step if self.persisted_step is not None else -1)
             self.events.record("snapshot_persisted", step=step)

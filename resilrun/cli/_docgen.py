@@ -87,11 +87,31 @@ DESCRIPTIONS: dict[str, list[str]] = {
         "executes anything from a checkpoint: corrupt, truncated or forged files end as one error line. "
         "--json prints one document on stdout whose fields are only ever added to.",
     ],
+    "status": [
+        "Shows a running job as its agents publish it in the rendezvous store: the job's state and "
+        "generation, every node (host, node rank, active, waiting or lost, heartbeat age), every rank "
+        "(pid, step, steps per second, heartbeat age, state), hot spares, how far each snapshot tier is "
+        "behind, and the recent failures and recoveries with their timelines (detected, replacement "
+        "chosen, collectives rebuilt, state transferred, first step done) and steps redone.",
+        "It connects as a read-only client from any machine that reaches --rdzv-endpoint: it never hosts "
+        "a store and never joins the job. Tables with health colours on a terminal, plain text otherwise; "
+        "--json prints one document whose fields are only ever added to (docs/status.md); --watch "
+        "refreshes every SECONDS (2 when omitted) until Ctrl-C, one JSON document per line with --json.",
+        "An endpoint that does not answer within --timeout, or holds no such job, ends as one error line "
+        "and exit status 3.",
+    ],
 }
 # Commands that do not launch anything end with a subset of the codes, some meaning something else.
-EXIT_CODES = {"inspect-checkpoint": (ExitCode.OK, ExitCode.USAGE, ExitCode.CHECKPOINT, ExitCode.STORAGE)}
+EXIT_CODES = {
+    "inspect-checkpoint": (ExitCode.OK, ExitCode.USAGE, ExitCode.CHECKPOINT, ExitCode.STORAGE),
+    "status": (ExitCode.OK, ExitCode.USAGE, ExitCode.RENDEZVOUS),
+}
 EXIT_OVERRIDES = {
     "inspect-checkpoint": {ExitCode.OK: "the checkpoint was read (and with --verify, every checksum matched)"},
+    "status": {
+        ExitCode.OK: "the job's status was shown (whatever the job's health)",
+        ExitCode.RENDEZVOUS: "the endpoint was not reachable within --timeout, or holds no such job",
+    },
 }
 SEE_ALSO_URL = "https://pytorch.org/docs/stable/elastic/run.html"
 EXAMPLES: dict[str, list[tuple[str, str]]] = {
@@ -130,9 +150,18 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ),
     ],
 }
+EXAMPLES["status"] = [
+    ("The job at an endpoint, as a table:", "resilrun status --rdzv-endpoint head:29400"),
+    (
+        "One job of several at that endpoint, as JSON:",
+        "resilrun status --rdzv-endpoint head:29400 --rdzv-id job42 --json",
+    ),
+    ("Refresh every 5 seconds until Ctrl-C:", "resilrun status --rdzv-endpoint head:29400 --watch 5"),
+]
 EXAMPLES[""] = (
     EXAMPLES["run"][:2]
     + EXAMPLES["inspect-checkpoint"][:1]
+    + EXAMPLES["status"][:1]
     + [
         (
             "Install completion for the current shell (or source a script from completions/):",
@@ -141,6 +170,12 @@ EXAMPLES[""] = (
     ]
 )
 LOG_FILES = [
+    (
+        "<log-dir>/<run-id>/events.jsonl",
+        "One JSON object per line for what happened (failure detected, spare promoted, state transferred, "
+        "recovered, snapshot persisted, restart, node lost, exit), with wall and monotonic times; "
+        "docs/status.md lists the fields.",
+    ),
     (
         "<log-dir>/<run-id>/round_<r>/rank_<g>/stdout.log, stderr.log",
         "What global rank g printed in rendezvous round r (--redirects, --tee). Without --log-dir the base "
@@ -401,7 +436,7 @@ def _exit_status(page: ManPage, which: str) -> None:
 
 
 def _files(page: ManPage, which: str) -> None:
-    entries = CHECKPOINT_FILES if which == "inspect-checkpoint" else LOG_FILES + CHECKPOINT_FILES
+    entries = {"inspect-checkpoint": CHECKPOINT_FILES, "status": LOG_FILES[:1]}.get(which, LOG_FILES + CHECKPOINT_FILES)
     with page.section("FILES"):
         for path, meaning in entries:
             page.item(_italic(path), meaning)

@@ -163,11 +163,12 @@ def timeline_text(entry: dict[str, Any]) -> str:
     if line.get("replacement_chosen") is not None:
         decided = "spare chosen" if entry.get("kind") == "recovery" else "restart decided"
         steps.append((decided, line["replacement_chosen"]))
+    steps.append(("collectives", line.get("collectives_rebuilt")))
     state = line.get("state_transferred")
     if state is not None:
         tiers = "+".join(line.get("state_tiers") or []) or "?"
         steps.append((f"state {_bytes(line.get('state_bytes'))} from {tiers}", state))
-    steps += [("collectives", line.get("collectives_rebuilt")), ("first step", line.get("first_step_done"))]
+    steps.append(("first step", line.get("first_step_done")))
     text = " > ".join(f"{name} {_num(t, '{:.2f}s')}" for name, t in steps if t is not None)
     redone = entry.get("steps_redone")
     return text + ("" if redone is None else f"; steps redone {redone}")

@@ -30,7 +30,10 @@ def open_readonly(kind: str, host: str, port: int, timeout: timedelta) -> Rendez
     probe(host, port, timeout)
     if kind == "etcd":
         raise ConfigError("--rdzv-backend etcd is not available in this version", hint="use --rdzv-backend c10d")
+    from resilrun.env import quiet_torch_native_logs
     from resilrun.rendezvous.c10d import C10dBackend, _call
+
+    quiet_torch_native_logs()  # a store going away mid-read must end as our one line, not a C++ trace
 
     def connect() -> object:
         from torch.distributed import TCPStore

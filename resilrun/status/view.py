@@ -156,7 +156,8 @@ def _snapshots(nodes: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> dict
         steps = [n["tiers"].get(tier, {}).get("step") for n in active if tier in n["tiers"]]
         return None if not steps or None in steps else min(steps)
 
-    persisted = [n["tiers"]["persistent"].get("step") for n in active if "persistent" in n["tiers"]]
+    # A persisted step counts once its COMPLETE.json exists; the agent that wrote it says so.
+    persisted = [n["tiers"]["persistent"].get("complete_step") for n in nodes if "persistent" in n["tiers"]]
     tiers = {
         "memory": every("memory"),
         "peer": every("peer"),
@@ -183,9 +184,11 @@ def timeline(
 ) -> tuple[dict[str, Any], float | None, int | None, bool]:
     """(milestones as seconds after the failure, total seconds, steps redone, complete) of one recovery.
 
-    Milestones: ``detected`` (0), ``replacement_chosen`` (the decision), ``state_transferred`` (last
-    rank's restore done, with bytes and the slowest transfer), ``collectives_rebuilt`` and
-    ``first_step_done`` (the last rank's). A milestone no rank reached yet is None.
+    Milestones, in the order they happen: ``detected`` (0: the agent saw the worker exit, or judged
+    the node lost), ``replacement_chosen`` (the recovery or restart decision), ``collectives_rebuilt``
+    (the last rank's new process group), ``state_transferred`` (the last rank's restore, with the bytes
+    of all ranks and the slowest transfer) and ``first_step_done`` (the last rank's). A milestone that
+    not every rank reached yet is None.
     """
     start = float(record.get("detected_at") or 0.0)
     ranks = [info for part in parts for info in (part.get("ranks") or {}).values()]
@@ -199,11 +202,11 @@ def timeline(
     line = {
         "detected": 0.0,
         "replacement_chosen": round(float(decided) - start, 3) if decided is not None else None,
+        "collectives_rebuilt": last("collectives_at"),
         "state_transferred": last("restored_at"),
         "state_bytes": sum(int(r.get("bytes") or 0) for r in ranks),
         "state_tiers": tiers,
         "transfer_s": max((float(r["transfer_s"]) for r in ranks if r.get("transfer_s") is not None), default=None),
-        "collectives_rebuilt": last("collectives_at"),
         "first_step_done": last("first_step_at"),
     }
     redone = [int(p["steps_redone"]) for p in parts if p.get("steps_redone") is not None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -500,6 +501,8 @@ _RESILRUN_ONLY = {
     "keep_last",
     "s3_endpoint_url",
     "s3_expected_owner",
+    "metrics_port",
+    "metrics_addr",
 }
 
 
@@ -509,7 +512,7 @@ def test_every_config_field_with_a_flag_has_resilrun_and_pet_env_names() -> None
         pet = [] if f.name in _RESILRUN_ONLY else [f"PET_{name}"]
         assert f.metadata["env"] == [f"RESILRUN_{name}", *pet], f.name
         assert f.metadata["help"]
-        assert f.metadata["panel"] in ("Rendezvous", "Processes", "Health", "Checkpoints")
+        assert f.metadata["panel"] in ("Rendezvous", "Processes", "Health", "Checkpoints", "Observability")
 
 
 def test_config_fields_exclude_the_script_and_its_arguments() -> None:
@@ -517,3 +520,15 @@ def test_config_fields_exclude_the_script_and_its_arguments() -> None:
     assert "script" not in names
     assert "script_args" not in names
     assert {"nnodes", "nproc_per_node", "rdzv_endpoint", "max_restarts"} <= names
+
+
+def test_metrics_are_off_by_default_and_bind_loopback() -> None:
+    config = Config.from_cli(script=__file__)
+    assert config.metrics_port is None and config.metrics_addr == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("changes", "fragment"), [({"metrics_port": 70000}, "--metrics-port (70000)"),
+                                                   ({"metrics_addr": " "}, "--metrics-addr is empty")])  # fmt: skip
+def test_bad_metrics_settings_are_usage_errors(changes: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        Config.from_cli(script=__file__, **changes)

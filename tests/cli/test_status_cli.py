@@ -1,0 +1,138 @@
+"""``resilrun status``: read-only against a real TCPStore, text, JSON, watch, and a dead endpoint."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+
+from resilrun.cli import _status_render as view
+from resilrun.cli.status import normalize_argv
+from resilrun.errors import ExitCode
+from resilrun.rendezvous.c10d import C10dBackend, host_store
+from tests.cli.test_cli import invoke
+from tests.conftest import free_port
+from tests.unit.test_status_view import RUN, job, status
+
+
+@pytest.fixture
+def store() -> Iterator[tuple[C10dBackend, int]]:
+    """A TCPStore hosted by the test (as a job's agent would), holding a 2-node job's records."""
+    server = host_store("127.0.0.1", 0, timedelta(seconds=10))
+    backend = C10dBackend(server, f"127.0.0.1:{server.port}")
+    job(backend, lost_round=None)  # type: ignore[arg-type]  # any RendezvousBackend
+    yield backend, server.port
+
+
+def test_an_unreachable_endpoint_is_one_error_line_with_a_hint_and_exit_3_fast(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    port = free_port()
+    started = time.monotonic()
+    result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    assert time.monotonic() - started < 5
+    assert result.code == ExitCode.RENDEZVOUS == 3
+    lines = result.err.strip().splitlines()
+    assert lines[0] == f"resilrun: error: nothing listens at 127.0.0.1:{port} (connection refused)"
+    assert lines[1].startswith("resilrun: hint: ") and len(lines) == 2
+    assert result.out == ""
+    # and status never hosted a store there
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        pass
+
+
+def test_an_unreachable_endpoint_with_json_prints_the_error_document(capsys: pytest.CaptureFixture[str]) -> None:
+    result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--json")
+    assert result.code == 3
+    error = json.loads(result.out)["error"]
+    assert error["code"] == "StoreConnectionError" and "connection refused" in error["message"] and error["hint"]
+
+
+def test_a_silent_host_fails_within_the_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    # A listening socket that never accepts: the connect completes, the store handshake never does.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        started = time.monotonic()
+        result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{silent.getsockname()[1]}", "--timeout", "1")
+        assert time.monotonic() - started < 8
+    assert result.code == 3 and "resilrun: error:" in result.err and "Traceback" not in result.err
+
+
+def test_json_is_the_composed_document_of_the_newest_job(
+    capsys: pytest.CaptureFixture[str], store: tuple[C10dBackend, int]
+) -> None:
+    backend, port = store
+    result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--json")
+    assert result.code == 0, result.err
+    doc = json.loads(result.out)["data"]
+    assert doc == {**status(backend), "endpoint": f"127.0.0.1:{port}"}  # type: ignore[arg-type]
+    assert doc["run_id"] == RUN and [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
+
+
+def test_text_output_off_a_terminal_is_plain_tables(
+    capsys: pytest.CaptureFixture[str], store: tuple[C10dBackend, int]
+) -> None:
+    _, port = store
+    result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN)
+    assert result.code == 0, result.err
+    lines = result.out.splitlines()
+    assert lines[0].startswith(f"job {RUN}: running, round 1, 2 node(s), world size 4, step 20")
+    assert "NODES" in lines and "RANKS" in lines and "HISTORY" in lines
+    assert "\x1b[" not in result.out and "┃" not in result.out
+    history = lines[lines.index("HISTORY") + 2]
+    assert "recovery" in history and "0.63s" in history and "steps redone 0" in history
+
+
+def test_an_unknown_job_id_is_exit_3(capsys: pytest.CaptureFixture[str], store: tuple[C10dBackend, int]) -> None:
+    _, port = store
+    result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "other")
+    assert result.code == 3 and "no job 'other'" in result.err
+
+
+def test_watch_with_json_prints_one_document_per_line_until_interrupted(
+    capsys: pytest.CaptureFixture[str], store: tuple[C10dBackend, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, port = store
+    ticks = iter([None])
+
+    def sleep(seconds: float) -> None:
+        assert seconds == 2.0
+        if next(ticks, "stop") == "stop":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("resilrun.cli.status.time.sleep", sleep)
+    result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--json", "--watch")
+    assert result.code == 0, result.err
+    lines = result.out.splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["data"]["run_id"] == RUN for line in lines)
+
+
+def test_watch_without_a_value_means_every_two_seconds() -> None:
+    assert normalize_argv(["status", "--watch"]) == ["status", "--watch", "2"]
+    assert normalize_argv(["status", "--watch", "--json"]) == ["status", "--watch", "2", "--json"]
+    assert normalize_argv(["status", "--watch", "5"]) == ["status", "--watch", "5"]
+    assert normalize_argv(["run", "--watch"]) == ["run", "--watch"]
+
+
+def test_the_rich_view_renders_every_section_with_health_colours() -> None:
+    from rich.console import Console
+
+    doc = {"schema": 1, "run_id": "r", "endpoint": "e", "backend": "c10d",
+           "job": {"state": "degraded", "round": 2, "restarts": 1, "recoveries": 0, "nodes": 1, "world_size": 2,
+                   "step": None, "newest_step": 3},
+           "nodes": [{"node_rank": 1, "host": "h", "state": "lost", "round": 1, "heartbeat_age_s": 6.0, "ranks": [2],
+                      "spares": {}, "tiers": {}}],
+           "ranks": [], "spares": {"processes_ready": 0, "processes_alive": 0, "nodes": 0}, "snapshots": {},
+           "history": [{"index": 1, "kind": "node_lost", "round": 1, "node_rank": 1, "host": "h",
+                        "at": 1.0}]}  # fmt: skip
+    console = Console(record=True, width=160, force_terminal=True)
+    console.print(view.rich_view(doc))
+    text = console.export_text()
+    assert "job r: degraded" in text and "lost" in text and "node 1 (h) lost" in text
+    assert view.colour("lost") == "red" and view.colour("running") == "green" and view.colour("recovering") == "yellow"
+    assert "(no ranks running)" in view.text_lines(doc)

@@ -1,0 +1,250 @@
+"""The job status document: store records in, one stable document out (no store server, no sleeps)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from resilrun import keys
+from resilrun.rendezvous.memory import MemoryBackend
+from resilrun.rendezvous.protocol import NodeInfo, RdzvState
+from resilrun.status import records
+from resilrun.status.view import compose, read_raw, timeline
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = "job1"
+
+
+def node_doc(node_id: str, node_rank: int, ranks: list[int], *, round: int = 1, step: int = 20) -> dict[str, Any]:
+    """A node document shaped as resilrun.agent.status.StatusPublisher.build writes it."""
+    return {
+        "schema": 1,
+        "node_id": node_id,
+        "host": f"host{node_rank}",
+        "agent_pid": 100 + node_rank,
+        "addr": "127.0.0.1",
+        "state": "active",
+        "node_rank": node_rank,
+        "round": round,
+        "seq": 7,
+        "uptime_s": 12.5,
+        "heartbeat_interval_s": 1.0,
+        "ranks": [
+            {
+                "rank": r,
+                "local_rank": i,
+                "pid": 1000 + r,
+                "state": "running",
+                "exit_code": None,
+                "step": step,
+                "step_time_s": 0.25,
+                "steps_per_s": 4.0,
+                "heartbeat_age_s": 0.2,
+                "since_commit_s": 0.1,
+            }
+            for i, r in enumerate(ranks)
+        ],
+        "spares": {"configured": 1, "alive": 1, "ready": 1, "pids": [2000 + node_rank]},
+        "tiers": {
+            "memory": {"step": step, "bytes": 1024},
+            "peer": {"step": step - 1, "lag_steps": 1},
+            "persistent": {"step": 19, "lag_steps": 1, "complete_step": 19 if node_rank == 0 else 9},
+        },
+        "peer_ages": {},
+        "counts": {"failures": 0, "recoveries": 1, "restarts": 0, "nodes_lost": 0},
+    }
+
+
+def job(backend: MemoryBackend, *, lost_round: int | None = None) -> None:
+    """Two nodes x two ranks in generation 1 after an in-process recovery of rank 1."""
+    nodes = (NodeInfo("a", "127.0.0.1", 2), NodeInfo("b", "127.0.0.1", 2))
+    state = RdzvState(round=1, complete=True, participants=nodes, recovering=True, recoveries=1)
+    backend.set(keys.rdzv_state(RUN), state.to_bytes())
+    for rank, node_id in enumerate(("a", "b")):
+        records.register_node(backend, RUN, node_id)
+        doc = node_doc(node_id, rank, [2 * rank, 2 * rank + 1])
+        doc["peer_ages"] = {"b" if node_id == "a" else "a": 0.4 + rank}
+        records.publish_node(backend, RUN, node_id, doc)
+    assert records.claim(backend, RUN, "round-1", "a")
+    records.append(backend, RUN, {**recovery_record(), "recorded_by": "a"})
+    for node_rank in (0, 1):
+        records.write_part(backend, RUN, 1, node_rank, part(node_rank))
+    if lost_round is not None:
+        marker = {"round": lost_round, "node_rank": 1, "host": "host1", "judged_by": "a", "at": 1005.0, "message": "x"}
+        records.mark_lost(backend, RUN, "b", marker)
+        records.append(backend, RUN, {"kind": "node_lost", "node_id": "b", **marker, "recorded_by": "a"})
+
+
+def recovery_record() -> dict[str, Any]:
+    return {
+        "kind": "recovery",
+        "round": 1,
+        "recoveries": 1,
+        "nodes": 2,
+        "detected_at": 1000.0,
+        "decided_at": 1000.05,
+        "decided_s": 0.05,
+        "failed_ranks": [1],
+        "replacements": [{"rank": 1, "failed_pid": 1001, "spare_pid": 2000}],
+        "cause": {"rank": 1, "node_rank": 0, "host": "host0", "exit_code": -9, "failed_at": 1000.0, "message": "m"},
+    }
+
+
+def part(node_rank: int, *, complete: bool = True) -> dict[str, Any]:
+    ranks = {}
+    for r in (2 * node_rank, 2 * node_rank + 1):
+        info: dict[str, Any] = {"replacement": r == 1, "pid": 1000 + r, "collectives_at": 1000.2 + r / 100}
+        info.update(restored_step=14, tier="memory", bytes=100, transfer_s=0.01, restored_at=1000.3 + r / 100)
+        if complete:
+            info.update(first_step=15, first_step_at=1000.6 + r / 100)
+        ranks[str(r)] = info
+    return {"round": 1, "node_rank": node_rank, "kind": "recovery", "entered_at": 1000.1,
+            "newest_step_before": 14, "steps_redone": 0, "complete": complete, "ranks": ranks}  # fmt: skip
+
+
+def status(backend: MemoryBackend) -> dict[str, Any]:
+    return compose(read_raw(backend, RUN), endpoint="127.0.0.1:29400", backend="c10d")
+
+
+# -- composition ----------------------------------------------------------------------------------------
+def test_a_running_job_lists_its_nodes_ranks_spares_and_snapshot_progress() -> None:
+    backend = MemoryBackend()
+    job(backend)
+    doc = status(backend)
+    assert doc["job"]["state"] == "running" and doc["job"]["world_size"] == 4 and doc["job"]["step"] == 20
+    assert [n["node_rank"] for n in doc["nodes"]] == [0, 1]
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
+    assert [r["node_rank"] for r in doc["ranks"]] == [0, 0, 1, 1]
+    assert doc["spares"] == {"processes_ready": 2, "processes_alive": 2, "nodes": 0}
+    # each node's heartbeat age is what the other agent observed for it
+    assert [n["heartbeat_age_s"] for n in doc["nodes"]] == [1.4, 0.4]
+    # every rank holds 20 in memory, 19 at the peers; 19 is complete in storage (node 0 wrote it)
+    assert doc["snapshots"] == {
+        "memory": {"step": 20, "lag_steps": 0},
+        "peer": {"step": 19, "lag_steps": 1},
+        "persistent": {"step": 19, "lag_steps": 1},
+    }
+
+
+def test_a_node_marked_lost_in_its_round_is_lost_and_its_ranks_are_not_listed() -> None:
+    backend = MemoryBackend()
+    job(backend, lost_round=1)
+    doc = status(backend)
+    lost = [n for n in doc["nodes"] if n["state"] == "lost"]
+    assert [n["node_id"] for n in lost] == ["b"] and lost[0]["node_rank"] == 1
+    assert doc["nodes"][-1]["node_id"] == "b"  # lost nodes last
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    assert doc["job"]["state"] == "degraded"
+    assert doc["history"][-1]["kind"] == "node_lost"
+
+
+def test_a_lost_marker_older_than_the_nodes_own_round_does_not_make_it_lost() -> None:
+    # Given a node judged lost in round 0 that came back and published round 1
+    backend = MemoryBackend()
+    job(backend, lost_round=0)
+    assert [n["state"] for n in status(backend)["nodes"]] == ["active", "active"]
+
+
+def test_the_recovery_timeline_is_in_seconds_after_detection_with_duration_and_steps_redone() -> None:
+    backend = MemoryBackend()
+    job(backend)
+    entry = status(backend)["history"][0]
+    assert entry["kind"] == "recovery" and entry["complete"] is True
+    assert entry["timeline"] == {
+        "detected": 0.0,
+        "replacement_chosen": 0.05,
+        "collectives_rebuilt": 0.23,
+        "state_transferred": 0.33,
+        "state_bytes": 400,
+        "state_tiers": ["memory"],
+        "transfer_s": 0.01,
+        "first_step_done": 0.63,
+    }
+    assert entry["duration_s"] == 0.63 and entry["steps_redone"] == 0
+
+
+def test_a_recovery_still_in_progress_has_no_duration_and_no_first_step() -> None:
+    parts = [part(0), part(1, complete=False)]
+    line, duration, redone, complete = timeline(recovery_record(), parts)
+    assert (duration, complete, redone) == (None, False, 0)
+    assert line["first_step_done"] is None and line["state_transferred"] == 0.33
+
+
+def test_a_closed_job_shows_its_outcome() -> None:
+    backend = MemoryBackend()
+    job(backend)
+    closed = RdzvState(round=1, complete=True, closed=True, outcome="succeeded")
+    backend.set(keys.rdzv_state(RUN), closed.to_bytes())
+    assert status(backend)["job"]["state"] == "succeeded"
+
+
+# -- store records -------------------------------------------------------------------------------------
+def test_the_history_ring_keeps_the_newest_64_records_in_order() -> None:
+    backend = MemoryBackend()
+    for i in range(70):
+        records.append(backend, RUN, {"kind": "restart", "round": i})
+    got = records.read_history(backend, RUN)
+    assert [r["round"] for r in got] == list(range(6, 70))
+    assert [r["round"] for r in records.read_history(backend, RUN, 3)] == [67, 68, 69]
+
+
+def test_a_slot_overwritten_by_a_newer_record_is_skipped_not_misattributed() -> None:
+    backend = MemoryBackend()
+    for i in range(3):
+        records.append(backend, RUN, {"round": i})
+    backend.set(keys.history_slot(RUN, 2), json.dumps({"round": 66, "index": 66}).encode())
+    assert [r["round"] for r in records.read_history(backend, RUN)] == [0, 2]
+
+
+def test_a_job_wide_record_is_claimed_by_exactly_one_agent() -> None:
+    backend = MemoryBackend()
+    assert records.claim(backend, RUN, "round-3", "a")
+    assert not records.claim(backend, RUN, "round-3", "b")
+    assert records.claim(backend, RUN, "round-3", "a")  # idempotent for the owner
+
+
+def test_nodes_are_listed_once_in_registration_order_and_the_run_is_the_newest() -> None:
+    backend = MemoryBackend()
+    for node in ("x", "y", "x"):
+        records.register_node(backend, RUN, node)
+    assert records.node_ids(backend, RUN) == ["x", "y"]
+    assert records.latest_run(backend) == RUN
+
+
+# -- the documented schema ---------------------------------------------------------------------------
+def documented_example() -> dict[str, Any]:
+    text = (ROOT / "docs" / "status.md").read_text()
+    section = text[text.index("## `resilrun status --json`") :]
+    block = re.search(r"```json\n(.*?)```", section, re.S)
+    assert block is not None
+    return json.loads(block.group(1))
+
+
+def shape(value: Any) -> Any:
+    """The keys of a document, recursively (lists by their first element; values by JSON kind)."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value and isinstance(value[0], dict) else "list"
+    return "value"
+
+
+def assert_matches_documented(doc: dict[str, Any]) -> None:
+    """Every documented field exists with the documented nesting (the history by record kind)."""
+    example = documented_example()
+    for key in ("job", "nodes", "ranks", "spares", "snapshots"):
+        assert shape(doc[key]) == shape(example[key]), key
+    assert set(doc) == set(example)
+    documented = {e["kind"]: shape(e) for e in example["history"]}
+    for entry in doc["history"]:
+        want = documented[entry["kind"]]
+        got = shape(entry)
+        assert set(want) <= set(got), (entry["kind"], set(want) - set(got))
+
+
+def test_the_document_has_exactly_the_shape_docs_status_md_documents() -> None:
+    backend = MemoryBackend()
+    job(backend, lost_round=0)
+    assert_matches_documented(status(backend))
