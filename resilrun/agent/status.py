@@ -92,7 +92,8 @@ class StatusPublisher:
         ranks = [self._rank(w) for w in workers]
         node_state = self.state
         if node_state in ("joining", "active"):
-            node_state = "active" if node_rank is not None and current is not None else "joining"
+            # A spare node runs warm workers without a node rank until it takes a lost node's place.
+            node_state = "joining" if current is None else "active" if node_rank is not None else "spare"
         alive_spares = [s for s in spares if s.poll() is None]
         return {
             "schema": history.SCHEMA,

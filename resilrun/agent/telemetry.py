@@ -277,10 +277,12 @@ class AgentTelemetry(Telemetry):
             self.metrics.recoveries.labels(kind="restart").inc()
 
     def node_lost(self, state: RdzvState, failures: list[ProcessFailure], lost: tuple[str, ...]) -> None:
+        new = 0
         for node_id, failure in zip(lost, failures, strict=False):
             if (node_id, state.round) in self._seen_lost:  # judged again on the restart path
                 continue
             self._seen_lost.add((node_id, state.round))
+            new += 1
             self.counts["nodes_lost"] += 1
             marker = {
                 "round": state.round,
@@ -293,8 +295,8 @@ class AgentTelemetry(Telemetry):
             self.events.record("node_lost", lost_node_id=node_id, **{k: v for k, v in marker.items() if k != "at"})
             self._store("lost marker", history.mark_lost, node_id, marker)
             self._append_once(f"lost-{node_id}-{state.round}", {"kind": "node_lost", "node_id": node_id, **marker})
-        if self.metrics is not None:
-            self.metrics.nodes_lost.inc(len(lost))  # (a repeat judgement counts again here; rare)
+        if self.metrics is not None and new:
+            self.metrics.nodes_lost.inc(new)
 
     def exit(self, outcome: str, message: str | None = None) -> None:
         self.outcome = outcome

@@ -59,6 +59,7 @@ def compose(raw: dict[str, Any], *, endpoint: str = "", backend: str = "") -> di
     rdzv: RdzvState | None = raw["rdzv"]
     participants = [p.node_id for p in rdzv.participants] if rdzv is not None else []
     waiting = set(rdzv.waiting) if rdzv is not None else set()
+    spare_nodes = {n.node_id for n in rdzv.spares} if rdzv is not None else set()
     ages = _peer_ages(raw["nodes"])
     nodes = []
     for entry in raw["nodes"]:
@@ -68,6 +69,8 @@ def compose(raw: dict[str, Any], *, endpoint: str = "", backend: str = "") -> di
         lost = entry["lost"]
         if lost is not None and state not in TERMINAL and int(lost.get("round", -1)) >= int(doc.get("round") or -1):
             state = "lost"
+        elif state in ("active", "joining", "spare") and node_id in spare_nodes:
+            state = "spare"
         elif state in ("active", "joining") and node_id in waiting:
             state = "waiting"
         nodes.append(

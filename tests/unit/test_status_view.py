@@ -231,11 +231,26 @@ def shape(value: Any) -> Any:
     return "value"
 
 
+def _without_tiers(value: Any) -> Any:
+    return [{k: v for k, v in value[0].items() if k != "tiers"}] if isinstance(value, list) else value
+
+
+def _assert_tiers(got: dict[str, Any], documented: dict[str, Any], where: str) -> None:
+    """Tiers are optional (peer: with --replicas and 2+ nodes; persistent: with --checkpoint-uri)."""
+    assert "memory" in got or not got, where
+    for tier, info in got.items():
+        assert shape(info) == shape(documented[tier]), (where, tier)
+
+
 def assert_matches_documented(doc: dict[str, Any]) -> None:
     """Every documented field exists with the documented nesting (the history by record kind)."""
     example = documented_example()
-    for key in ("job", "nodes", "ranks", "spares", "snapshots"):
+    for key in ("job", "ranks", "spares"):
         assert shape(doc[key]) == shape(example[key]), key
+    assert _without_tiers(shape(doc["nodes"])) == _without_tiers(shape(example["nodes"]))
+    for node in doc["nodes"]:
+        _assert_tiers(node["tiers"], example["nodes"][0]["tiers"], "nodes[].tiers")
+    _assert_tiers(doc["snapshots"], example["snapshots"], "snapshots")
     assert set(doc) == set(example)
     documented = {e["kind"]: shape(e) for e in example["history"]}
     for entry in doc["history"]:

@@ -1,0 +1,176 @@
+"""``resilrun status``, events.jsonl and metrics against real agents and workers on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from resilrun.agent.events import read_events
+from tests.conftest import free_port
+from tests.integration.conftest import ROOT, wait_for
+from tests.integration.test_tier1_restore import EXAMPLE
+from tests.unit.test_status_view import assert_matches_documented
+
+pytestmark = pytest.mark.integration
+
+
+def status(port: int, run_id: str = "") -> dict[str, Any] | None:
+    """``resilrun status --json`` as a user runs it (a separate process); None while not answerable."""
+    argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--json"]
+    out = subprocess.run(argv + (["--rdzv-id", run_id] if run_id else []), capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)  # fmt: skip
+    document = json.loads(out.stdout) if out.stdout.strip() else {}
+    return document.get("data")
+
+
+def poll(port: int, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
+    """The first status document for which ``predicate`` holds."""
+    found: list[dict[str, Any]] = []
+
+    def check() -> bool:
+        doc = status(port)
+        if doc is not None and predicate(doc):
+            found.append(doc)
+            return True
+        return False
+
+    wait_for(check, timeout, what)
+    return found[0]
+
+
+def children(pid: int) -> set[int]:
+    return {p.pid for p in psutil.Process(pid).children()}
+
+
+def scrape(url: str) -> dict[str, list[Any]]:
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - a loopback URL the agent printed
+        text = response.read().decode()
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+@pytest.mark.timeout(400)
+def test_status_shows_the_running_job_and_a_killed_workers_recovery_with_its_timeline(
+    launcher, tmp_path: Path
+) -> None:
+    # Given 2 agents x 2 workers with a hot spare each, metrics on, events under --log-dir
+    port = free_port()
+    logs = tmp_path / "logs"
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "st1",
+        "--spares", "1", "--metrics-port", "0", "--log-dir", str(logs),
+        str(EXAMPLE), "--steps", "70", "--hidden", "64", "--sleep", "0.25",
+    ]  # fmt: skip
+    nodes = [launcher("resilrun", *flags) for _ in range(2)]
+    # When every rank is training and both spares are warm
+    doc = poll(port, lambda d: len(d["ranks"]) == 4 and all(r["step"] is not None for r in d["ranks"])
+               and d["spares"]["processes_ready"] == 2, 200, "4 ranks stepping and 2 ready spares")  # fmt: skip
+    # Then status --json matches what runs: the agents, their workers' pids and their spares
+    assert_matches_documented(doc)
+    assert doc["run_id"] == "st1" and doc["job"]["state"] == "running" and doc["job"]["world_size"] == 4
+    agents = {n.pid for n in nodes}
+    assert {n["agent_pid"] for n in doc["nodes"]} == agents
+    assert sorted(n["node_rank"] for n in doc["nodes"]) == [0, 1]
+    for node in doc["nodes"]:
+        kids = children(node["agent_pid"])
+        ranks = [r for r in doc["ranks"] if r["node_rank"] == node["node_rank"]]
+        assert {r["pid"] for r in ranks} <= kids and len(ranks) == 2
+        assert set(node["spares"]["pids"]) <= kids and len(node["spares"]["pids"]) == 1
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3] and doc["history"] == []
+    # and each agent serves its own node's metrics
+    events = logs / "st1" / "events.jsonl"
+    urls = [e["metrics"] for e in read_events(events) if e["event"] == "agent_started"]
+    assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
+    metrics = scrape(urls[0])
+    assert {s.labels["rank"] for s in metrics["resilrun_rank_step"]} in ({"0", "1"}, {"2", "3"})
+    memory = [s for s in metrics["resilrun_snapshot_bytes"] if s.labels.get("tier") == "memory"]
+    assert memory and memory[0].value > 0
+
+    # When rank 1 is SIGKILLed
+    victim = next(r for r in doc["ranks"] if r["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed_at = time.time()
+    # Then the failure and its in-process recovery appear in the history, with a duration and timeline
+    doc = poll(port, lambda d: any(h["kind"] == "recovery" and h["complete"] for h in d["history"]), 120,
+               "the recovery to complete in status")  # fmt: skip
+    (entry,) = [h for h in doc["history"] if h["kind"] == "recovery"]
+    assert entry["failed_ranks"] == [1] and entry["cause"]["exit_code"] == -9
+    assert entry["replacements"][0]["failed_pid"] == victim["pid"]
+    line = entry["timeline"]
+    assert 0 <= entry["detected_at"] - killed_at < 5
+    assert 0 <= line["replacement_chosen"] <= line["collectives_rebuilt"] <= line["first_step_done"]
+    assert line["state_transferred"] <= line["first_step_done"] == entry["duration_s"] < 60
+    assert line["state_bytes"] > 0 and line["state_tiers"] == ["memory"]
+    # (a survivor may have committed the step the killed rank had in flight: at most that one is redone)
+    assert entry["steps_redone"] in (0, 1)
+    rank1 = next(r for r in doc["ranks"] if r["rank"] == 1)
+    assert rank1["pid"] == entry["replacements"][0]["spare_pid"] != victim["pid"]
+    assert doc["job"]["recoveries"] == 1
+    assert_matches_documented(doc)
+
+    # And the job finishes; every agent's events tell the story
+    for node in nodes:
+        assert node.wait(200) == 0, node.stderr()[-3000:]
+    records = read_events(events)
+    kinds = [e["event"] for e in records]
+    for kind in ("failure_detected", "spare_promoted", "generation_entered", "state_transferred", "recovered"):
+        assert kind in kinds, kind
+    assert kinds.count("agent_started") == 2 and kinds.count("exit") == 2
+    assert all(e["outcome"] == "succeeded" for e in records if e["event"] == "exit")
+    assert kinds.count("state_transferred") == 4 and kinds.count("recovered") == 2
+    failure = next(e for e in records if e["event"] == "failure_detected")
+    assert failure["rank"] == 1 and failure["signal"] == "SIGKILL" and failure["pid"] == victim["pid"]
+    assert all({"time", "wall", "mono", "node_id", "host"} <= set(e) for e in records)
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_agent_is_marked_lost_and_a_spare_node_takes_its_place(launcher, tmp_path: Path) -> None:
+    # Given 2 active agents x 2 workers and a third agent standing by as a spare node
+    port = free_port()
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "st2",
+        "--replicas", "1", "--heartbeat-timeout", "3", "--max-restarts", "0", "--log-dir", str(tmp_path / "logs"),
+        str(EXAMPLE), "--steps", "60", "--hidden", "64", "--sleep", "0.2",
+    ]  # fmt: skip
+    nodes = [launcher("resilrun", *flags) for _ in range(3)]
+    doc = poll(port, lambda d: len(d["ranks"]) == 4 and all((r["step"] or 0) >= 3 for r in d["ranks"])
+               and any(n["state"] == "spare" for n in d["nodes"]), 200, "2 active nodes and a spare node")  # fmt: skip
+    assert doc["spares"]["nodes"] == 1
+    spare = next(n for n in doc["nodes"] if n["state"] == "spare")
+    assert spare["node_rank"] is None and len(spare["spares"]["pids"]) == 2  # its warm workers
+    # When the active node that does not host the store loses its agent (SIGKILL: node loss)
+    hosting = {n.pid for n in nodes if "hosting store" in n.stderr()}
+    doomed = next(n for n in doc["nodes"] if n["state"] == "active" and n["agent_pid"] not in hosting)
+    os.kill(doomed["agent_pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    # Then status marks that node lost (heartbeat timeout 3 s)
+    doc = poll(port, lambda d: any(n["node_id"] == doomed["node_id"] and n["state"] == "lost" for n in d["nodes"]),
+               60, "the node to be marked lost")  # fmt: skip
+    detected = time.monotonic() - killed
+    lost = next(n for n in doc["nodes"] if n["node_id"] == doomed["node_id"])
+    assert lost["node_rank"] == doomed["node_rank"] and lost["lost"]["round"] >= 0
+    assert detected < 30, detected
+    assert any(h["kind"] == "node_lost" and h["node_id"] == doomed["node_id"] for h in doc["history"])
+    # and the spare node takes its node rank in-process: the history shows that recovery
+    doc = poll(port, lambda d: any(h["kind"] == "recovery" and h["complete"] for h in d["history"]), 120,
+               "the spare node's takeover to complete")  # fmt: skip
+    entry = next(h for h in doc["history"] if h["kind"] == "recovery")
+    assert entry["replacements"][0]["spare_node_id"] == spare["node_id"]
+    assert entry["replacements"][0]["node_rank"] == doomed["node_rank"]
+    assert "peer" in entry["timeline"]["state_tiers"] and entry["duration_s"] is not None
+    taken = next(n for n in doc["nodes"] if n["node_id"] == spare["node_id"])
+    assert taken["state"] == "active" and taken["node_rank"] == doomed["node_rank"]
+    assert sorted(r["rank"] for r in doc["ranks"]) == [0, 1, 2, 3]
+    for node in nodes:
+        if node.pid != doomed["agent_pid"]:
+            assert node.wait(200) == 0, node.stderr()[-3000:]
