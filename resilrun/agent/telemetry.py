@@ -136,6 +136,7 @@ class AgentTelemetry(Telemetry):
         self.outcome: str | None = None
         self._seen_failures: set[tuple[int, int, int]] = set()
         self._seen_lost: set[tuple[str, int]] = set()
+        self._report_lock = threading.Lock()
 
     # -- store helpers ------------------------------------------------------------------------------
     def _store(self, what: str, fn: Any, *args: Any) -> Any:
@@ -320,6 +321,12 @@ class AgentTelemetry(Telemetry):
             self.metrics.on_commit(rank, step, nbytes, copy_s, step_time)
 
     def worker_report(self, pid: int, report: dict[str, Any]) -> None:
+        # Reports arrive on several channel threads at once; a part is rewritten whole on each one,
+        # so building and writing it is serialized (or an older document could land last).
+        with self._report_lock:
+            self._worker_report(pid, report)
+
+    def _worker_report(self, pid: int, report: dict[str, Any]) -> None:
         rank, round_, kind = int(report["rank"]), int(report["round"]), str(report["event"])
         with self._lock:
             part = self._parts.get(round_)

@@ -77,6 +77,7 @@ def summary(doc: dict[str, Any]) -> str:
     )
 
 
+# spares: hot spare processes ready / alive; memory, peer, persisted: newest step (-lag behind memory).
 NODE_COLUMNS = ("node", "host", "state", "round", "heartbeat", "ranks", "spares", "memory", "peer", "persisted")
 
 
@@ -93,7 +94,7 @@ def node_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
                 _num(node.get("round")),
                 _age(node.get("heartbeat_age_s")),
                 _span(node.get("ranks") or []),
-                f"{spares.get('ready', 0)}/{spares.get('configured', 0)}" if spares else "-",
+                f"{spares.get('ready', 0)}/{spares.get('alive', 0)}" if spares else "-",
                 _tier(tiers.get("memory")),
                 _tier(tiers.get("peer")),
                 _tier(tiers.get("persistent")),
