@@ -84,8 +84,9 @@ NODE_COLUMNS = ("node", "host", "state", "round", "heartbeat", "ranks", "spares"
 def node_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = []
     for node in doc["nodes"]:
-        spares = node.get("spares") or {}
-        tiers = node.get("tiers") or {}
+        gone = node["state"] == "lost"  # its last document is history: show what it ran, not its tiers
+        spares = {} if gone else node.get("spares") or {}
+        tiers = {} if gone else node.get("tiers") or {}
         rows.append(
             (
                 _num(node["node_rank"]),

@@ -44,8 +44,9 @@ def open_readonly(kind: str, host: str, port: int, timeout: timedelta) -> Rendez
         store = _call(endpoint, connect)
     except StoreConnectionError as exc:
         raise StoreConnectionError(
-            f"{endpoint} accepts connections but does not answer as a rendezvous store",
-            hint="check --rdzv-endpoint (host:port of the job's rendezvous) and --rdzv-backend",
+            f"{endpoint} accepted a connection but no rendezvous store answered there",
+            hint="the job may be ending right now; otherwise check --rdzv-endpoint (the job's rendezvous "
+            "host:port) and --rdzv-backend",
         ) from exc.__cause__
     return C10dBackend(store, endpoint)  # type: ignore[arg-type]  # a TCPStore, built lazily above
 
