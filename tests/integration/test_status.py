@@ -60,9 +60,7 @@ def scrape(url: str) -> dict[str, list[Any]]:
 
 
 @pytest.mark.timeout(400)
-def test_status_shows_the_running_job_and_a_killed_workers_recovery_with_its_timeline(
-    launcher, tmp_path: Path
-) -> None:
+def test_status_shows_the_running_job_and_a_killed_workers_recovery_with_its_timeline(launcher, tmp_path: Path) -> None:
     # Given 2 agents x 2 workers with a hot spare each, metrics on, events under --log-dir
     port = free_port()
     logs = tmp_path / "logs"
