@@ -147,7 +147,7 @@ class StatusPublisher:
         }
 
     def _tiers(self, ranks: list[int]) -> dict[str, Any]:
-        steps = []
+        steps: list[int | None] = []
         nbytes = 0
         for rank in ranks:
             committed = self.memory.describe(rank)["committed"].values()

@@ -32,13 +32,8 @@ class Output:
     def live(self) -> Any:
         """A started rich ``Live`` on stdout that redraws in place (``update(renderable)``, ``stop()``)."""
         from rich.console import Console
-        from rich.live import Live
 
-        live = Live(console=Console(file=sys.stdout), auto_refresh=False, transient=False)
-        live.start()
-        original = live.update
-        live.update = lambda renderable: original(renderable, refresh=True)  # type: ignore[method-assign]
-        return live
+        return _Live(Console(file=sys.stdout))
 
     def error(self, message: str, hint: str | None = None, *, code: str = "error") -> None:
         if self.json_mode:
@@ -55,3 +50,19 @@ class Output:
 
     def info(self, message: str) -> None:
         print(f"resilrun: {message}", file=sys.stderr, flush=True)
+
+
+class _Live:
+    """A rich ``Live`` that redraws on every update (no timer thread: ``--watch`` sets the pace)."""
+
+    def __init__(self, console: Any) -> None:
+        from rich.live import Live
+
+        self._live = Live(console=console, auto_refresh=False, transient=False)
+        self._live.start()
+
+    def update(self, renderable: Any) -> None:
+        self._live.update(renderable, refresh=True)
+
+    def stop(self) -> None:
+        self._live.stop()

@@ -82,7 +82,7 @@ NODE_COLUMNS = ("node", "host", "state", "round", "heartbeat", "ranks", "spares"
 
 
 def node_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for node in doc["nodes"]:
         gone = node["state"] == "lost"  # its last document is history: show what it ran, not its tiers
         spares = {} if gone else node.get("spares") or {}
@@ -132,7 +132,7 @@ HISTORY_COLUMNS = ("#", "time", "kind", "round", "what", "duration", "timeline")
 
 
 def history_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for entry in doc["history"]:
         kind = entry.get("kind", "?")
         cause = entry.get("cause") or {}

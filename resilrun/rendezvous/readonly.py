@@ -36,7 +36,7 @@ def open_readonly(kind: str, host: str, port: int, timeout: timedelta) -> Rendez
     quiet_torch_native_logs()  # a store going away mid-read must end as our one line, not a C++ trace
 
     def connect() -> object:
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
 
         return TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
 

@@ -202,7 +202,8 @@ def timeline(
 
     decided = record.get("decided_at")
     tiers = sorted({str(r["tier"]) for r in ranks if r.get("tier")})
-    line = {
+    first_step = last("first_step_at")
+    line: dict[str, Any] = {
         "detected": 0.0,
         "replacement_chosen": round(float(decided) - start, 3) if decided is not None else None,
         "collectives_rebuilt": last("collectives_at"),
@@ -210,8 +211,8 @@ def timeline(
         "state_bytes": sum(int(r.get("bytes") or 0) for r in ranks),
         "state_tiers": tiers,
         "transfer_s": max((float(r["transfer_s"]) for r in ranks if r.get("transfer_s") is not None), default=None),
-        "first_step_done": last("first_step_at"),
+        "first_step_done": first_step,
     }
     redone = [int(p["steps_redone"]) for p in parts if p.get("steps_redone") is not None]
     complete = bool(parts) and all(p.get("complete") for p in parts)
-    return line, line["first_step_done"] if complete else None, max(redone) if redone else None, complete
+    return line, first_step if complete else None, max(redone) if redone else None, complete
