@@ -137,6 +137,7 @@ class AgentTelemetry(Telemetry):
         self._seen_failures: set[tuple[int, int, int]] = set()
         self._seen_lost: set[tuple[str, int]] = set()
         self._report_lock = threading.Lock()
+        self._pids: set[int] = set()  # this node's worker processes in the current generation
 
     # -- store helpers ------------------------------------------------------------------------------
     def _store(self, what: str, fn: Any, *args: Any) -> Any:
@@ -153,6 +154,7 @@ class AgentTelemetry(Telemetry):
     # -- supervisor hooks ---------------------------------------------------------------------------
     def round_started(self, state: RdzvState, node_rank: int, workers: list[WorkerProcess]) -> None:
         self.events.node_rank = node_rank
+        self._pids = {w.pid for w in workers}
         ranks = [w.spec.global_rank for w in workers]
         self.events.record(
             "round_started",
@@ -244,7 +246,9 @@ class AgentTelemetry(Telemetry):
         self._append_once(f"round-{new.round}", record)
 
     def generation_entered(self, new: RdzvState, node_rank: int, workers: list[WorkerProcess]) -> None:
-        ranks = {w.spec.global_rank: bool(w.spec.env.get("RESILRUN_SPARE") == "1") for w in workers}
+        # A replacement is a process that did not run a rank of this node in the previous generation.
+        ranks = {w.spec.global_rank: w.pid not in self._pids for w in workers}
+        self._pids = {w.pid for w in workers}
         self.events.record(
             "generation_entered",
             round=new.round,

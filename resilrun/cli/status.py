@@ -64,7 +64,7 @@ def status(
             "--rdzv-backend",
             "--rdzv_backend",
             envvar=["RESILRUN_RDZV_BACKEND", "PET_RDZV_BACKEND"],
-            help="c10d or etcd.",
+            help="c10d, static (give --master-addr:--master-port as the endpoint) or etcd.",
         ),
     ] = "c10d",
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,

@@ -14,7 +14,8 @@ from datetime import timedelta
 from resilrun.errors import ConfigError, StoreConnectionError
 from resilrun.rendezvous.api import RendezvousBackend
 
-BACKENDS = ("c10d", "etcd")
+# static jobs keep their rendezvous in a TCPStore too (at --master-addr:--master-port).
+BACKENDS = ("c10d", "static", "etcd")
 
 
 def open_readonly(kind: str, host: str, port: int, timeout: timedelta) -> RendezvousBackend:

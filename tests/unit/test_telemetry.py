@@ -93,6 +93,8 @@ def test_an_in_process_recovery_leaves_events_a_history_record_and_a_complete_ti
     assert kinds.count("state_transferred") == 2 and kinds[-1] == "recovered"
     # and status shows one complete recovery: 0.7 s from detection to the last rank's first step
     doc = compose(read_raw(telemetry.backend, RUN))
+    (part,) = records.read_parts(telemetry.backend, RUN, 1, 1)
+    assert [part["ranks"][r]["replacement"] for r in ("0", "1")] == [False, True]
     (entry,) = doc["history"]
     assert entry["failed_ranks"] == [1] and entry["replacements"] == [{"rank": 1, "failed_pid": 11, "spare_pid": 12}]
     assert entry["complete"] and entry["duration_s"] == 0.7 and entry["steps_redone"] == 0
