@@ -250,9 +250,7 @@ class Config:
     # worker (and of every recovered generation) far slower than the steady state.
     first_step_timeout_s: float = field(
         default=1800.0,
-        metadata=_meta(
-            "--first-step-timeout", H, "Seconds a worker may take to its first committed step.", pet=False
-        ),
+        metadata=_meta("--first-step-timeout", H, "Seconds a worker may take to its first committed step.", pet=False),
     )
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.")

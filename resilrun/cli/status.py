@@ -46,7 +46,7 @@ def status(
             "--rdzv-endpoint",
             "--rdzv_endpoint",
             envvar=["RESILRUN_RDZV_ENDPOINT", "PET_RDZV_ENDPOINT"],
-            help="The job's rendezvous host:port (default port 29400).",
+            help="The job's rendezvous host:port (default port 29400; etcd: host:2379[,host:2379...]).",
         ),
     ] = "localhost:29400",
     rdzv_id: Annotated[
@@ -95,11 +95,8 @@ class _Reader:
     """Opens the backend once and reads the job's document on demand."""
 
     def __init__(self, kind: str, endpoint: str, run_id: str | None, timeout_s: float, history: int) -> None:
-        from resilrun.config import parse_endpoint
-
         self.kind = kind
-        self.host, self.port = parse_endpoint(endpoint)
-        self.endpoint = f"{self.host}:{self.port}"
+        self.endpoint = endpoint
         self.requested_id = run_id
         self.timeout = timedelta(seconds=timeout_s)
         self.history = history
@@ -117,7 +114,7 @@ class _Reader:
         from resilrun.status import view as status_view
 
         if self.backend is None:
-            self.backend = open_readonly(self.kind, self.host, self.port, self.timeout)
+            self.backend, self.endpoint = open_readonly(self.kind, self.endpoint, self.timeout)
         run_id = self.requested_id or history.latest_run(self.backend) or "none"
         raw = status_view.read_raw(self.backend, run_id, self.history)
         if raw["rdzv"] is None and not raw["nodes"]:

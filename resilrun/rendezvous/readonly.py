@@ -18,19 +18,32 @@ from resilrun.rendezvous.api import RendezvousBackend
 BACKENDS = ("c10d", "static", "etcd")
 
 
-def open_readonly(kind: str, host: str, port: int, timeout: timedelta) -> RendezvousBackend:
-    """A client of the backend at ``host:port`` whose every call is bounded by ``timeout``.
+def open_readonly(kind: str, endpoint: str, timeout: timedelta) -> tuple[RendezvousBackend, str]:
+    """A client of the backend at ``endpoint`` whose every call is bounded by ``timeout``.
+
+    ``endpoint`` is ``host[:port]`` (c10d, static; port 29400 by default) or etcd's
+    ``host[:port][,host[:port]...]``. Returns the backend and the endpoint as it was resolved.
 
     Raises:
         StoreConnectionError: nothing answers at the endpoint within ``timeout``.
-        ConfigError: ``kind`` is not a backend this version can read.
+        ConfigError: ``kind`` is unknown or ``endpoint`` malformed.
     """
     if kind not in BACKENDS:
         raise ConfigError(f"--rdzv-backend '{kind}' is unknown", hint=f"use one of {', '.join(BACKENDS)}")
+    if kind == "etcd":
+        from resilrun.rendezvous.etcd import open_etcd
+
+        etcd = open_etcd(endpoint, timeout=timeout)  # reads only: no lease is attached, nothing written
+        return etcd, etcd.endpoint_list
+    from resilrun.config import parse_endpoint
+
+    host, port = parse_endpoint(endpoint)
+    return _open_tcpstore(host, port, timeout), f"{host}:{port}"
+
+
+def _open_tcpstore(host: str, port: int, timeout: timedelta) -> RendezvousBackend:
     endpoint = f"{host}:{port}"
     probe(host, port, timeout)
-    if kind == "etcd":
-        raise ConfigError("--rdzv-backend etcd is not available in this version", hint="use --rdzv-backend c10d")
     from resilrun.env import quiet_torch_native_logs
     from resilrun.rendezvous.c10d import C10dBackend, _call
 

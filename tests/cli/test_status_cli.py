@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -136,3 +138,25 @@ def test_the_rich_view_renders_every_section_with_health_colours() -> None:
     assert "job r: degraded" in text and "lost" in text and "node 1 (h) lost" in text
     assert view.colour("lost") == "red" and view.colour("running") == "green" and view.colour("recovering") == "yellow"
     assert "(no ranks running)" in view.text_lines(doc)
+
+
+def test_status_reads_a_job_from_etcd_as_from_a_tcpstore(capsys: pytest.CaptureFixture[str], etcd_server: Any) -> None:
+    from resilrun.rendezvous.etcd import open_etcd
+
+    backend = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=5))
+    run_id = f"etcd-{uuid.uuid4().hex[:8]}"  # the session's etcd is shared: a fresh job id
+    try:
+        job(backend, run_id=run_id)  # type: ignore[arg-type]  # any RendezvousBackend
+        argv = ["status", "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
+        result = invoke(capsys, *argv, "--json")
+        assert result.code == 0, result.err
+        doc = json.loads(result.out)["data"]
+        assert doc["backend"] == "etcd" and doc["run_id"] == run_id
+        assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3] and doc["history"][0]["complete"]
+    finally:
+        backend.close()
+
+
+def test_an_unreachable_etcd_is_exit_3(capsys: pytest.CaptureFixture[str]) -> None:
+    result = invoke(capsys, "status", "--rdzv-backend", "etcd", "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
+    assert result.code == 3 and result.err.startswith("resilrun: error: ")

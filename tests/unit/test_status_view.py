@@ -57,24 +57,24 @@ def node_doc(node_id: str, node_rank: int, ranks: list[int], *, round: int = 1, 
     }
 
 
-def job(backend: MemoryBackend, *, lost_round: int | None = None) -> None:
+def job(backend: MemoryBackend, *, lost_round: int | None = None, run_id: str = RUN) -> None:
     """Two nodes x two ranks in generation 1 after an in-process recovery of rank 1."""
     nodes = (NodeInfo("a", "127.0.0.1", 2), NodeInfo("b", "127.0.0.1", 2))
     state = RdzvState(round=1, complete=True, participants=nodes, recovering=True, recoveries=1)
-    backend.set(keys.rdzv_state(RUN), state.to_bytes())
+    backend.set(keys.rdzv_state(run_id), state.to_bytes())
     for rank, node_id in enumerate(("a", "b")):
-        records.register_node(backend, RUN, node_id)
+        records.register_node(backend, run_id, node_id)
         doc = node_doc(node_id, rank, [2 * rank, 2 * rank + 1])
         doc["peer_ages"] = {"b" if node_id == "a" else "a": 0.4 + rank}
-        records.publish_node(backend, RUN, node_id, doc)
-    assert records.claim(backend, RUN, "round-1", "a")
-    records.append(backend, RUN, {**recovery_record(), "recorded_by": "a"})
+        records.publish_node(backend, run_id, node_id, doc)
+    assert records.claim(backend, run_id, "round-1", "a")
+    records.append(backend, run_id, {**recovery_record(), "recorded_by": "a"})
     for node_rank in (0, 1):
-        records.write_part(backend, RUN, 1, node_rank, part(node_rank))
+        records.write_part(backend, run_id, 1, node_rank, part(node_rank))
     if lost_round is not None:
         marker = {"round": lost_round, "node_rank": 1, "host": "host1", "judged_by": "a", "at": 1005.0, "message": "x"}
-        records.mark_lost(backend, RUN, "b", marker)
-        records.append(backend, RUN, {"kind": "node_lost", "node_id": "b", **marker, "recorded_by": "a"})
+        records.mark_lost(backend, run_id, "b", marker)
+        records.append(backend, run_id, {"kind": "node_lost", "node_id": "b", **marker, "recorded_by": "a"})
 
 
 def recovery_record() -> dict[str, Any]:
