@@ -1,0 +1,169 @@
+"""In-process recovery on one node: hung workers killed, hot spares kept warm and given failed ranks.
+
+A mixin of :class:`resilrun.agent.supervisor.Supervisor` (split out to keep modules small): the
+survivors keep their processes and move to the next generation; only the failed ranks change process.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from resilrun.agent import procs
+from resilrun.agent.control import WorkerControl
+from resilrun.agent.failures import ProcessFailure, root_cause
+from resilrun.agent.rounds import Round, SignalFlag
+from resilrun.agent.specs import NodeSetup, spare_spec, worker_specs
+from resilrun.agent.telemetry import Telemetry
+from resilrun.config import Config
+from resilrun.rendezvous.executor import RendezvousClient
+from resilrun.rendezvous.protocol import RdzvState
+
+logger = logging.getLogger("resilrun.agent.supervisor")
+
+# A failure in the first seconds finds the spare still importing torch: waiting for it (still far
+# quicker than a restart) beats giving up on in-process recovery. Survivors wait longer than this.
+SPARE_READY_TIMEOUT_S = 30.0
+
+
+class InProcessRecovery:
+    """Hot spares and generations of this node's workers (see the module docstring)."""
+
+    config: Config
+    setup: NodeSetup
+    rdzv: RendezvousClient
+    control: WorkerControl
+    signals: SignalFlag
+    telemetry: Telemetry
+    run_id: str
+    last_state: RdzvState | None
+
+    if TYPE_CHECKING:
+
+        def _round_master(self, state: RdzvState, node_rank: int) -> tuple[Any, str | None]: ...
+        def _record_failures(self, round: int, failures: list[ProcessFailure]) -> None: ...
+        def _describe(self, worker: procs.WorkerProcess, node_rank: int) -> ProcessFailure: ...
+
+    def _kill_hung_workers(self, round_: Round) -> None:
+        """A worker frozen (no heartbeat) or stuck (no committed step) for too long is killed, so the
+        ordinary failure path (a spare, or a restart) takes over."""
+        for worker in round_.workers:
+            if worker.poll() is not None or worker.pid in round_.killed:
+                continue
+            silent = self.control.silent_for(worker.pid)
+            stalled = self.control.stalled_for(worker.pid)
+            pending = self.control.first_step_pending_for(worker.pid)
+            reason = None
+            if silent is not None and silent > self.config.heartbeat_timeout_s:
+                reason = f"no heartbeat for {silent:.1f} s (frozen?)"
+            elif stalled is not None and stalled > self.config.hang_timeout_s:
+                reason = f"no step committed for {stalled:.0f} s (--hang-timeout {self.config.hang_timeout_s:g})"
+            elif pending is not None and pending > self.config.first_step_timeout_s:
+                reason = (
+                    f"no first step after {pending:.0f} s (--first-step-timeout {self.config.first_step_timeout_s:g})"
+                )
+            if reason is not None:
+                logger.error("rank %d hung: %s; killing it", worker.spec.global_rank, reason)
+                self.telemetry.hung(worker.spec.global_rank, worker.pid, reason)
+                round_.killed.add(worker.pid)
+                worker.signal_group(signal.SIGKILL)
+
+    def _top_up_spares(self, round_: Round, want: int | None = None) -> None:
+        round_.spares = [s for s in round_.spares if s.poll() is None]
+        while len(round_.spares) < (self.config.spares if want is None else want):
+            round_.spare_index += 1
+            spec = spare_spec(self.config, self.setup, round_.state.round, round_.spare_index)
+            round_.spares.append(procs.spawn(spec))
+        round_.respawn_at = None
+
+    def _recover_in_process(self, round_: Round) -> bool:
+        """Replace failed workers with hot spares and move everyone to a new generation.
+
+        Returns False when that is impossible (no ready spare, a worker not on the resilrun API,
+        or the job moved on otherwise); the caller then restarts the job the torchrun way.
+        """
+        started = time.monotonic()
+        failed = [w for w in round_.workers if w.poll() not in (None, 0)]
+        if not failed or not self.control.uses_api([w.pid for w in round_.workers]):
+            return False
+        newest = self.control.newest_step([w.pid for w in round_.workers])
+        newest = -1 if newest is None else newest
+        ranks = frozenset(w.spec.global_rank for w in failed)
+        no_progress = round_.recovered_at_step is not None and newest <= round_.recovered_at_step
+        if no_progress and ranks & round_.recovered_ranks:
+            # The same rank failed again with no step committed since its last recovery: a
+            # deterministic failure (a bug, bad data) would make spares fail at the same step
+            # forever. The bounded restart path (--max-restarts) decides instead. (Another rank
+            # failing during a recovery is an independent failure and is recovered in-process.)
+            logger.warning("no progress since the last in-process recovery (step %s): not recovering again", newest)
+            return False
+        ready = self._ready_spares(round_, len(failed))
+        if len(failed) > len(ready):
+            return False
+        failures = [self._describe(w, round_.node_rank) for w in failed]
+        self._record_failures(round_.state.round, failures)
+        cause = root_cause(failures)
+        new = self.rdzv.recover(round_.state.round, failure=cause.to_dict() if cause else None)
+        if new.closed or not (new.recovering and new.complete and new.round > round_.state.round):
+            return False
+        if new.node_rank(self.rdzv.me.node_id) != round_.node_rank:
+            return False
+        logger.warning(
+            "rank %s failed (%s): hot spare takes over, generation %d (no restart)",
+            ", ".join(str(w.spec.global_rank) for w in failed),
+            cause.message.splitlines()[0] if cause and cause.message else "?",
+            new.round,
+        )
+        round_.recovered_at_step = newest
+        round_.recovered_ranks = ranks
+        replacements = dict(zip([w.spec.local_rank for w in failed], ready, strict=False))
+        self.telemetry.recovery_decided(new, failed, replacements, time.monotonic() - started)
+        self._enter_generation(round_, new, replacements)
+        logger.info("recovery decided in %.3f s", time.monotonic() - started)
+        return True
+
+    def _ready_spares(self, round_: Round, needed: int) -> list[procs.WorkerProcess]:
+        """Spares waiting for a rank; a spare still warming up is worth waiting for (bounded)."""
+        deadline = time.monotonic() + SPARE_READY_TIMEOUT_S
+        while True:
+            alive = [s for s in round_.spares if s.poll() is None]
+            ready = [s for s in alive if s.pid in self.control.waiting_spares()]
+            if len(ready) >= needed or len(alive) < needed or time.monotonic() >= deadline:
+                return ready
+            self.signals.raise_if_set()
+            time.sleep(0.05)
+
+    def _enter_generation(self, round_: Round, new: RdzvState, replacements: dict[int, procs.WorkerProcess]) -> bool:
+        """Move this node's workers to generation ``new.round``: survivors keep their processes,
+        spares named in ``replacements`` (by local rank) take the other places."""
+        store, master = self._round_master(new, round_.node_rank)
+        if master is None:
+            return False
+        specs = worker_specs(self.config, self.setup, self.run_id, new, round_.node_rank, master)
+        envs: dict[int, dict[str, str]] = {}
+        workers = []
+        for spec in specs:
+            spare = replacements.get(spec.local_rank)
+            if spare is not None:
+                round_.spares.remove(spare)
+                spare.spec = spec
+                self.control.assign(spare.pid, spec.env)
+                workers.append(spare)
+            else:
+                worker = round_.workers[spec.local_rank]
+                worker.spec = spec
+                envs[worker.pid] = spec.env
+                workers.append(worker)
+        round_.workers = workers
+        self.control.begin_generation([w.pid for w in workers])
+        self.control.publish_generation(new.round, envs)
+        round_.state = new
+        round_.store = store  # the previous generation's store goes; its clients have moved on
+        self.last_state = new
+        self.telemetry.generation_entered(new, round_.node_rank, round_.workers)
+        if replacements:
+            # Start replacement spares once the recovery is past its busiest seconds (2 cores here).
+            round_.respawn_at = time.monotonic() + 5.0
+        return True
