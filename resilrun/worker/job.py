@@ -255,9 +255,10 @@ class Job:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-# A fetch fails only when a copy went bad or away; each new plan excludes it, so two tries cover a
-# corrupt replica and a peer lost meanwhile. More would only delay the error.
-_RESTORE_TRIES = 3
+# A fetch fails only when a copy went bad or away, and each new plan excludes it: a peer holds two
+# replica slots per rank, so both bad plus the persistent copy take three plans; one more allows for
+# a peer that drops its bad copy a moment after answering. More would only delay the error.
+_RESTORE_TRIES = 4
 
 
 _TIER_NAMES = {Tier.MEMORY: "node memory", Tier.PEER: "peer replica", Tier.PERSISTENT: "persistent storage"}
