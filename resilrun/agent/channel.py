@@ -82,13 +82,17 @@ class AgentChannel:
         """The peer's uid (from the kernel) and its first message (the token) decide; see the module."""
         try:
             _, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            if uid != os.getuid():
-                return self._refuse(conn, f"uid {uid} is not the agent's")
+            # The first message is read before any verdict, so that a refused client reads the reason
+            # instead of a broken pipe; descriptors it may have sent are closed unread.
             conn.settimeout(AUTH_TIMEOUT_S)
-            hello, _ = wire.receive(conn)
+            hello, fds = wire.receive(conn)
             conn.settimeout(None)
         except (wire.ChannelError, OSError):
             return False
+        for fd in fds:
+            os.close(fd)
+        if uid != os.getuid():
+            return self._refuse(conn, f"uid {uid} is not the agent's")
         token = hello.get("token")
         if hello.get("op") != "auth" or not isinstance(token, str):
             return self._refuse(conn, "no agent token")
