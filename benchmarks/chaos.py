@@ -28,11 +28,14 @@ redone = the newest step done before the recovery minus the step resumed from. A
 final parameters are compared with a failure-free run's, and every process the run ever had,
 every memfd of the run held by any process, and /dev/shm are checked for leftovers. Loopback only;
 every wait has a deadline; the run stops by itself after ``--faults`` faults or ``--time-budget``.
+The seed fixes which fault comes next and whom it hits among the candidates at that moment; the
+moments themselves follow the run's timing, so two runs of a seed are alike, not identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -43,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -173,9 +178,10 @@ class Job:
         fault["step_before"] = self.newest_step()
         if kind in ("worker_kill", "hang"):
             node = self.rng.choice(self.active())
-            victim = self.rng.choice(self.training_workers(node))
+            victim = self.rng.choice(self.training_workers(node) or node.workers())
             fault["at"] = time.time()
-            victim.kill() if kind == "worker_kill" else stop_process(victim)
+            with contextlib.suppress(psutil.Error):  # it may have died meanwhile: then the fault is that
+                victim.kill() if kind == "worker_kill" else stop_process(victim)
             fault["victims"] = [victim]
         elif kind == "s3":
             fault["at"] = time.time()
