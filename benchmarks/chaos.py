@@ -177,8 +177,8 @@ class Job:
         fault: dict[str, Any] = {"kind": kind, "seed": self.seed, "victims": []}
         fault["step_before"] = self.newest_step()
         if kind in ("worker_kill", "hang"):
-            node = self.rng.choice(self.active())
-            victim = self.rng.choice(self.training_workers(node) or node.workers())
+            candidates = [w for n in self.active() for w in self.training_workers(n)]
+            victim = self.rng.choice(candidates)  # eligible() saw three active nodes just before
             fault["at"] = time.time()
             with contextlib.suppress(psutil.Error):  # it may have died meanwhile: then the fault is that
                 victim.kill() if kind == "worker_kill" else stop_process(victim)
