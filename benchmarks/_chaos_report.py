@@ -76,4 +76,13 @@ def _notes(kind: str, rows: list[dict[str, Any]]) -> str:
             for mode in f.get("modes", []):
                 modes[mode] = modes.get(mode, 0) + 1
         return "failed requests: " + ", ".join(f"{m} ×{c}" for m, c in sorted(modes.items()))
+    if kind in ("worker_kill", "hang"):
+        waited = [f for f in rows if (f.get("decided_s") or 0) > 1.0]
+        warm = [f["recovery_s"] for f in rows if "recovery_s" in f and f not in waited and "decided_s" in f]
+        if not waited:
+            return ""
+        return (
+            f"{len(waited)}/{n} hit a node whose spare was still warming up (after an earlier fault) and waited "
+            f"for it; with a warm spare p50 {_pct(warm, 0.5)} s"
+        )
     return ""

@@ -247,6 +247,8 @@ class Job:
         elif fault["kind"] == "s3":
             fault["redone"] = 0
         fault["restarts"] = text.count("restarting the job")
+        decided = re.search(r"recovery decided in ([\d.]+) s", text)
+        fault["decided_s"] = float(decided.group(1)) if decided else None  # > 1 s: waited for a warming spare
         fault["crc_detected"] = "fail their crc32" in text or "is corrupt" in text
         fault["fell_back"] = "planning the restore again" in text
         fault["clear_error"] = "node memory is full" in text
