@@ -290,8 +290,8 @@ class Job:
 
     def replace_lost(self) -> None:
         """Start a new agent for each lost node, so spare nodes keep standing by."""
-        if self.finished():
-            return
+        if self.finished() or any(n.proc.poll() is not None for n in self.nodes if not n.lost):
+            return  # an agent that exited by itself means the job ended: new agents would start a new one
         while sum(1 for n in self.nodes if not n.lost) < 3 + self.args.spare_nodes:
             self.add_node()
 
