@@ -41,6 +41,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -296,11 +297,12 @@ class Job:
             self.add_node()
 
     def finish(self, status: str, started: float) -> dict[str, Any]:
-        codes = [
-            n.proc.wait(60) if n.proc.poll() is None and status == "ok" else n.proc.poll()
-            for n in self.nodes
-            if not n.lost
-        ]
+        end = time.time() + 60  # one allowance for all nodes to exit, not one per node
+        codes = []
+        for node in (n for n in self.nodes if not n.lost):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(max(0.1, end - time.time()) if status == "ok" else 0.1)
+            codes.append(node.proc.poll())
         time.sleep(2.0)
         procs_left = sum(n.stop() for n in self.nodes)
         holders = memfd_holders(self.run_id)
