@@ -43,7 +43,7 @@ def free_port() -> int:
 
 def start_agent() -> Any:
     """A real agent channel in this process; the environment points ``resilrun.init()`` at it."""
-    from resilrun.agent.channel import AgentChannel
+    from resilrun.agent.channel import AgentChannel, channel_env
     from resilrun.agent.control import WorkerControl
     from resilrun.agent.tiers import NodeTiers
     from resilrun.state.memory import NodeMemoryTier
@@ -56,7 +56,7 @@ def start_agent() -> Any:
         LOCAL_RANK="0",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
-        RESILRUN_AGENT_SOCKET=channel.path,
+        **channel_env(channel),
     )
     return memory, channel
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from resilrun import keys
-from resilrun.agent.channel import AgentChannel
+from resilrun.agent.channel import AgentChannel, channel_env
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.events import EVENTS_FILE, EventLog
 from resilrun.agent.heartbeat import HeartbeatSender
@@ -128,7 +128,11 @@ def run(config: Config) -> None:
         tiers = NodeTiers(memory, storage)
         channel = AgentChannel(memory, tiers, control)
         setup = NodeSetup(
-            nproc=nproc, addr=addr, log_root=log_root, base_env=agent_environ(), agent_socket=channel.path
+            nproc=nproc,
+            addr=addr,
+            log_root=log_root,
+            base_env={**agent_environ(), **channel_env(channel)},  # the token reaches only our workers
+            agent_socket=channel.path,
         )
         supervisor = Supervisor(config, setup, rdzv, signals, control)
         events = EventLog(log_root / EVENTS_FILE, node_id=me.node_id, host=me.hostname)

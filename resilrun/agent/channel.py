@@ -1,16 +1,33 @@
 """The agent side of the worker channel: a Unix socket the node's workers talk to.
 
-It serves the tier-1 requests (attach to the rank's buffers, allocate a slot, commit a step) and is
-where heartbeats will land. The socket lives in a private directory (mode 0700), so only this
-user's processes on this node can reach it; it is removed when the agent stops.
+It serves the tier-1 requests (attach to the rank's buffers, allocate a slot, commit a step),
+heartbeats and the in-process recovery handshakes. It hands out file descriptors of node memory,
+so it must refuse strangers. Three layers, each enough against a different stranger:
+
+- the socket lives in a private directory (mode 0700): other users cannot even connect;
+- the kernel-attested peer uid (``SO_PEERCRED``) must be the agent's own, so a loosened directory
+  (or a process that kept an old path) still gets nothing;
+- the first message must carry this agent's token (32 random bytes, hex), which the agent puts
+  only in the environment of the workers it spawns (``RESILRUN_AGENT_TOKEN``). This refuses a
+  process of the same user that is not one of this agent's workers: another job's worker holding a
+  stale socket path, a script run by hand, a probe. (A same-user process that reads a worker's
+  /proc/PID/environ can get the token; within one uid there is no boundary to defend: it could
+  ptrace the agent too.)
+
+A refused connection gets one ``{"ok": false, "error": ...}`` and is closed; it is logged once per
+reason. The socket is removed when the agent stops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
+import os
+import secrets
 import shutil
 import socket
+import struct
 import tempfile
 import threading
 from pathlib import Path
@@ -25,6 +42,12 @@ from resilrun.state.memory import SLOTS, NodeMemoryTier
 
 logger = logging.getLogger(__name__)
 
+TOKEN_ENV = "RESILRUN_AGENT_TOKEN"
+# A worker sends its token as its very first message, right after connecting; a peer that has not
+# done so within this long is not a worker (the agent answers from memory in microseconds).
+AUTH_TIMEOUT_S = 10.0
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
 
 class AgentChannel:
     """Accepts worker connections and answers their requests, one thread per worker."""
@@ -36,7 +59,9 @@ class AgentChannel:
         self.memory = memory
         self.tiers = tiers
         self.control = control
-        self._dir = Path(tempfile.mkdtemp(prefix="resilrun-agent-"))
+        self.token = secrets.token_hex(32)
+        self._refusals: set[str] = set()
+        self._dir = Path(tempfile.mkdtemp(prefix="resilrun-agent-"))  # mode 0700
         self.path = str(self._dir / "agent.sock")
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(self.path)
@@ -53,8 +78,44 @@ class AgentChannel:
                 return
             threading.Thread(target=self._serve, args=(conn,), name="resilrun-channel-conn", daemon=True).start()
 
+    def _authenticate(self, conn: socket.socket) -> bool:
+        """The peer's uid (from the kernel) and its first message (the token) decide; see the module."""
+        try:
+            _, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            # The first message is read before any verdict, so that a refused client reads the reason
+            # instead of a broken pipe; descriptors it may have sent are closed unread.
+            conn.settimeout(AUTH_TIMEOUT_S)
+            hello, fds = wire.receive(conn)
+            conn.settimeout(None)
+        except (wire.ChannelError, OSError):
+            return False
+        for fd in fds:
+            os.close(fd)
+        if uid != os.getuid():
+            return self._refuse(conn, f"uid {uid} is not the agent's")
+        token = hello.get("token")
+        if hello.get("op") != "auth" or not isinstance(token, str):
+            return self._refuse(conn, "no agent token")
+        if not hmac.compare_digest(token.encode(), self.token.encode()):
+            return self._refuse(conn, "a wrong agent token")
+        try:
+            wire.send(conn, {"ok": True})
+        except OSError:
+            return False
+        return True
+
+    def _refuse(self, conn: socket.socket, why: str) -> bool:
+        if why not in self._refusals:  # once per reason: a prober must not flood the agent's log
+            self._refusals.add(why)
+            logger.warning("refused a worker-channel connection: %s", why)
+        with contextlib.suppress(OSError):
+            wire.send(conn, {"ok": False, "error": f"refused: {why}"})
+        return False
+
     def _serve(self, conn: socket.socket) -> None:
         with conn:
+            if not self._authenticate(conn):
+                return
             while not self._closed.is_set():
                 try:
                     request, _ = wire.receive(conn)
@@ -131,4 +192,5 @@ class AgentChannel:
 
 
 def channel_env(channel: AgentChannel) -> dict[str, str]:
-    return {"RESILRUN_AGENT_SOCKET": channel.path}
+    """What a worker needs to reach this channel: its path and the token."""
+    return {"RESILRUN_AGENT_SOCKET": channel.path, TOKEN_ENV: channel.token}

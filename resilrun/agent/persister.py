@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from resilrun.errors import CheckpointError, ResilrunError
+from resilrun.errors import CheckpointError, CheckpointNotFoundError, ResilrunError
 from resilrun.state import durable
 from resilrun.state._priority import yield_to_training
 from resilrun.state.memory import Committed, NodeMemoryTier
@@ -104,8 +104,13 @@ class Persister:
             if self._count(step) >= world:
                 try:
                     durable.commit_step(self.storage, step, world)
-                except CheckpointError:
+                except CheckpointNotFoundError:
                     return  # another rank's upload is still missing; whoever finishes it commits
+                except CheckpointError as exc:  # e.g. a size the storage reports differs from the upload's
+                    logger.error(
+                        "step %d not committed: storage does not hold what was uploaded: %s", step, exc.message
+                    )
+                    return
                 complete = True
         finally:
             if self._on_persisted is not None:

@@ -129,6 +129,9 @@ class Supervisor(InProcessRecovery, SpareNodes):
             if time.monotonic() >= next_heartbeat_check:
                 lost = self._judge_nodes(judge, state, current)
                 next_heartbeat_check = time.monotonic() + self.config.heartbeat_interval_s
+            # A node judged lost before this node followed a recovery may be replaced already: only the
+            # current generation's participants count (else a stale verdict restarts the whole job).
+            lost = tuple(n for n in lost if state.node_rank(n) is not None)
             follow = (
                 current.round > state.round
                 and current.recovering

@@ -9,6 +9,8 @@ race) it connects as a client.
 from __future__ import annotations
 
 import errno
+import ipaddress
+import os
 import socket
 from collections.abc import Callable
 from datetime import timedelta
@@ -87,10 +89,52 @@ def is_local_address(host: str) -> bool:
 
 
 def host_store(host: str, port: int, timeout: timedelta) -> TCPStore:
-    """Bind a TCPStore server on ``port`` (0 = any free port)."""
+    """Bind a TCPStore server on ``port`` (0 = any free port).
+
+    TCPStore itself listens on every interface whatever ``host`` says, and the store holds the
+    job's secret. So when ``host`` is a literal IP address other than a wildcard (the user named
+    the exact address, e.g. ``--rdzv-endpoint 127.0.0.1:29400``), the listening socket is bound
+    here to that address only and handed to TCPStore. A host *name* keeps torchrun's wildcard:
+    the name may resolve differently here (127.0.1.1 from /etc/hosts) than on the other nodes.
+    """
     from torch.distributed import TCPStore
 
-    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    listener = _bind_exact(host, port)
+    if listener is None:
+        return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    bound_port = listener.getsockname()[1]
+    fd = listener.detach()  # TCPStore owns the descriptor from here on (it does not dup it)
+    try:
+        return TCPStore(
+            host, bound_port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _bind_exact(host: str, port: int) -> socket.socket | None:
+    """A listening socket on exactly ``host``:``port`` when ``host`` is a specific IP literal, else None.
+
+    Raises:
+        OSError: the address cannot be bound (in use: another local agent hosts the store).
+    """
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if address.is_unspecified:
+        return None
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: restarts reuse the port
+        listener.bind((str(address), port))
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def connect_store(host: str, port: int, timeout: timedelta) -> TCPStore:

@@ -98,10 +98,23 @@ class NodeMemoryTier:
         with self._lock:
             old = memory.slots[slot]
             memory.committed.pop(slot, None)
-            memory.slots[slot] = SharedBuffer.create(nbytes, f"resilrun-{self.run_id}-r{rank}-s{slot}")
+            memory.slots[slot] = None
         if old is not None:
-            old.close()
-        return memory.slots[slot]  # type: ignore[return-value]  # set just above
+            old.close()  # before the new one: a full node may have room for one of the two only
+        try:
+            buffer = SharedBuffer.create(nbytes, f"resilrun-{self.run_id}-r{rank}-s{slot}")
+        except OSError as exc:
+            # ENOMEM/ENOSPC (memory or a memory cgroup full), EFBIG (a file-size limit): all mean this
+            # node cannot hold the snapshot now; the caller's step is not committed, nothing else lost.
+            raise CheckpointError(
+                f"node memory is full: could not allocate a {nbytes / 2**20:.1f} MiB snapshot buffer for "
+                f"rank {rank}: {exc.strerror or exc}",
+                hint="free host memory on this node (or raise its memory/file-size limits); tier-1 snapshots "
+                "need about 2x the tracked state per rank",
+            ) from exc
+        with self._lock:
+            memory.slots[slot] = buffer
+        return buffer
 
     def commit(self, rank: int, step: int, slot: int, nbytes: int, values: Any) -> None:
         memory = self.rank(rank)

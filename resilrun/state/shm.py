@@ -37,8 +37,12 @@ class SharedBuffer:
     def create(cls, nbytes: int, name: str) -> SharedBuffer:
         """Create and pre-fault a buffer (agent side)."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        os.ftruncate(fd, max(nbytes, 1))
-        buffer = cls(fd, nbytes, owner=True)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))  # EFBIG under a file-size limit, ENOSPC/ENOMEM when full
+            buffer = cls(fd, nbytes, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
         buffer.tensor.zero_()  # allocate every page now, not on the training path
         return buffer
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -16,7 +17,13 @@ _TIMEOUT_S = 60.0
 class AgentClient:
     """One connection to this node's agent; requests are answered in order."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, token: str | None = None) -> None:
+        """Connect and authenticate with ``token`` (default: ``RESILRUN_AGENT_TOKEN``, which the
+        agent sets for the workers it spawns).
+
+        Raises:
+            CheckpointError: the agent is unreachable or refused the token.
+        """
         self.path = path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(_TIMEOUT_S)
@@ -27,6 +34,12 @@ class AgentClient:
                 f"cannot reach the resilrun agent at {path}: {exc.strerror}",
                 hint="resilrun.init() must run under the resilrun launcher for snapshots",
             ) from exc
+        token = os.environ.get("RESILRUN_AGENT_TOKEN", "") if token is None else token
+        try:
+            self.request({"op": "auth", "token": token})
+        except CheckpointError:
+            self._sock.close()
+            raise
 
     def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Send one request and return ``(response, fds)``.

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
-from resilrun.errors import StateLostError
+from resilrun.errors import CheckpointError, StateLostError
 from resilrun.log import rank_ranges
-from resilrun.state.restore import Tier, plan_restore
+from resilrun.state.restore import RestorePlan, Tier, plan_restore
 from resilrun.state.tree import flatten, unflatten
 from resilrun.worker._abort import GenerationWatchdog, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient
@@ -156,10 +156,58 @@ class Job:
         self._snapshotter.save(step, tensors, meta)
 
     def _restore(self) -> int:
-        """Restore the newest step every rank holds in some tier; returns it (or -1: fresh start)."""
-        if self._snapshotter is None:
+        """Restore the newest step every rank holds in some tier; returns it (or -1: fresh start).
+
+        A copy can turn out unusable only when it is fetched (a peer replica failing its crc32s, a
+        peer gone, node memory too full to take it). Every rank then learns that (one small
+        all-gather) and all plan again: the bad copy is gone from what the tiers report (a peer
+        drops a replica that failed its checks), so the new plan falls back to another copy or
+        tier, and says so. Bounded: after ``_RESTORE_TRIES`` plans the last error is raised.
+        """
+        snapshotter = self._snapshotter
+        if snapshotter is None:
             return -1
-        info = self._snapshotter.restore_info(self._world_size)
+        error: CheckpointError | None = None
+        for attempt in range(_RESTORE_TRIES):
+            plan = self._plan_restore(snapshotter)
+            if plan is None:
+                return -1
+            if attempt == 0:
+                fire(self._faults, rank=self._rank, step=RESTORE_STEP, attempt=self._attempt)
+            tier = plan.sources[self._rank]
+            error = None
+            started = time.monotonic()
+            transfer: dict[str, Any] = {}
+            if tier is not Tier.MEMORY:
+                try:
+                    transfer = snapshotter.fetch(plan.step, "peer" if tier is Tier.PEER else "persistent")
+                except CheckpointError as exc:
+                    error = exc
+                    logger.warning(
+                        "rank %d could not restore step %d from %s: %s; planning the restore again",
+                        self._rank,
+                        plan.step,
+                        _TIER_NAMES[tier],
+                        exc.message,
+                    )
+            if min(row[0] for row in _all_gather_ints([int(error is None)], self._world_size, self._device)):
+                loaded = self._load(snapshotter, plan.step)
+                logger.warning("rank %d resumed from step %d (%s)", self._rank, plan.step, _TIER_NAMES[tier])
+                self._report(
+                    "state_restored",
+                    step=plan.step,
+                    tier=_TIER_KEYS[tier],
+                    bytes=int(transfer.get("bytes") or loaded),
+                    seconds=round(time.monotonic() - started, 6),
+                )
+                return plan.step
+        raise error or CheckpointError(
+            f"the restore failed {_RESTORE_TRIES} times on other ranks", hint="see the other ranks' logs"
+        )
+
+    def _plan_restore(self, snapshotter: Snapshotter) -> RestorePlan | None:
+        """Agree with every rank on the step to restore and where each rank gets it (None: fresh start)."""
+        info = snapshotter.restore_info(self._world_size)
         mine = _pad(info["memory"], 2) + _pad(info["peer"], 2) + _pad([info["persisted"]], 1)
         gathered = _all_gather_ints(mine, self._world_size, self._device)
         available = [
@@ -174,7 +222,7 @@ class Job:
         newest = max((s for row in gathered for s in row), default=-1)
         if plan is None:
             if newest < 0:
-                return -1  # a fresh job
+                return None  # a fresh job
             bare = [rank for rank, tiers in enumerate(available) if not any(tiers.values())]
             raise StateLostError(
                 f"no snapshot step is held by every rank: rank(s) {rank_ranges(bare, ', ') or '?'} have none in node "
@@ -190,13 +238,11 @@ class Job:
                 plan.step + 1,
                 newest,
             )
-        fire(self._faults, rank=self._rank, step=RESTORE_STEP, attempt=self._attempt)
-        tier = plan.sources[self._rank]
-        started = time.monotonic()
-        transfer: dict[str, Any] = {}
-        if tier is not Tier.MEMORY:
-            transfer = self._snapshotter.fetch(plan.step, "peer" if tier is Tier.PEER else "persistent")
-        tensors, meta = self._snapshotter.load(plan.step, self._device)
+        return plan
+
+    def _load(self, snapshotter: Snapshotter, step: int) -> int:
+        """Load ``step`` from node memory into the tracked objects; returns the bytes loaded."""
+        tensors, meta = snapshotter.load(step, self._device)
         for name, obj in self._tracked.items():
             state = unflatten(meta["objects"][name], tensors)
             if isinstance(obj, torch.Tensor):
@@ -205,16 +251,14 @@ class Job:
             else:
                 obj.load_state_dict(state)
         self._values.update({name: unflatten(tree, tensors) for name, tree in meta["values"].items()})
-        self._step = plan.step
-        logger.warning("rank %d resumed from step %d (%s)", self._rank, plan.step, _TIER_NAMES[tier])
-        self._report(
-            "state_restored",
-            step=plan.step,
-            tier=_TIER_KEYS[tier],
-            bytes=int(transfer.get("bytes") or sum(t.numel() * t.element_size() for t in tensors.values())),
-            seconds=round(time.monotonic() - started, 6),
-        )
-        return plan.step
+        self._step = step
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# A fetch fails only when a copy went bad or away, and each new plan excludes it: a peer holds two
+# replica slots per rank, so both bad plus the persistent copy take three plans; one more allows for
+# a peer that drops its bad copy a moment after answering. More would only delay the error.
+_RESTORE_TRIES = 4
 
 
 _TIER_NAMES = {Tier.MEMORY: "node memory", Tier.PEER: "peer replica", Tier.PERSISTENT: "persistent storage"}

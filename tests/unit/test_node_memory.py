@@ -94,3 +94,24 @@ def test_background_threads_yield_the_cpu_to_training_and_never_raise_their_prio
     thread.join()
     assert seen == [max(base, BACKGROUND_NICE), max(base, 15)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller is untouched
+
+
+def test_a_full_node_memory_is_a_clear_checkpoint_error_and_keeps_the_other_slot(tier: NodeMemoryTier) -> None:
+    # Given rank 0 with step 1 committed in slot 0
+    import os
+    import resource
+
+    _write(tier, 0, 1, 0, b"a" * 8192)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    # When node memory cannot take a new buffer (a file-size limit makes the memfd's ftruncate fail
+    # with EFBIG, as a full memory cgroup would with ENOMEM)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(CheckpointError, match=r"node memory is full: could not allocate .* rank 0: File too large"):
+            tier.allocate(0, 1, 1 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    # Then the committed step is still there, and no descriptor leaked
+    assert tier.read(0, 1) == (b"a" * 8192, {"step": 1})
+    assert len(os.listdir("/proc/self/fd")) == fds_before

@@ -1,0 +1,132 @@
+"""The worker<->agent channel refuses strangers: no token, a wrong token, another uid.
+
+The channel hands out node-memory file descriptors and accepts commits, so a process that is not
+one of the agent's workers must get nothing. (resilrun.agent.channel explains the three layers.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from resilrun import wire
+from resilrun.agent.channel import TOKEN_ENV, AgentChannel, channel_env
+from resilrun.agent.control import WorkerControl
+from resilrun.agent.tiers import NodeTiers
+from resilrun.errors import CheckpointError
+from resilrun.state.memory import NodeMemoryTier
+from resilrun.worker._channel import AgentClient
+
+
+@pytest.fixture
+def channel() -> Iterator[AgentChannel]:
+    memory = NodeMemoryTier("channel-test")
+    agent = AgentChannel(memory, NodeTiers(memory, None), WorkerControl())
+    try:
+        yield agent
+    finally:
+        agent.close()
+        memory.close()
+
+
+def _raw(channel: AgentChannel, first: dict | None) -> tuple[dict, list[int]] | None:  # type: ignore[type-arg]
+    """Connect without the client library, send ``first`` (if any) then an attach request."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(channel.path)
+        if first is not None:
+            wire.send(sock, first)
+            reply, _ = wire.receive(sock)
+            if not reply.get("ok"):
+                return reply, []
+        wire.send(sock, {"op": "attach", "rank": 0})
+        try:
+            return wire.receive(sock)
+        except (wire.ChannelError, OSError):
+            return None
+
+
+def test_a_client_with_the_agents_token_is_served(channel: AgentChannel) -> None:
+    client = AgentClient(channel.path, token=channel.token)
+    try:
+        response, fds = client.request({"op": "attach", "rank": 0})
+        assert response["ok"] is True and len(fds) == 1  # the rank's control page
+        for fd in fds:
+            os.close(fd)
+    finally:
+        client.close()
+
+
+def test_a_connection_without_a_token_gets_no_file_descriptors(channel: AgentChannel) -> None:
+    # Given a process that found the socket but does not authenticate: its first request is refused
+    reply = _raw(channel, None)
+    assert reply is not None
+    response, fds = reply
+    assert response == {"ok": False, "error": "refused: no agent token"}
+    assert fds == []
+
+
+def test_a_wrong_token_is_refused_and_the_connection_closed(channel: AgentChannel) -> None:
+    reply = _raw(channel, {"op": "auth", "token": "0" * 64})
+    assert reply == ({"ok": False, "error": "refused: a wrong agent token"}, [])
+    with pytest.raises(CheckpointError, match="wrong agent token"):
+        AgentClient(channel.path, token="f" * 64)
+
+
+def test_the_client_library_without_the_environment_token_is_refused(
+    channel: AgentChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(CheckpointError, match="no agent token|wrong agent token"):
+        AgentClient(channel.path)
+    monkeypatch.setenv(TOKEN_ENV, channel.token)
+    AgentClient(channel.path).close()
+
+
+def test_a_silent_connection_does_not_block_other_workers(channel: AgentChannel) -> None:
+    # A peer that connects and says nothing holds one thread (until the auth timeout), not the agent
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
+        idle.connect(channel.path)
+        client = AgentClient(channel.path, token=channel.token)
+        client.request({"op": "beat", "pid": 1})
+        client.close()
+
+
+def test_the_socket_directory_is_private(channel: AgentChannel) -> None:
+    mode = stat.S_IMODE(Path(channel.path).parent.stat().st_mode)
+    assert mode == 0o700
+    assert channel_env(channel) == {"RESILRUN_AGENT_SOCKET": channel.path, TOKEN_ENV: channel.token}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_another_uid_is_refused_even_with_the_token_and_an_open_directory(channel: AgentChannel) -> None:
+    # Given the directory opened to everyone (a misconfiguration the uid check still covers)
+    Path(channel.path).parent.chmod(0o777)
+    Path(channel.path).chmod(0o777)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: become nobody, then try with the right token
+        code = 1
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                AgentClient(channel.path, token=channel.token)
+                os.write(write, b"served")
+            except CheckpointError as exc:
+                os.write(write, exc.message.encode()[:200])
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    answer = os.read(read, 300).decode()
+    os.close(read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert "refused: uid 65534 is not the agent's" in answer

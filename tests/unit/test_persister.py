@@ -1,0 +1,56 @@
+"""The persister commits a step once every rank is uploaded, and never hides a broken upload."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from resilrun.agent.persister import Persister
+from resilrun.state import durable
+from resilrun.state.memory import NodeMemoryTier
+from resilrun.storage import MemoryStorage
+from tests.conftest import make_snapshot
+
+
+class _ShortSizes(MemoryStorage):
+    """A store whose HEAD reports 0 bytes (seen with a broken S3 proxy): uploads look truncated."""
+
+    def size(self, key: str) -> int:
+        super().size(key)
+        return 0
+
+
+def _commit(memory: NodeMemoryTier, step: int) -> None:
+    payload = make_snapshot({"w": torch.full((64,), float(step))})
+    buffer = memory.rank(0).slots[0] or memory.allocate(0, 0, len(payload))
+    memory.rank(0).seq.begin(0)
+    buffer.view()[: len(payload)] = payload
+    memory.rank(0).seq.end(0)
+    memory.commit(0, step, 0, len(payload), {"step": step})
+
+
+@pytest.mark.parametrize(("storage_type", "committed"), [(MemoryStorage, True), (_ShortSizes, False)])
+def test_a_step_is_committed_only_when_storage_holds_it_and_a_mismatch_is_an_error(
+    storage_type: type[MemoryStorage], committed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="resilrun")
+    memory, storage = NodeMemoryTier("persister-test"), storage_type()
+    persister = Persister(memory, storage, every=1, keep_last=2, count_persisted=lambda step: 1, world_size=lambda: 1)
+    try:
+        _commit(memory, 0)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "step 0" not in caplog.text:
+            time.sleep(0.02)
+    finally:
+        persister.close(10)
+        memory.close()
+    if committed:
+        assert durable.latest_complete_step(storage) == 0
+        assert "step 0 persisted for all 1 ranks" in caplog.text
+    else:
+        assert durable.latest_complete_step(storage) is None
+        assert "step 0 not committed: storage does not hold what was uploaded" in caplog.text
+        assert "is 0 bytes but its manifest says" in caplog.text
