@@ -302,10 +302,16 @@ class Supervisor(InProcessRecovery, SpareNodes):
         """
         key = keys.round_master(self.run_id, state.round)
         if node_rank == 0:
-            store = host_store("0.0.0.0", 0, timedelta(seconds=self.rdzv_read_timeout()))
+            # An IP literal (--local-addr) is bound exactly; a host name keeps the wildcard.
+            store = host_store(self.setup.addr, 0, timedelta(seconds=self.rdzv_read_timeout()))
             master = f"{self.setup.addr}:{store.port}"
             self.rdzv.backend.set(key, master.encode())
             return store, master
+        # Node rank 0 may be dead already (two nodes lost a heartbeat check apart: the generation
+        # that replaced the first still names the second): watch it, or this wait lasts the join timeout.
+        leader = state.participants[0].node_id
+        judge = StalenessJudge(self.config.heartbeat_timeout_s)
+        next_check = 0.0
         deadline = time.monotonic() + self.rdzv.join_timeout.total_seconds()
         while time.monotonic() < deadline:
             self.signals.raise_if_set()
@@ -315,8 +321,27 @@ class Supervisor(InProcessRecovery, SpareNodes):
             current = self.rdzv.state()
             if current.closed or current.round != state.round:
                 return None, None
+            if time.monotonic() >= next_check:
+                judge.observe(leader, self.rdzv.backend.add(keys.node_heartbeat(self.run_id, leader), 0))
+                next_check = time.monotonic() + self.config.heartbeat_interval_s
+                if judge.stale():
+                    self._leader_lost(state, leader, judge)
+                    return None, None
             time.sleep(0.02)
         return None, None
+
+    def _leader_lost(self, state: RdzvState, leader: str, judge: StalenessJudge) -> None:
+        """Node rank 0 died before hosting this generation's worker store: give its place to a spare
+        node if one stands by, else restart the job (whichever decision lands first, every node follows)."""
+        failures = self._lost_failures(state, (leader,), judge)
+        logger.error("node 0 (%s) %s, before it hosted the worker store", failures[0].host, failures[0].message)
+        self._record_failures(state.round, failures)
+        cause = root_cause(failures)
+        new = self.rdzv.replace_nodes(state.round, (leader,), failure=cause.to_dict() if cause else None)
+        if not (new.round > state.round and new.recovering) and not new.closed:
+            self.rdzv.next_round(
+                state.round, failure=cause.to_dict() if cause else None, max_restarts=self.config.max_restarts
+            )
 
     def replica_targets(self) -> list[str]:
         """Replica servers of the next ``--replicas`` nodes in node-rank order (a ring)."""
