@@ -117,6 +117,9 @@ class WorkerControl:
 
     def assign(self, pid: int, env: dict[str, str]) -> None:
         with self._cond:
+            # A spare waits inside resilrun.init(): it is on the API before it says hello as a rank,
+            # and a second failure in that moment must not be mistaken for a plain torchrun script.
+            self._api_pids.add(pid)
             self._assignments[pid] = env
             self._cond.notify_all()
 

@@ -6,8 +6,10 @@ survivors keep their processes and move to the next generation; only the failed 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import subprocess
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +51,7 @@ class InProcessRecovery:
     def _kill_hung_workers(self, round_: Round) -> None:
         """A worker frozen (no heartbeat) or stuck (no committed step) for too long is killed, so the
         ordinary failure path (a spare, or a restart) takes over."""
+        killed = []
         for worker in round_.workers:
             if worker.poll() is not None or worker.pid in round_.killed:
                 continue
@@ -69,6 +72,13 @@ class InProcessRecovery:
                 self.telemetry.hung(worker.spec.global_rank, worker.pid, reason)
                 round_.killed.add(worker.pid)
                 worker.signal_group(signal.SIGKILL)
+                killed.append(worker)
+        # Wait for them to be gone, so that workers killed together are recovered together (one
+        # generation) rather than one by one as each exit is seen.
+        deadline = time.monotonic() + 2.0
+        for worker in killed:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.popen.wait(max(0.0, deadline - time.monotonic()))
 
     def _top_up_spares(self, round_: Round, want: int | None = None) -> None:
         round_.spares = [s for s in round_.spares if s.poll() is None]
@@ -125,7 +135,23 @@ class InProcessRecovery:
         return True
 
     def _ready_spares(self, round_: Round, needed: int) -> list[procs.WorkerProcess]:
-        """Spares waiting for a rank; a spare still warming up is worth waiting for (bounded)."""
+        """Spares waiting for a rank; a spare still warming up is worth waiting for (bounded).
+
+        With fewer spares alive than failed ranks (``--spares 0``, or all used up), new processes
+        are started for the missing places and waited for the same way: the survivors keep their
+        processes and memory through the few seconds a new process needs to import, which beats
+        restarting every worker (the fallback when even that does not come up in time).
+        """
+        alive = [s for s in round_.spares if s.poll() is None]
+        if len(alive) < needed:
+            missing = needed - len(alive)
+            logger.warning(
+                "no warm spare for %d failed rank(s): starting %s; the survivors wait for it (at most %.0f s)",
+                missing,
+                "a new worker process" if missing == 1 else f"{missing} new worker processes",
+                SPARE_READY_TIMEOUT_S,
+            )
+            self._top_up_spares(round_, want=needed)
         deadline = time.monotonic() + SPARE_READY_TIMEOUT_S
         while True:
             alive = [s for s in round_.spares if s.poll() is None]

@@ -122,7 +122,7 @@ class Supervisor(InProcessRecovery, SpareNodes):
         next_heartbeat_check = 0.0
         lost: tuple[str, ...] = ()
         while True:
-            time.sleep(interval)
+            procs.wait_any_exit(round_.workers, interval)
             state = round_.state
             codes = tuple(w.poll() for w in round_.workers)
             current = self.rdzv.state()

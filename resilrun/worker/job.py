@@ -24,6 +24,7 @@ from resilrun.errors import CheckpointError, StateLostError
 from resilrun.log import rank_ranges
 from resilrun.state.restore import RestorePlan, Tier, plan_restore
 from resilrun.state.tree import flatten, unflatten
+from resilrun.worker import _ddp_sync
 from resilrun.worker._abort import GenerationWatchdog, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient
 from resilrun.worker.faults import RESTORE_STEP, Fault, fire, parse_faults
@@ -119,6 +120,7 @@ class Job:
         """Yield the steps still to run, restoring first and committing after each one."""
         _fix_bucket_layouts(self._tracked.values())
         start = self._restore() + 1
+        _ddp_sync.settle(self._tracked.values() if start > 0 else ())
         for step in range(start, total):
             self._step = step
             if self._faults:
@@ -241,18 +243,37 @@ class Job:
         return plan
 
     def _load(self, snapshotter: Snapshotter, step: int) -> int:
-        """Load ``step`` from node memory into the tracked objects; returns the bytes loaded."""
-        tensors, meta = snapshotter.load(step, self._device)
+        """Load ``step`` from node memory into the tracked objects; returns the bytes loaded.
+
+        Modules and tensors copy what they load into their own storage, so they get views of node
+        memory (one copy in all); everything else (optimizers keep the tensors they are given) gets
+        private copies. Halving the copies and page faults matters: this is on the recovery path.
+        """
+        views, meta = snapshotter.load(step)
+        copies = _Copies(views, self._device)
         for name, obj in self._tracked.items():
-            state = unflatten(meta["objects"][name], tensors)
             if isinstance(obj, torch.Tensor):
                 with torch.no_grad():
-                    obj.copy_(state)
+                    obj.copy_(unflatten(meta["objects"][name], views))
+            elif isinstance(obj, torch.nn.Module):
+                obj.load_state_dict(unflatten(meta["objects"][name], views))
             else:
-                obj.load_state_dict(state)
-        self._values.update({name: unflatten(tree, tensors) for name, tree in meta["values"].items()})
+                obj.load_state_dict(unflatten(meta["objects"][name], copies))
+        self._values.update({name: unflatten(tree, copies) for name, tree in meta["values"].items()})
         self._step = step
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(t.numel() * t.element_size() for t in views.values())
+
+
+class _Copies(dict[str, torch.Tensor]):
+    """Node-memory views by name, handed out as private copies on ``device`` (made on first use)."""
+
+    def __init__(self, views: dict[str, torch.Tensor], device: torch.device) -> None:
+        super().__init__()
+        self._views, self._device = views, device
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        self[name] = copy = self._views[name].to(self._device, copy=True)
+        return copy
 
 
 # A fetch fails only when a copy went bad or away, and each new plan excludes it: a peer holds two
@@ -360,6 +381,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     if pg_seconds is not None:
         _JOB._report("collectives_rebuilt", seconds=round(pg_seconds, 6))
     if variables.agent_socket:
+        _ddp_sync.install()
         _JOB._watchdog = _start_watchdog(variables.agent_socket, variables.round, group_sockets)
         _start_heartbeat(variables.agent_socket, variables.heartbeat_interval_s)
     return _JOB
@@ -431,6 +453,7 @@ def reset_for_reentry() -> None:
     """Forget this generation's job and process group, so the script can run again in-process."""
     global _JOB
     job, _JOB = _JOB, None
+    _ddp_sync.forget_all()
     if job is not None and job._watchdog is not None:
         job._watchdog.stopped.set()
     if job is not None and job._snapshotter is not None:

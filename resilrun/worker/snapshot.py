@@ -78,8 +78,11 @@ class Snapshotter:
         """Committed steps held for this rank, newest first."""
         return sorted((step for step, _ in self.held.values()), reverse=True)
 
-    def load(self, step: int, device: torch.device) -> tuple[dict[str, torch.Tensor], Any]:
-        """Copies of the tensors of ``step`` (never views: the slot will be overwritten) and its values."""
+    def load(self, step: int) -> tuple[dict[str, torch.Tensor], Any]:
+        """Views of the tensors of ``step`` in node memory, and its values.
+
+        The views are valid only until this rank's next commit overwrites the slot: copy what is kept.
+        """
         slot = next(s for s, (held_step, _) in self.held.items() if held_step == step)
         buffer = self.slots[slot]
         if buffer is None:
@@ -89,7 +92,7 @@ class Snapshotter:
         for entry in layout.entries:
             raw = buffer.tensor[layout.data_start + entry.begin : layout.data_start + entry.end]
             dtype = getattr(torch, DTYPES[entry.dtype][0])
-            tensors[entry.name] = raw.view(dtype).view(entry.shape).to(device, copy=True)
+            tensors[entry.name] = raw.view(dtype).view(entry.shape)
         return tensors, self.held[slot][1]
 
     # -- commit --------------------------------------------------------------------------------

@@ -52,9 +52,11 @@ def test_credentials_never_appear_in_logs_errors_or_output(
         "resilrun", "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "3", "--tee", "3",
         "--checkpoint-uri", f"s3://{s3_bucket}/run", "--s3-endpoint-url", s3_proxy.endpoint_url,
         "--persist-every", "2", str(EXAMPLE), "--steps", "24", "--hidden", "32", "--sleep", "0.1",
-        env={"RESILRUN_FAULTS": "exit:rank=1,step=14,code=3", "RESILRUN_DEBUG": "1"},
+        env={"RESILRUN_FAULTS": "exit:rank=1,step=14,code=3; exit:rank=1,step=14,attempt=1,code=3",
+             "RESILRUN_DEBUG": "1"},
     )  # fmt: skip
-    # When it fails (rank 1 exits, no restart): the error path renders too, with tracebacks (debug)
+    # When it fails (rank 1 exits, and again in the process replacing it; no restart): the error
+    # path renders too, with tracebacks (debug)
     assert run.wait(200) == 1, run.stderr()[-3000:]
     err = run.stderr()
     assert "could not persist step" in err and "InternalError" in err  # the failures were seen

@@ -95,7 +95,7 @@ def test_three_call_example_resumes_after_a_kill_bitwise_equal(
     _skip_unless_runnable(name)
     # Given the example's failure-free result
     clean, _ = _run_example(launcher, tmp_path, name)
-    # When rank 1 is SIGKILLed as step `fault_step` starts and the job restarts once
+    # When rank 1 is SIGKILLed as step `fault_step` starts (no spare: a new process takes its place)
     faulty, run = _run_example(
         launcher, tmp_path, name, "--max-restarts", "1", env={"RESILRUN_FAULTS": f"kill:rank=1,step={fault_step}"}
     )

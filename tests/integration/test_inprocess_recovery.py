@@ -36,6 +36,28 @@ def test_sigkilled_worker_is_replaced_by_a_hot_spare_and_the_survivor_keeps_its_
     assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
 
 
+def test_without_a_spare_a_new_process_takes_the_failed_rank_and_the_survivor_keeps_its_process(
+    launcher, tmp_path: Path
+) -> None:
+    # Given 2 workers, no spare and no restart allowed; rank 1 is SIGKILLed at step 12
+    target = tmp_path / "faulty.sha"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+        str(EXAMPLE), *ARGS, "--checksum-file", str(target), env={"RESILRUN_FAULTS": "kill:rank=1,step=12"},
+    )  # fmt: skip
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    assert_nothing_left(run)
+    err = run.stderr()
+    # Then a new process was started for rank 1 while rank 0 waited in its own process,
+    assert "no warm spare for 1 failed rank(s): starting a new worker process" in err
+    assert "rank 0 recovering in-process into generation 1" in err
+    assert "restarting the job" not in err
+    # and both resumed from step 11, ending bitwise equal to a failure-free run
+    assert "rank 0 resumed from step 11 (node memory)" in err
+    assert "rank 1 resumed from step 11 (node memory)" in err
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
+
+
 def test_two_nodes_recover_in_process_from_a_worker_failure_on_the_other_node(launcher, tmp_path: Path) -> None:
     # Given 2 nodes x 2 workers, one spare per node; rank 3 exits with code 9 at step 9
     port = free_port()

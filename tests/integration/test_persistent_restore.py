@@ -14,7 +14,9 @@ pytestmark = pytest.mark.integration
 def _crash_then_resume(launcher, tmp_path: Path, uri: str, *extra: str) -> tuple[str, str]:
     flags = ["--standalone", "--nproc-per-node", "2", "--checkpoint-uri", uri, "--persist-every", "5", *extra]
     # Given a job that persisted steps 4, 9, 14, 19 and then died at step 22 with no restart left
-    first = launcher("resilrun", *flags, str(EXAMPLE), *ARGS, env={"RESILRUN_FAULTS": "exit:rank=0,step=22,code=3"})
+    # (rank 0 exits there, and again in the process that replaces it in-process)
+    plan = "exit:rank=0,step=22,code=3; exit:rank=0,step=22,attempt=1,code=3"
+    first = launcher("resilrun", *flags, str(EXAMPLE), *ARGS, env={"RESILRUN_FAULTS": plan})
     assert first.wait(150) == 1, first.stderr()[-3000:]
     # When a new job (new agents: node memory is empty) starts on the same checkpoint URI
     target = tmp_path / "resumed.sha"

@@ -180,13 +180,14 @@ def test_a_killed_agent_is_marked_lost_and_a_spare_node_takes_its_place(launcher
 
 
 @pytest.mark.timeout(300)
-def test_a_restart_without_spares_is_recorded_with_its_timeline(launcher, tmp_path: Path) -> None:
-    # Given one node, 2 workers, no spare, one restart allowed; rank 1 is SIGKILLed at step 8
+def test_a_restart_is_recorded_with_its_timeline(launcher, tmp_path: Path) -> None:
+    # Given one node, 2 workers, no spare, one restart allowed; rank 1 is SIGKILLed at step 8, and
+    # again in the new process that took its place in-process: no progress, so the job restarts
     logs = tmp_path / "logs"
     run = launcher(
         "resilrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(logs),
         str(EXAMPLE), "--steps", "150", "--hidden", "64", "--sleep", "0.2",
-        env={"RESILRUN_FAULTS": "kill:rank=1,step=8"},
+        env={"RESILRUN_FAULTS": "kill:rank=1,step=8; kill:rank=1,step=8,attempt=1"},
     )  # fmt: skip
     wait_for(lambda: any(logs.glob("*/events.jsonl")), 120, "the events file")
     events = next(logs.glob("*/events.jsonl"))
@@ -196,8 +197,9 @@ def test_a_restart_without_spares_is_recorded_with_its_timeline(launcher, tmp_pa
     # Then status shows the torchrun-style restart with its timeline, and the job resumed from memory
     doc = poll(port, lambda d: any(h["kind"] == "restart" and h["complete"] for h in d["history"]), 200,
                "the restart to complete in status")  # fmt: skip
-    (entry,) = doc["history"]
-    assert entry["round"] == 1 and entry["restarts"] == 1 and entry["failed_ranks"] == [1]
+    recovery, entry = doc["history"]
+    assert recovery["kind"] == "recovery" and recovery["round"] == 1 and recovery["failed_ranks"] == [1]
+    assert entry["round"] == 2 and entry["restarts"] == 1 and entry["failed_ranks"] == [1]
     assert entry["timeline"]["state_tiers"] == ["memory"] and entry["steps_redone"] == 0
     assert 0 < entry["timeline"]["replacement_chosen"] <= entry["duration_s"]
     assert doc["job"]["restarts"] == 1 and doc["job"]["state"] == "running"

@@ -24,7 +24,8 @@ def _clean_checksum(launcher, tmp_path: Path, nproc: int) -> str:
 
 
 def test_restarted_workers_resume_from_node_memory_bitwise_equal(launcher, tmp_path: Path) -> None:
-    # Given a 2-worker job whose rank 1 is SIGKILLed when step 12 starts (first attempt only)
+    # Given a 2-worker job whose rank 1 is SIGKILLed when step 12 starts, and again in the new
+    # process that replaces it in-process: no progress between the two, so the job restarts
     target = tmp_path / "faulty.sha"
     run = launcher(
         "resilrun",
@@ -37,11 +38,12 @@ def test_restarted_workers_resume_from_node_memory_bitwise_equal(launcher, tmp_p
         *ARGS,
         "--checksum-file",
         str(target),
-        env={"RESILRUN_FAULTS": "kill:rank=1,step=12"},
+        env={"RESILRUN_FAULTS": "kill:rank=1,step=12; kill:rank=1,step=12,attempt=1"},
     )
     # Then the restarted workers resume from step 11 held in node memory, not from step 0
     assert run.wait(150) == 0, run.stderr()[-3000:]
     err = run.stderr()
+    assert "no progress since the last in-process recovery" in err and "restarting the job" in err
     assert "rank 0 resumed from step 11 (node memory)" in err
     assert "rank 1 resumed from step 11 (node memory)" in err
     # And the final parameters equal a failure-free run's, bit for bit
@@ -49,7 +51,8 @@ def test_restarted_workers_resume_from_node_memory_bitwise_equal(launcher, tmp_p
 
 
 def test_two_nodes_restart_keeps_node_ranks_and_resumes_from_memory(launcher, tmp_path: Path) -> None:
-    # Given 2 nodes x 2 workers, rank 3 (on the second node) exits with code 5 at step 7
+    # Given 2 nodes x 2 workers, rank 3 (on the second node) exits with code 5 at step 7, and again
+    # in the process replacing it in-process: the job restarts
     port = free_port()
     target = tmp_path / "faulty.sha"
     nodes = [
@@ -67,13 +70,14 @@ def test_two_nodes_restart_keeps_node_ranks_and_resumes_from_memory(launcher, tm
             *ARGS,
             "--checksum-file",
             str(target),
-            env={"RESILRUN_FAULTS": "exit:rank=3,step=7,code=5"},
+            env={"RESILRUN_FAULTS": "exit:rank=3,step=7,code=5; exit:rank=3,step=7,attempt=1,code=5"},
         )
         for _ in range(2)
     ]
     for node in nodes:
         assert node.wait(150) == 0, node.stderr()[-3000:]
     err = nodes[0].stderr() + nodes[1].stderr()
+    assert "restarting the job" in err
     for rank in range(4):
         assert f"rank {rank} resumed from step 6 (node memory)" in err
     assert target.read_text() == _clean_checksum(launcher, tmp_path, 4)

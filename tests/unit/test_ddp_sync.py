@@ -1,0 +1,109 @@
+"""DDP's start-up broadcast, deferred under resilrun: skipped when a restore overwrites every
+parameter, run (same result as torch's own) on a fresh start or at the first forward otherwise.
+
+Two real gloo processes on loopback; rank 1 starts from different weights than rank 0, so a
+broadcast that did not happen shows as differing parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from resilrun.worker import _ddp_sync
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _model(rank: int) -> nn.Module:
+    torch.manual_seed(rank)  # different weights per rank: only a broadcast makes them equal
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[1].running_mean.fill_(float(rank))
+    return model
+
+
+SCENARIOS = ("fresh", "partial", "forward", "restored", "explicit")
+
+
+def _scenarios(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        assert _ddp_sync.install()
+        results = {}
+        for scenario in SCENARIOS:
+            results[scenario] = _scenario(rank, scenario)
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _scenario(rank: int, scenario: str) -> dict:
+    model = _model(rank)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    pending_after_build = ddp in _ddp_sync._PENDING
+    if scenario == "restored":
+        with torch.no_grad():  # what a restore does (rank-dependent here, to show nothing was broadcast)
+            for tensor in [*model.parameters(), *model.buffers()]:
+                tensor.copy_(torch.full_like(tensor, 7.0 + rank))
+        _ddp_sync.settle([ddp])
+    elif scenario == "fresh":
+        _ddp_sync.settle([])
+    elif scenario == "partial":  # only the Linear restored: the BatchNorm's tensors are not covered
+        _ddp_sync.settle([model[0]])
+    elif scenario == "forward":  # never settled: the first forward syncs
+        ddp(torch.ones(2, 4))
+    elif scenario == "explicit":  # the user asked for torch's own behaviour
+        _ddp_sync.settle([])
+        ddp = nn.parallel.DistributedDataParallel(_model(rank), init_sync=True)
+        pending_after_build = ddp in _ddp_sync._PENDING
+    state = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+    return {"pending_after_build": pending_after_build, "pending": len(_ddp_sync._PENDING), "state": state}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("ddp_sync")
+    mp.start_processes(_scenarios, args=(_free_port(), str(out)), nprocs=2, start_method="spawn")
+    by_rank = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return {scenario: [by_rank[0][scenario], by_rank[1][scenario]] for scenario in SCENARIOS}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("scenario", ["fresh", "partial", "forward"])
+def test_a_deferred_broadcast_makes_every_rank_start_from_rank_0s_weights(results: dict, scenario: str) -> None:
+    rank0, rank1 = results[scenario]
+    assert rank0["pending_after_build"] and rank1["pending_after_build"]  # built without a broadcast
+    assert rank0["pending"] == rank1["pending"] == 0
+    assert _equal(rank0["state"], rank1["state"])
+    reference = _model(0).state_dict()
+    if scenario != "forward":  # a forward in train mode updates the BatchNorm's running stats
+        assert _equal(rank0["state"], reference)
+
+
+def test_a_restore_that_sets_every_tensor_skips_the_broadcast(results: dict) -> None:
+    rank0, rank1 = results["restored"]
+    assert rank0["pending"] == rank1["pending"] == 0
+    for rank, result in enumerate((rank0, rank1)):
+        floats = [v for v in result["state"].values() if v.is_floating_point()]
+        assert floats and all(torch.equal(v, torch.full_like(v, 7.0 + rank)) for v in floats)
+
+
+def test_an_explicit_init_sync_is_left_to_torch(results: dict) -> None:
+    rank0, rank1 = results["explicit"]
+    assert not rank0["pending_after_build"] and not rank1["pending_after_build"]
+    assert _equal(rank0["state"], rank1["state"])
