@@ -136,9 +136,12 @@ def launch(
         elif now - t0 > timeout_s:
             status = "timeout"
         if status:
+            tree = _descendants(proc.pid)
+            with contextlib.suppress(psutil.Error):
+                tree.insert(0, psutil.Process(proc.pid))  # the launcher itself, as psutil sees it
             if dump_on_hang:
-                evidence = _py_spy([proc, *_descendants(proc.pid)])
-            _kill([proc, *_descendants(proc.pid)])
+                evidence = _py_spy(tree)
+            _kill(tree)
             proc.wait()
             break
         time.sleep(POLL_S)

@@ -2,11 +2,13 @@
 
     python benchmarks/recovery.py [--sizes 64,256] [--kills 3] [--steps 40] [--json out.json]
     python benchmarks/recovery.py --quick        # smoke check: 64 MiB, 1 kill
+    python benchmarks/recovery.py --spares 0     # resilrun without a hot spare (a new process)
 
 What it measures (DESIGN.md §3, issue 4): 4 ranks (``--standalone --nproc-per-node 4``, gloo), a
 toy MLP whose params + AdamW moments are ``--sizes`` MiB per rank, rank 1 SIGKILLed when step
 ``--kill-step`` starts. resilrun runs ``_recovery_resilrun.py`` (three-call API) with
-``--spares 1`` and its own fault plan; torchrun, plain and with
+``--spares 1`` (``--spares 0``: no hot spare, a new process is started for the killed rank while the
+survivors wait in theirs) and its own fault plan; torchrun, plain and with
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (plain torchrun's shared store breaks its restarts, see
 shared/anchors/measured_here.md), runs ``_recovery_torchrun.py`` (plain DDP, DCP save every 10
 steps) with ``--max-restarts 1``. Rank 0 stamps the end of every step; the killed rank stamps the
@@ -273,7 +275,11 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=None, help="run logs (default: a new temp dir)")
     parser.add_argument("--ckpt-root", default=None, help="where DCP checkpoints go (default: system temp)")
     parser.add_argument("--json", default="", help="also write every run's raw figures here")
+    parser.add_argument(
+        "--spares", type=int, default=1, help="resilrun's --spares (0: a new process replaces the killed rank)"
+    )
     args = parser.parse_args()
+    LAUNCHERS["resilrun"][0][-1] = str(args.spares)
     if args.quick:
         args.sizes, args.kills = "64", 1
     sizes = [int(s) for s in args.sizes.split(",") if s]
