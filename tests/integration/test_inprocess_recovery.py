@@ -14,45 +14,32 @@ from tests.integration.test_tier1_restore import ARGS, EXAMPLE, _clean_checksum
 pytestmark = pytest.mark.integration
 
 
-def test_sigkilled_worker_is_replaced_by_a_hot_spare_and_the_survivor_keeps_its_process(
-    launcher, tmp_path: Path
+@pytest.mark.parametrize(
+    ("spares", "replacement"),
+    [
+        ("1", "hot spare takes over"),
+        # No spare: a new process is started for the rank while the survivor waits in its own.
+        ("0", "no warm spare for 1 failed rank(s): starting a new worker process"),
+    ],
+    ids=["hot-spare", "new-process"],
+)
+def test_sigkilled_worker_is_replaced_in_process_and_the_survivor_keeps_its_process(
+    launcher, tmp_path: Path, spares: str, replacement: str
 ) -> None:
-    # Given 2 workers and one hot spare, no restart allowed; rank 1 is SIGKILLed at step 12
+    # Given 2 workers, no restart allowed; rank 1 is SIGKILLed at step 12
     target = tmp_path / "faulty.sha"
     run = launcher(
-        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", spares, "--max-restarts", "0",
         str(EXAMPLE), *ARGS, "--checksum-file", str(target), env={"RESILRUN_FAULTS": "kill:rank=1,step=12"},
     )  # fmt: skip
     assert run.wait(150) == 0, run.stderr()[-3000:]
     assert_nothing_left(run)
     err = run.stderr()
-    # Then the spare took rank 1 without a restart, rank 0 recovered in its own process,
-    assert "hot spare takes over" in err
+    # Then rank 1 was replaced without a restart, rank 0 recovered in its own process,
+    assert replacement in err
     assert "rank 0 recovering in-process into generation 1" in err
     assert "restarting the job" not in err
     # and both resumed from step 11: no step redone beyond the one in flight
-    assert "rank 0 resumed from step 11 (node memory)" in err
-    assert "rank 1 resumed from step 11 (node memory)" in err
-    assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
-
-
-def test_without_a_spare_a_new_process_takes_the_failed_rank_and_the_survivor_keeps_its_process(
-    launcher, tmp_path: Path
-) -> None:
-    # Given 2 workers, no spare and no restart allowed; rank 1 is SIGKILLed at step 12
-    target = tmp_path / "faulty.sha"
-    run = launcher(
-        "resilrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
-        str(EXAMPLE), *ARGS, "--checksum-file", str(target), env={"RESILRUN_FAULTS": "kill:rank=1,step=12"},
-    )  # fmt: skip
-    assert run.wait(150) == 0, run.stderr()[-3000:]
-    assert_nothing_left(run)
-    err = run.stderr()
-    # Then a new process was started for rank 1 while rank 0 waited in its own process,
-    assert "no warm spare for 1 failed rank(s): starting a new worker process" in err
-    assert "rank 0 recovering in-process into generation 1" in err
-    assert "restarting the job" not in err
-    # and both resumed from step 11, ending bitwise equal to a failure-free run
     assert "rank 0 resumed from step 11 (node memory)" in err
     assert "rank 1 resumed from step 11 (node memory)" in err
     assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
