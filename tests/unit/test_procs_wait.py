@@ -1,0 +1,54 @@
+"""The agent's monitor wakes on a worker's exit itself, not on its next poll, and keeps no pidfd open
+for a worker it has seen exit (an agent runs for weeks and replaces many workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from resilrun.agent import procs
+from resilrun.config import Std
+
+
+def _spawn(tmp_path: Path, code: str, rank: int = 0) -> procs.WorkerProcess:
+    spec = procs.WorkerSpec(
+        local_rank=rank,
+        global_rank=rank,
+        argv=(sys.executable, "-c", code),
+        env=dict(os.environ),
+        log_dir=tmp_path / f"rank{rank}",
+        to_file=Std.NONE,
+        to_console=Std.NONE,
+    )
+    return procs.spawn(spec)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_an_exit_wakes_the_wait_at_once_and_its_pidfd_is_closed(tmp_path: Path) -> None:
+    fds_before = _open_fds()
+    quick = _spawn(tmp_path, "import time; time.sleep(0.3)", rank=0)
+    slow = _spawn(tmp_path, "import time; time.sleep(30)", rank=1)
+    try:
+        started = time.monotonic()
+        procs.wait_any_exit([quick, slow], timeout_s=20.0)
+        woke_after = time.monotonic() - started
+        assert woke_after < 5.0  # the quick one's exit, not the 20 s timeout
+        deadline = time.monotonic() + 5.0
+        while quick.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert quick.poll() == 0 and slow.poll() is None
+        assert quick.exit_fd() is None  # closed once the exit was seen
+        # With only the sleeper left, the wait lasts its timeout (the exited one does not re-wake it).
+        started = time.monotonic()
+        procs.wait_any_exit([quick, slow], timeout_s=0.3)
+        assert time.monotonic() - started >= 0.25
+    finally:
+        procs.stop([quick, slow], signal.SIGKILL, 0.0)
+    assert slow.exit_fd() is None
+    assert _open_fds() == fds_before
