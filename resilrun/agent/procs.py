@@ -89,6 +89,8 @@ class WorkerProcess:
         self.tees = tees
         self._files = files
         self.exit_observed_at: float | None = None
+        # Wall clock, like exit_observed_at: a spare started after a failure was seen is not a warm one.
+        self.started_at = time.time()
         self._pidfd: int | None = None
         with contextlib.suppress(AttributeError, OSError):  # pidfds need Linux >= 5.3
             self._pidfd = os.pidfd_open(popen.pid)

@@ -201,8 +201,15 @@ class AgentTelemetry(Telemetry):
         for worker in failed:
             spare = replacements.get(worker.spec.local_rank)
             if spare is not None:
-                promoted.append({"rank": worker.spec.global_rank, "failed_pid": worker.pid, "spare_pid": spare.pid})
-                self.events.record("spare_promoted", round=new.round, rank=worker.spec.global_rank, spare_pid=spare.pid)
+                # warm: started before the failure was seen (a hot spare); else a new process the
+                # survivors waited for (no spare was left).
+                warm = getattr(spare, "started_at", detected_at) < detected_at
+                promoted.append(
+                    {"rank": worker.spec.global_rank, "failed_pid": worker.pid, "spare_pid": spare.pid, "warm": warm}
+                )
+                self.events.record(
+                    "spare_promoted", round=new.round, rank=worker.spec.global_rank, spare_pid=spare.pid, warm=warm
+                )
         record = {
             "kind": "recovery",
             "round": new.round,

@@ -119,6 +119,7 @@ def test_status_shows_the_running_job_and_a_killed_workers_recovery_with_its_tim
     assert entry["steps_redone"] in (0, 1)
     rank1 = next(r for r in doc["ranks"] if r["rank"] == 1)
     assert rank1["pid"] == entry["replacements"][0]["spare_pid"] != victim["pid"]
+    assert entry["replacements"][0]["warm"] is True  # the hot spare, started with the round
     assert doc["job"]["recoveries"] == 1
     assert_matches_documented(doc)
 
@@ -199,6 +200,7 @@ def test_a_restart_is_recorded_with_its_timeline(launcher, tmp_path: Path) -> No
                "the restart to complete in status")  # fmt: skip
     recovery, entry = doc["history"]
     assert recovery["kind"] == "recovery" and recovery["round"] == 1 and recovery["failed_ranks"] == [1]
+    assert recovery["replacements"][0]["warm"] is False  # no spare: a new process was started for rank 1
     assert entry["round"] == 2 and entry["restarts"] == 1 and entry["failed_ranks"] == [1]
     assert entry["timeline"]["state_tiers"] == ["memory"] and entry["steps_redone"] == 0
     assert 0 < entry["timeline"]["replacement_chosen"] <= entry["duration_s"]

@@ -19,9 +19,12 @@ from resilrun.status.view import compose, read_raw
 RUN = "job1"
 
 
-def worker(rank: int, pid: int, *, spare: bool = False, exit_observed_at: float | None = None) -> Any:
+def worker(
+    rank: int, pid: int, *, spare: bool = False, exit_observed_at: float | None = None, started_at: float = 900.0
+) -> Any:
     spec = SimpleNamespace(global_rank=rank, local_rank=rank % 2, env={"RESILRUN_SPARE": "1" if spare else "0"})
-    return SimpleNamespace(spec=spec, pid=pid, exit_observed_at=exit_observed_at, popen=SimpleNamespace(returncode=-9))
+    popen = SimpleNamespace(returncode=-9)
+    return SimpleNamespace(spec=spec, pid=pid, exit_observed_at=exit_observed_at, started_at=started_at, popen=popen)
 
 
 def failure(rank: int, pid: int, at: float) -> ProcessFailure:
@@ -96,9 +99,19 @@ def test_an_in_process_recovery_leaves_events_a_history_record_and_a_complete_ti
     (part,) = records.read_parts(telemetry.backend, RUN, 1, 1)
     assert [part["ranks"][r]["replacement"] for r in ("0", "1")] == [False, True]
     (entry,) = doc["history"]
-    assert entry["failed_ranks"] == [1] and entry["replacements"] == [{"rank": 1, "failed_pid": 11, "spare_pid": 12}]
+    assert entry["failed_ranks"] == [1]
+    assert entry["replacements"] == [{"rank": 1, "failed_pid": 11, "spare_pid": 12, "warm": True}]
     assert entry["complete"] and entry["duration_s"] == 0.7 and entry["steps_redone"] == 0
     assert entry["timeline"]["replacement_chosen"] == 0.05 and entry["timeline"]["state_bytes"] == 200
+
+
+def test_a_replacement_started_after_the_failure_is_recorded_as_not_warm(telemetry: AgentTelemetry) -> None:
+    old = [worker(0, 10), worker(1, 11, exit_observed_at=1000.0)]
+    telemetry.round_started(state(0), 0, old)
+    new_process = worker(1, 12, spare=True, started_at=1000.5)  # no spare was left: started for the rank
+    telemetry.recovery_decided(state(1, recovering=True, recoveries=1), [old[1]], {1: new_process}, 2.5)
+    promoted = [e for e in read_events(telemetry.events.path) if e["event"] == "spare_promoted"]
+    assert [(e["rank"], e["spare_pid"], e["warm"]) for e in promoted] == [(1, 12, False)]
 
 
 def test_a_rank_that_got_ahead_counts_its_extra_step_as_redone(telemetry: AgentTelemetry) -> None:
