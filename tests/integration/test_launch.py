@@ -21,6 +21,20 @@ pytestmark = pytest.mark.integration
 _MAY_DIFFER = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
 
 
+# torch 2.13's gloo teardown at interpreter exit sometimes aborts a worker after its script has
+# finished ("terminate called without an active exception"); resilrun's bootstrap skips that native
+# teardown, torchrun cannot. A torchrun *reference* run whose outputs are all written finished its
+# work and still serves as the reference; resilrun's own runs must exit 0.
+_TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _finished(kind: str, run, outputs: list[Path]) -> bool:
+    rc = run.wait(120)
+    if rc == 0:
+        return True
+    return kind == "torchrun" and _TORCH_EXIT_ABORT in run.stderr() and all(p.exists() for p in outputs)
+
+
 def _two_nodes(launcher, kind: str, out: Path, *extra: str, run_id: str = "job") -> list:
     port = free_port()
     common = [
@@ -47,8 +61,9 @@ def test_two_agents_give_workers_torchrun_environment_and_results(launcher, tmp_
     for kind in ("torchrun", "resilrun"):
         out = tmp_path / kind
         nodes = _two_nodes(launcher, kind, out)
+        outputs = [out / f"checksum_rank{r}" for r in range(4)]
         for node in nodes:
-            assert node.wait(120) == 0, node.stderr()[-3000:]
+            assert _finished(kind, node, outputs), node.stderr()[-3000:]
         runs[kind] = out
     # Then every worker variable torchrun sets is set the same way
     for rank in range(4):
@@ -85,7 +100,7 @@ def test_standalone_example_matches_torchrun_checksum(launcher, tmp_path: Path) 
             "--checksum-file",
             str(target),
         )
-        assert run.wait(120) == 0, run.stderr()[-3000:]
+        assert _finished(kind, run, [target]), run.stderr()[-3000:]
         sums[kind] = target.read_text()
     assert sums["resilrun"] == sums["torchrun"]
 
