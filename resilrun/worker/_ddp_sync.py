@@ -64,6 +64,8 @@ def settle(restored: Iterable[Any]) -> None:
     Args:
         restored: the objects whose state was just loaded from a snapshot (nothing on a fresh start).
     """
+    if not _PENDING:  # the common case on every later steps() call: no walk over the model
+        return
     covered = _tensor_ids(restored)
     for ddp in list(_PENDING):
         states = [*ddp.module.parameters(), *ddp.module.buffers()]
