@@ -10,7 +10,7 @@ and ``WorkerControl``) runs in threads of this process, ``resilrun.init()`` conn
 the same environment the launcher sets, and each measurement is one ``next()`` of ``job.steps()``,
 which is exactly what a training loop waits for between two steps: collect the state dicts,
 memcpy them into the free slot, send the commit message. Its parts are timed by wrapping the
-job's collect and the channel's request on the instance (nothing in resilrun/ is changed).
+job's collect and the channel's post/collect on the instance (nothing in resilrun/ is changed).
 
 Prints one ``BENCH_JSON {...}`` line: seconds per repetition for every method and part.
 """
@@ -93,10 +93,12 @@ def make_methods(
 
     job = resilrun.init()
     job.track(model=model, optimizer=opt)
-    # Instrument this job's commit path on the instance: collect, and the channel round trip.
+    # Instrument this job's commit path on the instance: collect, and the commit message (posted,
+    # then its answer collected at the next commit).
     job._collect = timed(parts, "collect", job._collect)  # type: ignore[method-assign]
     client = job._snapshotter.client  # type: ignore[union-attr]  # init() found the agent socket
-    client.request = timed(parts, "message", client.request)  # type: ignore[method-assign]
+    client.post = timed(parts, "message", client.post)  # type: ignore[method-assign]
+    client.collect = timed(parts, "message", client.collect)  # type: ignore[method-assign]
     steps = job.steps(total=2**62)
     next(steps)  # restore (nothing held) and the first yield: no commit yet
     source = torch.empty(nbytes, dtype=torch.uint8).random_()

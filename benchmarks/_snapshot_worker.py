@@ -10,11 +10,11 @@ Rank 0 prints one ``BENCH_JSON {...}`` line with, per step: the wall time from t
 loop body to the top of the next (the step time a user sees); the time between the end of a body
 and the top of the next one (inside ``steps()``: the commit, i.e. the training time the snapshot
 blocks), on rank 0 and on the slowest rank (DDP makes everyone wait for that one at the next
-allreduce), and of it the commit message's round trip to the agent; and the CPU seconds this
-process used (all its threads), because on a machine shared with other users' jobs wall time
-swings with their load and CPU time much less. The step does real work (forward, backward, DDP
-allreduce, AdamW) on an MLP whose parameters + Adam moments are the requested size, so "fraction
-of a step" is meaningful.
+allreduce), and of it the time to post the commit message to the agent (its answer is read at
+the next commit); and the CPU seconds this process used (all its threads), because on a machine
+shared with other users' jobs wall time swings with their load and CPU time much less. The step
+does real work (forward, backward, DDP allreduce, AdamW) on an MLP whose parameters + Adam
+moments are the requested size, so "fraction of a step" is meaningful.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def main() -> None:
         job.track(model=model, optimizer=opt)
         loop = job.steps(total=args.steps)
         snapshotter = getattr(job, "_snapshotter", None)
-        if snapshotter is not None:  # under resilrun: time the commit message's round trip to the agent
-            snapshotter.client.request = _timed(snapshotter.client.request, messages)
+        if snapshotter is not None:  # under resilrun: time posting the commit message to the agent
+            snapshotter.client.post = _timed(snapshotter.client.post, messages)
     tops: list[float] = []
     cpu: list[float] = []
     ends: list[float] = []
@@ -129,7 +129,7 @@ def main() -> None:
             "commit": commits,
             "commit_slowest": torch.stack(gathered).max(dim=0).values.tolist(),
             "cpu": [b - a for a, b in zip(cpu, cpu[1:], strict=False)],
-            "message": messages[-len(ends) :] if messages else [],  # the last N requests are the commits
+            "message": messages[-len(ends) :] if messages else [],  # every post is a commit
         }
         print("BENCH_JSON " + json.dumps(result), flush=True)
     torch.distributed.destroy_process_group()

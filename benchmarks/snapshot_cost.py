@@ -191,7 +191,8 @@ def report_inproc(part1: list[dict[str, Any]], threads: int) -> list[str]:
     for key, label in METHODS:
         cells = [f"{ms(r['times'][key])} | {median(r['times'][key]) / median(r['times']['memcpy']):.2f}" for r in ok]
         md.append(f"| {label} | " + " | ".join(cells) + " |")
-    for key, label in (("collect", "state_dict() + flatten"), ("message", "commit message round trip")):
+    parts = (("collect", "state_dict() + flatten"), ("message", "commit message (posted; answer read next commit)"))
+    for key, label in parts:
         cells = [f"{ms(r['parts'][key])} | {median(r['parts'][key]) / median(r['times']['memcpy']):.2f}" for r in ok]
         md.append(f"| … of which {label} | " + " | ".join(cells) + " |")
     rest = [[t - c - m for t, c, m in zip(r["times"]["resilrun"], *r["parts"].values(), strict=True)] for r in ok]
@@ -213,7 +214,8 @@ def report_jobs(part2: list[dict[str, Any]], names: list[str], args: argparse.Na
         f"Steady-state step time, DDP, {args.nproc} ranks, gloo, batch {args.batch}, {args.steps} steps "
         f"(first {args.warmup} left out); per run the median over steps, then median (min–max) over runs. "
         "Commit = time inside `steps()` between two loop bodies on rank 0 (and on the slowest rank, per step), "
-        "of which the commit message's round trip to the agent; CPU = CPU time of rank 0's process per step. "
+        "of which posting the commit message to the agent (its answer is read "
+        "at the next commit); CPU = CPU time of rank 0's process per step. "
         "Ratios to torchrun (same node count) are paired by round (launched one after the other).",
         "",
         "| MiB/rank | variant | ok runs | step (ms) | CPU/step (ms) | commit (ms) | … its message (ms) "

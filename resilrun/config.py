@@ -267,6 +267,11 @@ class Config:
         default=100, metadata=_meta("--persist-every", C, "Persist a snapshot every N steps.", pet=False)
     )
     keep_last: int = field(default=3, metadata=_meta("--keep-last", C, "Complete persisted steps to keep.", pet=False))
+    # Off only for scripts that make DDP's parameters differ between ranks behind its back.
+    no_snapshot_dedup: bool = field(
+        default=False,
+        metadata=_meta("--no-snapshot-dedup", C, "Each rank snapshots all DDP state (no sharing).", pet=False),
+    )
     s3_endpoint_url: str | None = field(
         default=None, metadata=_meta("--s3-endpoint-url", C, "Endpoint of an S3-compatible store.", pet=False)
     )

@@ -40,6 +40,7 @@ class WorkerEnv:
     attempt: int = 0
     recovery_wait_s: float = 10.0
     heartbeat_interval_s: float = 1.0
+    snapshot_dedup: bool = True
 
     def to_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The full environment of the worker: ``base`` (the agent's) plus the contract."""
@@ -73,6 +74,7 @@ class WorkerEnv:
                 "RESILRUN_ATTEMPT": str(self.attempt),
                 "RESILRUN_RECOVERY_WAIT_S": str(self.recovery_wait_s),
                 "RESILRUN_HEARTBEAT_INTERVAL_S": str(self.heartbeat_interval_s),
+                "RESILRUN_SNAPSHOT_DEDUP": "1" if self.snapshot_dedup else "0",
                 "RESILRUN_SPARE": "0",
             }
         )
@@ -121,6 +123,7 @@ class WorkerVariables:
     attempt: int = 0
     recovery_wait_s: float = 10.0
     heartbeat_interval_s: float = 1.0
+    dedup: bool = True  # local ranks split the copy of DDP-replicated state (state/dedup.py)
 
 
 def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVariables:
@@ -140,6 +143,7 @@ def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVar
         attempt=int(env.get("RESILRUN_ATTEMPT", env.get("TORCHELASTIC_RESTART_COUNT", "0"))),
         recovery_wait_s=float(env.get("RESILRUN_RECOVERY_WAIT_S", "10")),
         heartbeat_interval_s=float(env.get("RESILRUN_HEARTBEAT_INTERVAL_S", "1")),
+        dedup=env.get("RESILRUN_SNAPSHOT_DEDUP", "1") != "0",
     )
 
 

@@ -38,6 +38,7 @@ from resilrun.agent.control import WorkerControl
 from resilrun.agent.telemetry import Telemetry
 from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import ResilrunError
+from resilrun.state.dedup import parse_borrowed
 from resilrun.state.memory import SLOTS, NodeMemoryTier
 
 logger = logging.getLogger(__name__)
@@ -147,17 +148,19 @@ class AgentChannel:
         if op == "commit":
             if "pid" in request:
                 self.control.report_step(int(request["pid"]), int(request["step"]))
-            self.memory.commit(
-                int(request["rank"]),
-                int(request["step"]),
+            rank, step, nbytes = int(request["rank"]), int(request["step"]), int(request["nbytes"])
+            whole = self.memory.commit(
+                rank,
+                step,
                 int(request["slot"]),
-                int(request["nbytes"]),
+                nbytes,
                 request.get("values"),
+                parse_borrowed(request.get("borrowed"), rank, nbytes),
+                int(request.get("layout", 0)),
             )
             copy_s = request.get("copy_s")
-            rank, step, nbytes = int(request["rank"]), int(request["step"]), int(request["nbytes"])
             self.telemetry.committed(rank, step, nbytes, None if copy_s is None else float(copy_s))
-            return {"ok": True}, []
+            return {"ok": True, "whole": whole}, []
         if op == "report":
             # A worker's recovery milestone (state restored, collectives rebuilt, first step done).
             self.telemetry.worker_report(int(request["pid"]), request)
@@ -179,6 +182,9 @@ class AgentChannel:
             return {"ok": True, "env": env}, []
         if op == "restore_info":
             return {"ok": True, **self.tiers.restore_info(int(request["rank"]), int(request["world_size"]))}, []
+        if op == "complete":
+            self.tiers.complete(int(request["rank"]), int(request["step"]))
+            return {"ok": True}, []
         if op == "fetch":
             info = self.tiers.fetch(int(request["rank"]), int(request["step"]), str(request["tier"]))
             return {"ok": True, **info}, []

@@ -74,6 +74,7 @@ def worker_specs(
             # a warming spare to become ready (supervisor._SPARE_READY_TIMEOUT_S).
             recovery_wait_s=config.heartbeat_timeout_s + 40.0,
             heartbeat_interval_s=config.heartbeat_interval_s,
+            snapshot_dedup=not config.no_snapshot_dedup,
         ).to_env(base_env)
         specs.append(
             WorkerSpec(

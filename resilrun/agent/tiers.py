@@ -40,7 +40,8 @@ class NodeTiers:
 
     def restore_info(self, rank: int, world_size: int) -> dict[str, Any]:
         """Steps each tier can give ``rank`` in a job of ``world_size`` ranks."""
-        memory = sorted((int(v["step"]) for v in self.memory.describe(rank)["committed"].values()), reverse=True)
+        committed = self.memory.describe(rank)["committed"].values()
+        memory = sorted((int(v["step"]) for v in committed if v["complete"]), reverse=True)
         peer = sorted(self.peer_held(rank), reverse=True)[:2] if self.peer_held else []
         return {"memory": memory, "peer": peer, "persisted": self._persisted(world_size)}
 
@@ -64,6 +65,15 @@ class NodeTiers:
             )
             return None
         return step
+
+    def complete(self, rank: int, step: int) -> None:
+        """Make ``rank``'s node-memory slot of ``step`` hold all its bytes (borrowed ones included).
+
+        Raises:
+            CheckpointNotFoundError: an owner's part is gone (the caller plans again).
+        """
+        if not self.memory.materialize(rank, step):
+            raise CheckpointNotFoundError(f"step {step} of rank {rank} is no longer complete in node memory")
 
     def fetch(self, rank: int, step: int, tier: str) -> dict[str, Any]:
         """Bring ``rank``'s snapshot of ``step`` from ``tier`` into node memory."""

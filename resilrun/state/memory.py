@@ -6,20 +6,29 @@ the previous step stays available for the one-step rollback a recovery may need.
 only after the worker's commit message; the slot's bytes are self-describing (a safetensors
 header written by the worker) and its JSON values travel with the commit.
 
+A deduplicated snapshot (state/dedup.py) borrows byte ranges from other local ranks' snapshots of
+the same step. It is *complete* once every owner has committed that step with the same layout;
+only complete snapshots are announced to listeners (replication, persistence), offered for
+restore, and read out, assembled from the owners' slots under each slot's sequence counter.
+
 Thread-safe: the agent channel serves several workers at once.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
 
 from resilrun.errors import CheckpointError
+from resilrun.state.dedup import Borrowed, layout_hash, owners_of
 from resilrun.state.shm import SeqCounters, SharedBuffer
+
+logger = logging.getLogger(__name__)
 
 SLOTS = 2
 _CTL_BYTES = 4096
@@ -36,6 +45,10 @@ class Committed:
     # The slot's sequence counter when the commit arrived: a reader's copy is of this step only if
     # the counter still has this value after the copy (the worker may have rewritten the slot since).
     seq: int = 0
+    # Ranges the worker left to other local ranks' snapshots of the same step (state/dedup.py), and
+    # the crc32 of its header: a range is borrowed only from an owner whose layout is the same.
+    borrowed: Borrowed = ()
+    layout: int = 0
 
 
 class RankMemory:
@@ -67,9 +80,14 @@ class NodeMemoryTier:
         self._ranks: dict[int, RankMemory] = {}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[int, Committed], None]] = []
+        self._whole = False  # set once local ranks' layouts were seen to differ: no more borrowing
 
     def add_listener(self, listener: Callable[[int, Committed], None]) -> None:
-        """Called with (rank, committed) after every commit, on the committing thread: keep it O(1)."""
+        """Called with (rank, committed) when a snapshot becomes complete, on a committing thread: keep it O(1).
+
+        A snapshot without borrowed bytes is complete at its own commit; one with borrowed bytes at
+        the commit of its last owner.
+        """
         self._listeners.append(listener)
 
     def rank(self, rank: int) -> RankMemory:
@@ -116,34 +134,169 @@ class NodeMemoryTier:
             memory.slots[slot] = buffer
         return buffer
 
-    def commit(self, rank: int, step: int, slot: int, nbytes: int, values: Any) -> None:
+    def commit(
+        self,
+        rank: int,
+        step: int,
+        slot: int,
+        nbytes: int,
+        values: Any,
+        borrowed: Borrowed = (),
+        layout: int = 0,
+    ) -> bool:
+        """Record a worker's commit; returns whether its next snapshot should be written whole.
+
+        Whole means no borrowing: an owner is out of step with this rank (a job whose ranks do not
+        commit in lockstep would otherwise borrow steps the owner no longer holds), or the local
+        ranks' layouts differ (then nothing can be borrowed, for the rest of the job).
+        """
         memory = self.rank(rank)
         with self._lock:
             if memory.slots[slot] is None:
                 raise CheckpointError(f"rank {rank} committed step {step} to unallocated slot {slot}")
-            committed = Committed(step, slot, nbytes, values, memory.seq.read(slot))
+            committed = Committed(step, slot, nbytes, values, memory.seq.read(slot), borrowed, layout)
+            first = not memory.committed
             memory.committed[slot] = committed
+            affected = self._affected(rank, committed)
+            self._note_mismatch(rank, committed, affected)
+            ready = [(r, c) for r, c in affected if not self._missing(r, c)]
+            whole = self._whole or self._out_of_step(committed, first)
         for listener in self._listeners:
-            listener(rank, committed)
+            for ready_rank, ready_commit in ready:
+                listener(ready_rank, ready_commit)
+        return whole
 
-    def read(self, rank: int, step: int) -> tuple[bytes, Any] | None:
-        """A consistent copy of ``rank``'s snapshot of ``step``, or None if it is gone or was torn.
+    def _affected(self, rank: int, committed: Committed) -> list[tuple[int, Committed]]:
+        """This commit, and the same step of every rank that borrows from ``rank`` (lock held)."""
+        found = [(rank, committed)]
+        for other, memory in self._ranks.items():
+            if other == rank:
+                continue
+            for candidate in memory.committed.values():
+                if candidate.step == committed.step and rank in owners_of(candidate.borrowed):
+                    found.append((other, candidate))
+        return found
 
-        Never blocks the worker: the copy is checked against the slot's sequence counter, and a
-        slot the worker started overwriting meanwhile reads as None (the caller moves on).
+    def _missing(self, rank: int, committed: Committed) -> set[int]:
+        """Owners that do not hold ``committed``'s step with its layout (lock held)."""
+        missing = set()
+        for owner in owners_of(committed.borrowed):
+            memory = self._ranks.get(owner)
+            match = None if memory is None else _at_step(memory, committed.step)
+            if match is None or match.layout != committed.layout:
+                missing.add(owner)
+        return missing
+
+    def _note_mismatch(self, rank: int, committed: Committed, affected: list[tuple[int, Committed]]) -> None:
+        """Turn borrowing off for good when two local ranks lay out the same step differently (lock held)."""
+        pairs = [(q, c) for q, c in affected if q != rank]
+        for owner in owners_of(committed.borrowed):
+            memory = self._ranks.get(owner)
+            match = None if memory is None else _at_step(memory, committed.step)
+            if match is not None:
+                pairs.append((owner, match))
+        other = next((q for q, c in pairs if c.layout != committed.layout), None)
+        if other is not None and not self._whole:
+            self._whole = True
+            logger.warning(
+                "ranks %d and %d snapshot different tensors at step %d: deduplication is off for the rest of "
+                "this job (each rank copies all of its state)",
+                rank,
+                other,
+                committed.step,
+            )
+
+    def _out_of_step(self, committed: Committed, first: bool) -> bool:
+        """Whether an owner's newest commit is more than a step away from this one (lock held).
+
+        In lockstep (DDP) an owner is at most one step behind, or one ahead when its commit was
+        handled before this one's; further apart, it may no longer hold the step when it is read.
         """
+        for owner in owners_of(committed.borrowed):
+            memory = self._ranks.get(owner)
+            newest = None if memory is None else memory.newest()
+            if newest is None:
+                if not first:
+                    return True
+            elif not committed.step - 1 <= newest.step <= committed.step + 1:
+                return True
+        return False
+
+    def is_complete(self, rank: int, step: int) -> bool:
+        """Whether node memory holds all of ``rank``'s snapshot of ``step`` (own and borrowed bytes)."""
         with self._lock:
             memory = self._ranks.get(rank)
-            found = None if memory is None else next((c for c in memory.committed.values() if c.step == step), None)
-            buffer = None if found is None or memory is None else memory.slots[found.slot]
-        if memory is None or found is None or buffer is None:
+            found = None if memory is None else _at_step(memory, step)
+            return found is not None and not self._missing(rank, found)
+
+    def _sources(self, rank: int, step: int) -> list[tuple[RankMemory, Committed, SharedBuffer]] | None:
+        """Each slot that holds part of ``rank``'s ``step``, its own first; None if one is gone (lock held)."""
+        memory = self._ranks.get(rank)
+        found = None if memory is None else _at_step(memory, step)
+        if memory is None or found is None or memory.slots[found.slot] is None:
             return None
-        if memory.seq.read(found.slot) != found.seq:
+        sources = [(memory, found, memory.slots[found.slot])]
+        for owner in sorted(owners_of(found.borrowed)):
+            owner_memory = self._ranks.get(owner)
+            held = None if owner_memory is None else _at_step(owner_memory, step)
+            if owner_memory is None or held is None or held.layout != found.layout:
+                return None
+            sources.append((owner_memory, held, owner_memory.slots[held.slot]))
+        if any(buffer is None for _, _, buffer in sources):
+            return None
+        return sources  # type: ignore[return-value]  # None excluded just above
+
+    def read(self, rank: int, step: int) -> tuple[bytearray, Any] | None:
+        """A consistent, complete copy of ``rank``'s snapshot of ``step``, or None if gone or torn.
+
+        Never blocks a worker: the copy is checked against the sequence counter of every slot it
+        came from, and a slot its worker started overwriting meanwhile makes it None (the caller
+        moves on). Borrowed ranges are filled in from their owners' slots.
+        """
+        with self._lock:
+            sources = self._sources(rank, step)
+        if sources is None:
+            return None
+        if any(memory.seq.read(c.slot) != c.seq for memory, c, _ in sources):
             return None  # already being (or been) overwritten by a newer step
-        data = bytes(buffer.view()[: found.nbytes])
-        if not memory.seq.is_stable(found.slot, found.seq):
+        found, buffer = sources[0][1], sources[0][2]
+        data = bytearray(buffer.view()[: found.nbytes])
+        by_owner = {memory.rank: owner_buffer for memory, _, owner_buffer in sources[1:]}
+        for owner, begin, end in found.borrowed:
+            data[begin:end] = by_owner[owner].view()[begin:end]
+        if not all(memory.seq.is_stable(c.slot, c.seq) for memory, c, _ in sources):
             return None
         return data, found.values
+
+    def materialize(self, rank: int, step: int) -> bool:
+        """Fill ``rank``'s slot of ``step`` with its borrowed bytes, so the slot alone is complete.
+
+        A restoring worker maps only its own slots; the owners' slots are still there at restore
+        (nobody commits until every rank has restored). False: the step is not complete here.
+        """
+        with self._lock:
+            sources = self._sources(rank, step)
+        if sources is None:
+            return False
+        memory, found, buffer = sources[0]
+        if not found.borrowed:
+            return True
+        if any(owner.seq.read(c.slot) != c.seq for owner, c, _ in sources):
+            return False
+        by_owner = {owner.rank: owner_buffer for owner, _, owner_buffer in sources[1:]}
+        memory.seq.begin(found.slot)
+        target = buffer.view()
+        for owner, begin, end in found.borrowed:
+            target[begin:end] = by_owner[owner].view()[begin:end]
+        memory.seq.end(found.slot)
+        intact = all(owner.seq.is_stable(c.slot, c.seq) for owner, c, _ in sources[1:])
+        with self._lock:
+            if memory.committed.get(found.slot) is found:
+                if intact:
+                    memory.committed[found.slot] = replace(found, borrowed=(), seq=memory.seq.read(found.slot))
+                else:
+                    del memory.committed[found.slot]  # torn: the step is lost here, other tiers may hold it
+        return intact and memory.committed.get(found.slot) is not None
 
     def install(self, rank: int, step: int, data: bytes | memoryview, values: Any) -> None:
         """Place a snapshot fetched from another tier into a free slot, as if the worker committed it."""
@@ -159,17 +312,22 @@ class NodeMemoryTier:
         memory.seq.begin(slot)
         buffer.view()[: len(data)] = data
         memory.seq.end(slot)
-        self.commit(rank, step, slot, len(data), values)
+        self.commit(rank, step, slot, len(data), values, layout=layout_hash(data))
 
     def describe(self, rank: int) -> dict[str, Any]:
-        """What this node holds for ``rank``: the committed steps per slot."""
+        """What this node holds for ``rank``: the committed steps per slot, and whether each is complete."""
         with self._lock:
             memory = self._ranks.get(rank)
             if memory is None:
                 return {"committed": {}}
             return {
                 "committed": {
-                    str(slot): {"step": c.step, "nbytes": c.nbytes, "values": c.values}
+                    str(slot): {
+                        "step": c.step,
+                        "nbytes": c.nbytes,
+                        "values": c.values,
+                        "complete": not self._missing(rank, c),
+                    }
                     for slot, c in memory.committed.items()
                 }
             }
@@ -183,3 +341,7 @@ class NodeMemoryTier:
             ranks, self._ranks = list(self._ranks.values()), {}
         for memory in ranks:
             memory.close()
+
+
+def _at_step(memory: RankMemory, step: int) -> Committed | None:
+    return next((c for c in memory.committed.values() if c.step == step), None)

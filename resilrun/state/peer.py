@@ -245,7 +245,12 @@ class Replicator:
         if buffer is None or not is_intact():
             return False
         view = buffer.view()[: committed.nbytes]
-        if target.staged > 0:
+        if committed.borrowed:  # deduplicated: assembled from the owners' slots into a private copy
+            assembled = self._memory.read(source.rank, committed.step)
+            if assembled is None or not is_intact():
+                return False
+            view, check = memoryview(assembled[0]), None
+        elif target.staged > 0:
             if len(target.staging) < committed.nbytes:
                 target.staging = bytearray(committed.nbytes)
             staged = memoryview(target.staging)[: committed.nbytes]
@@ -269,9 +274,9 @@ class Replicator:
             target.sock = sock
 
         sent = push_view(target.address, self._secret, announce, view, deadline, check, on_socket)
-        if check is None:
+        if check is None and not committed.borrowed:
             target.staged -= 1
-        elif not sent:
+        elif check is not None and not sent:
             target.staged = _STAGED_PUSHES
         return sent
 

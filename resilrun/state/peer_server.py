@@ -227,7 +227,7 @@ class ReplicaServer:
         local = {}
         for rank in self.memory.held_ranks():
             committed = self.memory.describe(rank)["committed"].values()
-            steps = sorted((int(c["step"]) for c in committed), reverse=True)
+            steps = sorted((int(c["step"]) for c in committed if c["complete"]), reverse=True)
             if steps:
                 local[str(rank)] = steps
         replicas = {str(rank): steps for rank, steps in self.replicas.held().items()}

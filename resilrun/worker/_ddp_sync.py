@@ -36,6 +36,8 @@ except ImportError:  # pragma: no cover - a torch without them keeps DDP's own s
 
 _ORIGINAL_INIT = DistributedDataParallel.__init__
 _PENDING: weakref.WeakKeyDictionary[DistributedDataParallel, tuple[bool, Any]] = weakref.WeakKeyDictionary()
+# Every DDP built since install(): snapshots need to know which parameters DDP keeps equal on all ranks.
+_BUILT: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
 
 def install() -> bool:
@@ -50,9 +52,11 @@ def install() -> bool:
         bound = signature.bind(self, *args, **kwargs)
         if "init_sync" in bound.arguments:  # the user chose: respect it
             _ORIGINAL_INIT(self, *args, **kwargs)
+            _BUILT.add(self)
             return
         _ORIGINAL_INIT(self, *args, init_sync=False, **kwargs)
         _PENDING[self] = (_buffers_synced_at_init(bound.arguments), self.register_forward_pre_hook(_sync_on_forward))
+        _BUILT.add(self)
 
     DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
     return True
@@ -76,10 +80,16 @@ def settle(restored: Iterable[Any]) -> None:
             _sync(ddp)
 
 
+def built() -> list[DistributedDataParallel]:
+    """The live DDPs built since ``install()``."""
+    return list(_BUILT)
+
+
 def forget_all() -> None:
     """Drop what a failed generation left pending: its DDPs belong to a process group now gone."""
     for ddp in list(_PENDING):
         _forget(ddp)
+    _BUILT.clear()
 
 
 def _buffers_synced_at_init(arguments: dict[str, Any]) -> bool:

@@ -8,12 +8,17 @@ written into the slot that does not hold the newest committed step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from resilrun.errors import CheckpointError
+from resilrun.state.dedup import Borrowed, borrowed_ranges, plan_owners
 from resilrun.state.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
 from resilrun.state.memory import SLOTS
 from resilrun.state.shm import SeqCounters, SharedBuffer
@@ -30,17 +35,21 @@ def dtype_code(tensor: torch.Tensor) -> str:
 class Snapshotter:
     """This rank's two slots in node memory and what each of them holds."""
 
-    def __init__(self, client: AgentClient, rank: int) -> None:
+    def __init__(self, client: AgentClient, rank: int, group: Sequence[int] = ()) -> None:
+        """``group``: the global ranks on this node, which may share replicated tensors (state/dedup.py)."""
         self.client = client
         self.rank = rank
+        self.group = tuple(group)
         self.slots: list[SharedBuffer | None] = [None] * SLOTS
         self._layout: Layout | None = None
+        self._plan: tuple[Layout, frozenset[str], frozenset[str], Borrowed] | None = None
+        self._whole = False  # the agent asked for a snapshot without borrowed bytes next
         self._pinned = False
         self.attach()
 
     def attach(self) -> None:
         """(Re)map this rank's buffers as the agent holds them now (after a fetch from another tier)."""
-        response, fds = self.client.request({"op": "attach", "rank": self.rank})
+        response, fds = self._request({"op": "attach", "rank": self.rank})
         for buffer in [*self.slots, getattr(self, "ctl", None)]:
             if buffer is not None:
                 buffer.close()
@@ -56,7 +65,7 @@ class Snapshotter:
 
     def restore_info(self, world_size: int) -> dict[str, Any]:
         """Steps each tier holds for this rank: {"memory": [...], "peer": [...], "persisted": s|None}."""
-        response, _ = self.client.request({"op": "restore_info", "rank": self.rank, "world_size": world_size})
+        response, _ = self._request({"op": "restore_info", "rank": self.rank, "world_size": world_size})
         return response
 
     def fetch(self, step: int, tier: str) -> dict[str, Any]:
@@ -65,13 +74,21 @@ class Snapshotter:
         Returns:
             The agent's account of the transfer: ``{"bytes": int, "seconds": float}``.
         """
-        response, _ = self.client.request({"op": "fetch", "rank": self.rank, "step": step, "tier": tier})
+        response, _ = self._request({"op": "fetch", "rank": self.rank, "step": step, "tier": tier})
         self.attach()
         return response
 
+    def complete(self, step: int) -> None:
+        """Have the agent fill this rank's slot of ``step`` with the bytes it borrowed, before a load.
+
+        Raises:
+            CheckpointError: a part of the step is gone (the restore plans again).
+        """
+        self._request({"op": "complete", "rank": self.rank, "step": step})
+
     def report(self, event: str, **fields: Any) -> None:
         """Tell the agent about a recovery milestone (for the job's recovery timeline); best effort."""
-        self.client.request({"op": "report", "event": event, "rank": self.rank, "pid": os.getpid(), **fields})
+        self._request({"op": "report", "event": event, "rank": self.rank, "pid": os.getpid(), **fields})
 
     # -- restore -------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -96,10 +113,22 @@ class Snapshotter:
         return tensors, self.held[slot][1]
 
     # -- commit --------------------------------------------------------------------------------
-    def save(self, step: int, tensors: dict[str, torch.Tensor], values: Any) -> None:
-        """Copy ``tensors`` into the free slot, then commit ``step`` with ``values``."""
+    def save(
+        self, step: int, tensors: dict[str, torch.Tensor], values: Any, replicated: frozenset[str] = frozenset()
+    ) -> None:
+        """Copy ``tensors`` into the free slot, then commit ``step`` with ``values``.
+
+        The commit message is posted, not awaited: its answer is read at the next request, so a
+        refused commit raises one call later (``flush`` waits for it). Of the ``replicated``
+        tensors (equal on every rank of the group) this rank copies only the ones it owns, and the
+        commit says where the others are.
+        """
         started = time.perf_counter()
+        # The agent must have taken the previous commit before a slot is written again: the slot
+        # about to be overwritten is the one the agent may still count as the newest complete step.
+        self._settle()
         layout = self._layout_for(tensors)
+        skipped, borrowed = self._borrowing(layout, frozenset() if self._whole else replicated)
         slot = self._free_slot()
         buffer = self.slots[slot]
         if buffer is None or buffer.nbytes < layout.total_bytes:
@@ -111,6 +140,8 @@ class Snapshotter:
         base = layout.data_start
         asynchronous = False
         for entry in layout.entries:
+            if entry.name in skipped:
+                continue
             source = tensors[entry.name].detach()
             target = buffer.tensor[base + entry.begin : base + entry.end].view(source.dtype).view(source.shape)
             non_blocking = source.is_cuda and self._pinned
@@ -120,7 +151,7 @@ class Snapshotter:
             torch.cuda.current_stream().synchronize()
         self.seq.end(slot)
         copy_s = time.perf_counter() - started
-        self.client.request(
+        self.client.post(
             {
                 "op": "commit",
                 "copy_s": round(copy_s, 6),
@@ -130,12 +161,33 @@ class Snapshotter:
                 "nbytes": layout.total_bytes,
                 "pid": os.getpid(),
                 "values": values,
+                "borrowed": [list(r) for r in borrowed],
+                "layout": zlib.crc32(layout.header),
             }
         )
         self.held[slot] = (step, values)
 
+    def flush(self) -> None:
+        """Wait for the agent's answer to the last commit (it is read lazily, see ``save``).
+
+        Raises:
+            CheckpointError: the agent refused that commit.
+        """
+        self._settle()
+
+    def _settle(self) -> None:
+        response = self.client.collect()
+        if response is not None:
+            self._whole = bool(response.get("whole"))
+
+    def _request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        self._settle()
+        return self.client.request(message)
+
     def close(self) -> None:
         """Unmap the slots and hang up (the agent keeps the memory)."""
+        with contextlib.suppress(CheckpointError):
+            self._settle()
         for buffer in [*self.slots, self.ctl]:
             if buffer is not None:
                 buffer.close()
@@ -149,6 +201,17 @@ class Snapshotter:
             self._layout = build_layout(specs)
         return self._layout
 
+    def _borrowing(self, layout: Layout, replicated: frozenset[str]) -> tuple[frozenset[str], Borrowed]:
+        """Names this rank does not copy and the ranges its commit borrows (cached per layout)."""
+        if not replicated or len(self.group) < 2:
+            return frozenset(), ()
+        plan = self._plan
+        if plan is None or plan[0] is not layout or plan[1] != replicated:
+            owners = plan_owners(layout, replicated, self.group)
+            skipped = frozenset(name for name, owner in owners.items() if owner != self.rank)
+            plan = self._plan = (layout, replicated, skipped, borrowed_ranges(layout, owners, self.rank))
+        return plan[2], plan[3]
+
     def _free_slot(self) -> int:
         if not self.held:
             return 0
@@ -156,7 +219,7 @@ class Snapshotter:
         return (newest + 1) % SLOTS
 
     def _allocate(self, slot: int, nbytes: int) -> SharedBuffer:
-        _, fds = self.client.request({"op": "alloc", "rank": self.rank, "slot": slot, "nbytes": nbytes})
+        _, fds = self._request({"op": "alloc", "rank": self.rank, "slot": slot, "nbytes": nbytes})
         old = self.slots[slot]
         self.slots[slot] = SharedBuffer.attach(fds[0])
         if old is not None:

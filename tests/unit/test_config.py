@@ -499,6 +499,7 @@ _RESILRUN_ONLY = {
     "checkpoint_uri",
     "persist_every",
     "keep_last",
+    "no_snapshot_dedup",
     "s3_endpoint_url",
     "s3_expected_owner",
     "metrics_port",
@@ -532,3 +533,16 @@ def test_metrics_are_off_by_default_and_bind_loopback() -> None:
 def test_bad_metrics_settings_are_usage_errors(changes: dict[str, object], fragment: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         Config.from_cli(script=__file__, **changes)
+
+
+@pytest.mark.parametrize(("flag", "expected"), [(False, True), (True, False)])
+def test_no_snapshot_dedup_reaches_every_worker(tmp_path: Path, flag: bool, expected: bool) -> None:
+    from resilrun.agent.specs import NodeSetup, worker_specs
+    from resilrun.env import read_worker_variables
+    from resilrun.rendezvous.protocol import NodeInfo, RdzvState
+
+    config = Config(nproc_per_node="2", no_snapshot_dedup=flag, script="train.py")
+    setup = NodeSetup(nproc=2, addr="127.0.0.1", log_root=tmp_path, base_env={})
+    state = RdzvState(round=1, complete=True, participants=(NodeInfo("n0", "127.0.0.1", 2),))
+    specs = worker_specs(config, setup, "run", state, 0, "127.0.0.1:29500")
+    assert [read_worker_variables(spec.env).dedup for spec in specs] == [expected, expected]
