@@ -182,9 +182,12 @@ class AgentChannel:
             return {"ok": True, "env": env}, []
         if op == "restore_info":
             return {"ok": True, **self.tiers.restore_info(int(request["rank"]), int(request["world_size"]))}, []
-        if op == "complete":
-            self.tiers.complete(int(request["rank"]), int(request["step"]))
-            return {"ok": True}, []
+        if op == "lend":
+            borrowed, buffers = self.tiers.lend(int(request["rank"]), int(request["step"]))
+            owners = sorted(buffers)
+            return {"ok": True, "borrowed": [list(r) for r in borrowed], "owners": owners}, [
+                buffers[owner].fd for owner in owners
+            ]
         if op == "fetch":
             info = self.tiers.fetch(int(request["rank"]), int(request["step"]), str(request["tier"]))
             return {"ok": True, **info}, []

@@ -14,7 +14,9 @@ from typing import Any
 
 from resilrun.errors import CheckpointError, CheckpointNotFoundError
 from resilrun.state import durable
+from resilrun.state.dedup import Borrowed
 from resilrun.state.memory import NodeMemoryTier
+from resilrun.state.shm import SharedBuffer
 from resilrun.storage.api import Storage
 
 logger = logging.getLogger(__name__)
@@ -66,14 +68,16 @@ class NodeTiers:
             return None
         return step
 
-    def complete(self, rank: int, step: int) -> None:
-        """Make ``rank``'s node-memory slot of ``step`` hold all its bytes (borrowed ones included).
+    def lend(self, rank: int, step: int) -> tuple[Borrowed, dict[int, SharedBuffer]]:
+        """The other local ranks' slots ``rank``'s node-memory snapshot of ``step`` borrows from.
 
         Raises:
-            CheckpointNotFoundError: an owner's part is gone (the caller plans again).
+            CheckpointNotFoundError: a part of the step is gone (the caller plans again).
         """
-        if not self.memory.materialize(rank, step):
+        lent = self.memory.lend(rank, step)
+        if lent is None:
             raise CheckpointNotFoundError(f"step {step} of rank {rank} is no longer complete in node memory")
+        return lent
 
     def fetch(self, rank: int, step: int, tier: str) -> dict[str, Any]:
         """Bring ``rank``'s snapshot of ``step`` from ``tier`` into node memory."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -268,35 +268,20 @@ class NodeMemoryTier:
             return None
         return data, found.values
 
-    def materialize(self, rank: int, step: int) -> bool:
-        """Fill ``rank``'s slot of ``step`` with its borrowed bytes, so the slot alone is complete.
+    def lend(self, rank: int, step: int) -> tuple[Borrowed, dict[int, SharedBuffer]] | None:
+        """What a restoring worker maps to load ``rank``'s ``step``: its borrowed ranges and the
+        owners' slot buffers holding them (None: the step is not complete here).
 
-        A restoring worker maps only its own slots; the owners' slots are still there at restore
-        (nobody commits until every rank has restored). False: the step is not complete here.
+        The worker then reads the borrowed tensors straight from the owners' slots (one copy, into
+        its tensors). No counter check is needed while it does: no rank commits before every rank
+        has restored (the first step's collectives wait for all of them).
         """
         with self._lock:
             sources = self._sources(rank, step)
         if sources is None:
-            return False
-        memory, found, buffer = sources[0]
-        if not found.borrowed:
-            return True
-        if any(owner.seq.read(c.slot) != c.seq for owner, c, _ in sources):
-            return False
-        by_owner = {owner.rank: owner_buffer for owner, _, owner_buffer in sources[1:]}
-        memory.seq.begin(found.slot)
-        target = buffer.view()
-        for owner, begin, end in found.borrowed:
-            target[begin:end] = by_owner[owner].view()[begin:end]
-        memory.seq.end(found.slot)
-        intact = all(owner.seq.is_stable(c.slot, c.seq) for owner, c, _ in sources[1:])
-        with self._lock:
-            if memory.committed.get(found.slot) is found:
-                if intact:
-                    memory.committed[found.slot] = replace(found, borrowed=(), seq=memory.seq.read(found.slot))
-                else:
-                    del memory.committed[found.slot]  # torn: the step is lost here, other tiers may hold it
-        return intact and memory.committed.get(found.slot) is not None
+            return None
+        found = sources[0][1]
+        return found.borrowed, {memory.rank: buffer for memory, _, buffer in sources[1:]}
 
     def install(self, rank: int, step: int, data: bytes | memoryview, values: Any) -> None:
         """Place a snapshot fetched from another tier into a free slot, as if the worker committed it."""

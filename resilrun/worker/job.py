@@ -194,7 +194,7 @@ class Job:
             transfer: dict[str, Any] = {}
             try:
                 if tier is Tier.MEMORY:
-                    snapshotter.complete(plan.step)
+                    snapshotter.borrow(plan.step)
                 else:
                     transfer = snapshotter.fetch(plan.step, "peer" if tier is Tier.PEER else "persistent")
             except CheckpointError as exc:
@@ -208,6 +208,7 @@ class Job:
                 )
             if min(row[0] for row in _all_gather_ints([int(error is None)], self._world_size, self._device)):
                 loaded = self._load(snapshotter, plan.step)
+                snapshotter.unborrow()  # the load made its own copies: unmap the other ranks' slots
                 logger.warning("rank %d resumed from step %d (%s)", self._rank, plan.step, _TIER_NAMES[tier])
                 self._report(
                     "state_restored",

@@ -44,6 +44,8 @@ class Snapshotter:
         self._layout: Layout | None = None
         self._plan: tuple[Layout, frozenset[str], frozenset[str], Borrowed] | None = None
         self._whole = False  # the agent asked for a snapshot without borrowed bytes next
+        # (step, borrowed ranges, owner rank -> its slot) mapped by borrow() for the next load
+        self._lent: tuple[int, Borrowed, dict[int, SharedBuffer]] | None = None
         self._pinned = False
         self.attach()
 
@@ -78,13 +80,22 @@ class Snapshotter:
         self.attach()
         return response
 
-    def complete(self, step: int) -> None:
-        """Have the agent fill this rank's slot of ``step`` with the bytes it borrowed, before a load.
+    def borrow(self, step: int) -> None:
+        """Map the other local ranks' slots that hold the bytes this rank's ``step`` borrowed.
 
         Raises:
             CheckpointError: a part of the step is gone (the restore plans again).
         """
-        self._request({"op": "complete", "rank": self.rank, "step": step})
+        response, fds = self._request({"op": "lend", "rank": self.rank, "step": step})
+        self.unborrow()
+        buffers = {int(owner): SharedBuffer.attach(fd) for owner, fd in zip(response["owners"], fds, strict=True)}
+        self._lent = (step, tuple((int(o), int(b), int(e)) for o, b, e in response["borrowed"]), buffers)
+
+    def unborrow(self) -> None:
+        """Unmap what ``borrow`` mapped (once nothing refers to the loaded views any more)."""
+        lent, self._lent = self._lent, None
+        for buffer in lent[2].values() if lent else ():
+            buffer.close()
 
     def report(self, event: str, **fields: Any) -> None:
         """Tell the agent about a recovery milestone (for the job's recovery timeline); best effort."""
@@ -98,16 +109,25 @@ class Snapshotter:
     def load(self, step: int) -> tuple[dict[str, torch.Tensor], Any]:
         """Views of the tensors of ``step`` in node memory, and its values.
 
-        The views are valid only until this rank's next commit overwrites the slot: copy what is kept.
+        Tensors the step borrowed (see ``borrow``) are views of the owners' slots. The views are
+        valid only until the next commit overwrites a slot: copy what is kept.
         """
         slot = next(s for s, (held_step, _) in self.held.items() if held_step == step)
         buffer = self.slots[slot]
         if buffer is None:
             raise RuntimeError(f"slot {slot} holds step {step} but is not mapped")
         layout = parse_header(buffer.view(), buffer.nbytes)
+        borrowed, owners = (self._lent[1], self._lent[2]) if self._lent and self._lent[0] == step else ((), {})
         tensors = {}
         for entry in layout.entries:
-            raw = buffer.tensor[layout.data_start + entry.begin : layout.data_start + entry.end]
+            begin, end = layout.data_start + entry.begin, layout.data_start + entry.end
+            source = buffer
+            for owner, lent_begin, lent_end in borrowed:
+                if lent_begin < end and begin < lent_end:
+                    if not lent_begin <= begin <= end <= lent_end:
+                        raise CheckpointError(f"tensor '{entry.name}' of step {step} is only partly borrowed")
+                    source = owners[owner]
+            raw = source.tensor[begin:end]
             dtype = getattr(torch, DTYPES[entry.dtype][0])
             tensors[entry.name] = raw.view(dtype).view(entry.shape)
         return tensors, self.held[slot][1]
@@ -188,6 +208,7 @@ class Snapshotter:
         """Unmap the slots and hang up (the agent keeps the memory)."""
         with contextlib.suppress(CheckpointError):
             self._settle()
+        self.unborrow()
         for buffer in [*self.slots, self.ctl]:
             if buffer is not None:
                 buffer.close()

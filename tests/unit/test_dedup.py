@@ -14,7 +14,7 @@ import pytest
 from resilrun.errors import CheckpointError
 from resilrun.state.dedup import borrowed_ranges, layout_hash, parse_borrowed, plan_owners
 from resilrun.state.layout import build_layout
-from resilrun.state.memory import Committed, NodeMemoryTier
+from resilrun.state.memory import NodeMemoryTier
 
 SPECS = [("w1", "F32", (64,)), ("w2", "F32", (32,)), ("w3", "F32", (16,)), ("w4", "F32", (16,)), ("bn", "F32", (8,))]
 LAYOUT = build_layout(SPECS)
@@ -129,26 +129,23 @@ def test_a_rank_whose_owner_is_out_of_step_is_asked_for_a_whole_snapshot(tier: N
     assert tier.read(0, 6) == (bytearray(b"A" * 24), {"step": 6})
 
 
-def test_materialize_makes_a_slot_complete_on_its_own(tier: NodeMemoryTier) -> None:
+def test_a_restoring_rank_is_lent_the_owners_slots_that_hold_what_it_borrowed(tier: NodeMemoryTier) -> None:
     _write(tier, 1, 5, b"B" * 24)
     _write(tier, 0, 5, b"A" * 24, BORROWED_FROM_1)
-    assert tier.materialize(0, 5)
-    memory = tier.rank(0)
-    committed: Committed = next(iter(memory.committed.values()))
-    assert committed.borrowed == ()
-    buffer = memory.slots[committed.slot]
-    assert buffer is not None and bytes(buffer.view()[:24]) == b"A" * 8 + b"B" * 8 + b"A" * 8
-    _write(tier, 1, 6, b"C" * 24)
-    _write(tier, 1, 7, b"D" * 24)  # the owner moved on: rank 0's step 5 no longer needs it
-    assert tier.read(0, 5) == (bytearray(b"A" * 8 + b"B" * 8 + b"A" * 8), {"step": 5})
+    lent = tier.lend(0, 5)
+    assert lent is not None
+    borrowed, buffers = lent
+    assert borrowed == BORROWED_FROM_1 and list(buffers) == [1]
+    assert bytes(buffers[1].view()[8:16]) == b"B" * 8  # the bytes rank 0 reads from rank 1's slot
+    assert tier.lend(1, 5) == ((), {})  # nothing borrowed: its own slot is enough
 
 
-def test_materialize_fails_when_an_owner_no_longer_holds_the_step(tier: NodeMemoryTier) -> None:
+def test_nothing_is_lent_once_an_owner_no_longer_holds_the_step(tier: NodeMemoryTier) -> None:
     _write(tier, 1, 5, b"B" * 24)
     _write(tier, 0, 5, b"A" * 24, BORROWED_FROM_1)
     _write(tier, 1, 6, b"C" * 24)
     _write(tier, 1, 7, b"D" * 24)
-    assert not tier.materialize(0, 5)
+    assert tier.lend(0, 5) is None
     assert not tier.is_complete(0, 5)
 
 
