@@ -38,7 +38,7 @@ from resilrun.agent.control import WorkerControl
 from resilrun.agent.telemetry import Telemetry
 from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import ResilrunError
-from resilrun.state.dedup import parse_borrowed
+from resilrun.state.dedup import parse_borrowed, parse_shared
 from resilrun.state.memory import SLOTS, NodeMemoryTier
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,8 @@ class AgentChannel:
                 request.get("values"),
                 parse_borrowed(request.get("borrowed"), rank, nbytes),
                 int(request.get("layout", 0)),
+                parse_shared(request.get("shared"), rank, nbytes),
+                int(request.get("round", -1)),
             )
             copy_s = request.get("copy_s")
             self.telemetry.committed(rank, step, nbytes, None if copy_s is None else float(copy_s))

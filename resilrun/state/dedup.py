@@ -60,6 +60,42 @@ def borrowed_ranges(layout: Layout, owners: dict[str, int], rank: int) -> Borrow
     return tuple(ranges)
 
 
+def shared_ranges(layout: Layout, replicated: Collection[str]) -> tuple[tuple[int, int], ...]:
+    """Slot ranges of the replicated tensors, adjacent ones merged: what every rank holds alike."""
+    ranges: list[tuple[int, int]] = []
+    base = layout.data_start
+    for entry in sorted(layout.entries, key=lambda e: e.begin):
+        if entry.name not in replicated or entry.nbytes == 0:
+            continue
+        begin, end = base + entry.begin, base + entry.end
+        if ranges and ranges[-1][1] == begin:
+            ranges[-1] = (ranges[-1][0], end)
+        else:
+            ranges.append((begin, end))
+    return tuple(ranges)
+
+
+def parse_shared(raw: object, rank: int, nbytes: int) -> tuple[tuple[int, int], ...]:
+    """Validate a commit's shared ranges (sorted, disjoint, inside the snapshot).
+
+    Raises:
+        CheckpointError: they are not.
+    """
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise CheckpointError(f"rank {rank}: shared ranges must be a list")
+    ranges: list[tuple[int, int]] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and all(type(v) is int for v in item)):
+            raise CheckpointError(f"rank {rank}: a shared range must be [begin, end] integers")
+        begin, end = item
+        if not 0 <= begin < end <= nbytes or (ranges and begin < ranges[-1][1]):
+            raise CheckpointError(f"rank {rank}: shared range {item} is out of order or outside the snapshot")
+        ranges.append((begin, end))
+    return tuple(ranges)
+
+
 def parse_borrowed(raw: object, rank: int, nbytes: int) -> Borrowed:
     """Validate a commit's borrowed ranges (from a worker's message).
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
+import torch
 
 from resilrun.errors import CheckpointError
 from resilrun.state.dedup import Borrowed, layout_hash, owners_of
@@ -49,6 +51,12 @@ class Committed:
     # the crc32 of its header: a range is borrowed only from an owner whose layout is the same.
     borrowed: Borrowed = ()
     layout: int = 0
+    # Ranges equal on every rank of the job (DDP state): a peer holding the same step fills them itself.
+    shared: tuple[tuple[int, int], ...] = ()
+    # The generation the step was trained in (-1: installed from another tier). Bytes are borrowed
+    # only within one generation: after a rollback a slot may still hold the abandoned timeline's
+    # copy of a step number that is being trained again.
+    round: int = -1
 
 
 class RankMemory:
@@ -79,6 +87,7 @@ class NodeMemoryTier:
         self.run_id = run_id
         self._ranks: dict[int, RankMemory] = {}
         self._lock = threading.Lock()
+        self._commits = threading.Condition(self._lock)  # notified on every commit
         self._listeners: list[Callable[[int, Committed], None]] = []
         self._whole = False  # set once local ranks' layouts were seen to differ: no more borrowing
 
@@ -143,6 +152,8 @@ class NodeMemoryTier:
         values: Any,
         borrowed: Borrowed = (),
         layout: int = 0,
+        shared: tuple[tuple[int, int], ...] = (),
+        round: int = -1,
     ) -> bool:
         """Record a worker's commit; returns whether its next snapshot should be written whole.
 
@@ -154,13 +165,15 @@ class NodeMemoryTier:
         with self._lock:
             if memory.slots[slot] is None:
                 raise CheckpointError(f"rank {rank} committed step {step} to unallocated slot {slot}")
-            committed = Committed(step, slot, nbytes, values, memory.seq.read(slot), borrowed, layout)
+            seq = memory.seq.read(slot)
+            committed = Committed(step, slot, nbytes, values, seq, borrowed, layout, shared, round)
             first = not memory.committed
             memory.committed[slot] = committed
             affected = self._affected(rank, committed)
             self._note_mismatch(rank, committed, affected)
             ready = [(r, c) for r, c in affected if not self._missing(r, c)]
             whole = self._whole or self._out_of_step(committed, first)
+            self._commits.notify_all()
         for listener in self._listeners:
             for ready_rank, ready_commit in ready:
                 listener(ready_rank, ready_commit)
@@ -182,8 +195,7 @@ class NodeMemoryTier:
         missing = set()
         for owner in owners_of(committed.borrowed):
             memory = self._ranks.get(owner)
-            match = None if memory is None else _at_step(memory, committed.step)
-            if match is None or match.layout != committed.layout:
+            if memory is None or _lender(memory, committed) is None:
                 missing.add(owner)
         return missing
 
@@ -195,7 +207,8 @@ class NodeMemoryTier:
             match = None if memory is None else _at_step(memory, committed.step)
             if match is not None:
                 pairs.append((owner, match))
-        other = next((q for q, c in pairs if c.layout != committed.layout), None)
+        # Another generation's copy of the step is an abandoned timeline, not a different layout.
+        other = next((q for q, c in pairs if c.round == committed.round and c.layout != committed.layout), None)
         if other is not None and not self._whole:
             self._whole = True
             logger.warning(
@@ -238,8 +251,8 @@ class NodeMemoryTier:
         sources = [(memory, found, memory.slots[found.slot])]
         for owner in sorted(owners_of(found.borrowed)):
             owner_memory = self._ranks.get(owner)
-            held = None if owner_memory is None else _at_step(owner_memory, step)
-            if owner_memory is None or held is None or held.layout != found.layout:
+            held = None if owner_memory is None else _lender(owner_memory, found)
+            if owner_memory is None or held is None:
                 return None
             sources.append((owner_memory, held, owner_memory.slots[held.slot]))
         if any(buffer is None for _, _, buffer in sources):
@@ -282,6 +295,47 @@ class NodeMemoryTier:
             return None
         found = sources[0][1]
         return found.borrowed, {memory.rank: buffer for memory, _, buffer in sources[1:]}
+
+    def copy_shared(
+        self, step: int, layout: int, round: int, ranges: Sequence[tuple[int, int]], into: memoryview, wait_s: float
+    ) -> bool:
+        """Copy ``ranges`` of any local rank's complete snapshot of ``step`` (trained in generation
+        ``round``, laid out as ``layout``) into ``into``.
+
+        For a peer's replica whose shared (DDP-equal) segments this node holds itself. Waits up to
+        ``wait_s`` for a local commit of ``step``; False when none came, or the copy was torn.
+        """
+        deadline = time.monotonic() + wait_s
+        with self._commits:
+            while (holder := self._holder(step, layout, round)) is None:
+                newest = [m.newest() for m in self._ranks.values()]
+                coming = any(n is None or n.step < step for n in newest)
+                left = deadline - time.monotonic()
+                if not coming or left <= 0:
+                    return False
+                self._commits.wait(left)
+            sources = self._sources(holder, step)
+        if sources is None:
+            return False
+        if any(memory.seq.read(c.slot) != c.seq for memory, c, _ in sources):
+            return False
+        found, own = sources[0][1], sources[0][2]
+        owners = {memory.rank: buffer for memory, _, buffer in sources[1:]}
+        target = torch.frombuffer(into, dtype=torch.uint8) if len(into) else torch.empty(0, dtype=torch.uint8)
+        for begin, end in ranges:
+            for piece_begin, piece_end, buffer in _pieces(found.borrowed, own, owners, begin, end):
+                target[piece_begin:piece_end].copy_(buffer.tensor[piece_begin:piece_end])
+        return all(memory.seq.is_stable(c.slot, c.seq) for memory, c, _ in sources)
+
+    def _holder(self, step: int, layout: int, round: int) -> int | None:
+        """A local rank holding a complete snapshot of ``step`` of that layout and generation (lock held)."""
+        for rank, memory in sorted(self._ranks.items()):
+            found = _at_step(memory, step)
+            if found is None or round < 0 or found.round != round or found.layout != layout:
+                continue
+            if not self._missing(rank, found):
+                return rank
+        return None
 
     def install(self, rank: int, step: int, data: bytes | memoryview, values: Any) -> None:
         """Place a snapshot fetched from another tier into a free slot, as if the worker committed it."""
@@ -329,4 +383,34 @@ class NodeMemoryTier:
 
 
 def _at_step(memory: RankMemory, step: int) -> Committed | None:
-    return next((c for c in memory.committed.values() if c.step == step), None)
+    """The rank's commit of ``step``; of two (a rollback's abandoned copy and the new one), the newer generation's."""
+    return max((c for c in memory.committed.values() if c.step == step), key=lambda c: c.round, default=None)
+
+
+def _lender(memory: RankMemory, borrower: Committed) -> Committed | None:
+    """The rank's commit that ``borrower`` may take bytes from: same step, layout and generation."""
+    return next(
+        (c for c in memory.committed.values() if c.step == borrower.step and _same_timeline(c, borrower)), None
+    )
+
+
+def _pieces(
+    borrowed: Borrowed, own: SharedBuffer, owners: dict[int, SharedBuffer], begin: int, end: int
+) -> Iterator[tuple[int, int, SharedBuffer]]:
+    """[begin, end) split by which slot holds each part: the owner's where borrowed, else ``own``."""
+    position = begin
+    for owner, lent_begin, lent_end in sorted(borrowed, key=lambda r: r[1]):
+        lo, hi = max(lent_begin, begin), min(lent_end, end)
+        if lo >= hi:
+            continue
+        if position < lo:
+            yield position, lo, own
+        yield lo, hi, owners[owner]
+        position = hi
+    if position < end:
+        yield position, end, own
+
+
+def _same_timeline(owner: Committed, borrower: Committed) -> bool:
+    """Whether ``owner``'s snapshot can lend bytes to ``borrower``'s (same step is checked by the caller)."""
+    return owner.layout == borrower.layout and owner.round == borrower.round

@@ -245,11 +245,16 @@ class Replicator:
         if buffer is None or not is_intact():
             return False
         view = buffer.view()[: committed.nbytes]
-        if committed.borrowed:  # deduplicated: assembled from the owners' slots into a private copy
-            assembled = self._memory.read(source.rank, committed.step)
-            if assembled is None or not is_intact():
-                return False
-            view, check = memoryview(assembled[0]), None
+        whole: Callable[[], memoryview | None] | None = None
+        if committed.borrowed:
+            # Deduplicated: the slot's own bytes suffice when the peer fills the shared segments
+            # (borrowed ones are among them); otherwise the push sends a copy assembled from the
+            # owners' slots.
+            def whole() -> memoryview | None:
+                assembled = self._memory.read(source.rank, committed.step)
+                return memoryview(assembled[0]) if assembled is not None and is_intact() else None
+
+            check = is_intact
         elif target.staged > 0:
             if len(target.staging) < committed.nbytes:
                 target.staging = bytearray(committed.nbytes)
@@ -267,13 +272,23 @@ class Replicator:
                 logger.error("rank %d step %d in node memory is not a snapshot: %s", source.rank, committed.step, exc)
             return False
         world_size = self._world_size() if self._world_size is not None else None
-        announce = Announce(source.rank, committed.step, world_size, committed.nbytes, committed.values, bounds)
+        announce = Announce(
+            source.rank,
+            committed.step,
+            world_size,
+            committed.nbytes,
+            committed.values,
+            bounds,
+            committed.shared,
+            committed.layout,
+            committed.round,
+        )
         deadline = Deadline.total(self._timeout + committed.nbytes / _MIN_RATE_BYTES_S)
 
         def on_socket(sock: socket.socket | None) -> None:
             target.sock = sock
 
-        sent = push_view(target.address, self._secret, announce, view, deadline, check, on_socket)
+        sent = push_view(target.address, self._secret, announce, view, deadline, check, on_socket, whole)
         if check is None and not committed.borrowed:
             target.staged -= 1
         elif check is not None and not sent:

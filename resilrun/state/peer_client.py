@@ -78,14 +78,25 @@ def push_view(
     deadline: Deadline,
     is_intact: Callable[[], bool] | None = None,
     on_socket: Callable[[socket.socket | None], None] | None = None,
+    whole: Callable[[], memoryview | None] | None = None,
 ) -> bool:
-    """Send one snapshot; False when ``is_intact`` said the source changed (ABORT was sent)."""
+    """Send one snapshot; False when ``is_intact`` said the source changed (ABORT was sent).
+
+    Args:
+        whole: when ``view`` is complete only in the announce's shared segments' absence (a
+            deduplicated slot), what to send instead if the peer does not fill them itself: a
+            private complete copy, or None when the source is gone (ABORT).
+    """
     with connection(address, secret, deadline, on_socket) as sock:
         send_message(sock, {"op": "push", **announce.to_message()}, deadline)
         reply = recv_message(sock, deadline)
         if reply.get("ok") is not True:
             raise ReplicationError(f"refused step {announce.step} of rank {announce.rank}: {reply.get('error')}")
-        sent = send_snapshot(sock, deadline, view, announce.bounds, is_intact)
+        skip = announce.shared if reply.get("filled") is True else ()  # the peer holds those bytes itself
+        if not skip and whole is not None:
+            complete = whole()
+            view, is_intact = (complete, None) if complete is not None else (view, lambda: False)
+        sent = send_snapshot(sock, deadline, view, announce.bounds, is_intact, skip=skip)
         reply = recv_message(sock, deadline)
         if not sent.committed:
             return False

@@ -55,6 +55,9 @@ IO_TIMEOUT = timedelta(seconds=30)
 # Replicas come from the next k nodes, fetches from restoring nodes; 64 covers both with room to spare
 # and caps the threads a connection flood can create.
 MAX_CONNECTIONS = 64
+# How long a push with shared segments waits for this node's own commit of the same step before
+# taking all the bytes over the network instead (ranks in lockstep commit within milliseconds).
+_SHARED_WAIT_S = 1.0
 
 
 class ReplicaServer:
@@ -167,8 +170,9 @@ class ReplicaServer:
             send_message(conn, {"ok": False, "error": exc.message}, deadline)
             return
         try:
-            send_message(conn, {"ok": True}, deadline)
-            received = receive_snapshot(conn, deadline, reservation.view, announce.bounds)
+            filled = self._fill_shared(announce, reservation.view)
+            send_message(conn, {"ok": True, "filled": True} if filled else {"ok": True}, deadline)
+            received = receive_snapshot(conn, deadline, reservation.view, announce.bounds, filled)
         except BaseException:
             self.replicas.release(reservation)
             raise
@@ -190,6 +194,20 @@ class ReplicaServer:
         level = logging.DEBUG if received.aborted else logging.WARNING
         logger.log(level, "replica of rank %d step %d not kept: %s", announce.rank, announce.step, received.problem)
         send_message(conn, {"ok": False, "error": received.problem}, deadline)
+
+    def _fill_shared(self, announce: Announce, into: memoryview) -> tuple[tuple[int, int], ...]:
+        """Copy the announce's shared segments from this node's own ranks; the ranges filled.
+
+        Under DDP this node's ranks hold the same parameters and optimizer state at the same
+        step, so those bytes need not cross the network: only each rank's own bytes do. Waits a
+        little for this node's commit of the step (in lockstep it lands about when the push does).
+        """
+        if not announce.shared:
+            return ()
+        filled = self.memory.copy_shared(
+            announce.step, announce.layout, announce.round, announce.shared, into, _SHARED_WAIT_S
+        )
+        return announce.shared if filled else ()
 
     def _fetch(self, conn: socket.socket, request: dict[str, Any], deadline: Deadline) -> None:
         rank, step = request.get("rank"), request.get("step")

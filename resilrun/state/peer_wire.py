@@ -11,7 +11,13 @@ A snapshot travels as an announce message (rank, step, world size, nbytes, value
 then data frames (u32 length + bytes; a zero length ends the data), then a trailer message:
 ``{"commit": true, "crc32": [...]}`` with one crc32 per segment, or ``{"commit": false}`` (ABORT)
 when the sender's source was overwritten meanwhile. Segments are the safetensors header and each
-tensor, so a replica's crc32s are the same numbers the durable tier's manifests record. The crc32s
+tensor, so a replica's crc32s are the same numbers the durable tier's manifests record.
+
+An announce may name *shared* segments (DDP's parameters and optimizer state, equal on every rank)
+with the snapshot's layout and generation. A receiver whose own ranks hold the same step of the
+same generation in the same layout copies them from its node memory and answers ``filled``; the
+sender then leaves those segments out of the stream (null crc32s in the trailer) and the receiver
+hashes its own copy of them, so the replica is complete, with every crc32, either way. The crc32s
 ride in the trailer rather than the announce so that each end reads the bytes once, hashing them
 (on a helper thread) while they move; the receiver verifies before anything becomes visible.
 
@@ -211,9 +217,15 @@ class Announce:
     nbytes: int
     values: Any
     bounds: tuple[int, ...]  # segment i is bytes [bounds[i], bounds[i + 1])
+    # Whole segments that are equal on every rank of the job (DDP's parameters and optimizer
+    # state): a receiver whose own ranks hold the same step in the same layout fills them from
+    # its node memory, and the sender leaves them out of the stream.
+    shared: tuple[tuple[int, int], ...] = ()
+    layout: int = 0  # crc32 of the snapshot's header: "the same layout" above
+    round: int = -1  # the generation the step was trained in: "the same step" above
 
     def to_message(self) -> dict[str, Any]:
-        return {
+        message = {
             "rank": self.rank,
             "step": self.step,
             "world_size": self.world_size,
@@ -221,6 +233,9 @@ class Announce:
             "values": self.values,
             "bounds": list(self.bounds),
         }
+        if self.shared:
+            message.update(shared=[list(r) for r in self.shared], layout=self.layout, round=self.round)
+        return message
 
 
 def _is_int(value: Any, minimum: int = 0) -> TypeGuard[int]:
@@ -250,7 +265,39 @@ def parse_announce(message: dict[str, Any]) -> Announce:
         or not all(a < b for a, b in zip(bounds, bounds[1:], strict=False))
     ):
         raise ReplicationError("bad segment bounds in announce")
-    return Announce(rank, step, world_size, nbytes, message.get("values"), tuple(bounds))
+    shared = _parse_shared(message.get("shared", []), bounds)
+    layout, round_ = message.get("layout", 0), message.get("round", -1)
+    if not _is_int(layout) or not _is_int(round_, -1):
+        raise ReplicationError(f"bad layout or round in announce: {layout!r}, {round_!r}")
+    return Announce(rank, step, world_size, nbytes, message.get("values"), tuple(bounds), shared, layout, round_)
+
+
+def _parse_shared(raw: Any, bounds: list[int]) -> tuple[tuple[int, int], ...]:
+    """Shared ranges: sorted, disjoint, non-empty, on segment bounds (so whole segments are skipped)."""
+    cuts = set(bounds)
+    if not isinstance(raw, list) or len(raw) > MAX_SEGMENTS:
+        raise ReplicationError("bad shared ranges in announce")
+    ranges: list[tuple[int, int]] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and all(_is_int(v) for v in item)):
+            raise ReplicationError("bad shared ranges in announce")
+        begin, end = item
+        if begin >= end or begin not in cuts or end not in cuts or (ranges and begin < ranges[-1][1]):
+            raise ReplicationError(f"shared range {item} is not on segment bounds, in order and disjoint")
+        ranges.append((begin, end))
+    return tuple(ranges)
+
+
+def spans(total: int, skip: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges of [0, total) outside ``skip`` (sorted, disjoint): what a stream carries."""
+    found, position = [], 0
+    for begin, end in skip:
+        if begin > position:
+            found.append((position, begin))
+        position = max(position, end)
+    if position < total:
+        found.append((position, total))
+    return found
 
 
 def snapshot_bounds(view: memoryview) -> tuple[int, ...]:
@@ -279,19 +326,29 @@ class Checksums:
         self._bounds = bounds
         self._crc = 0
         self._position = 0
-        self.values: list[int] = []
+        self._skipped = False
+        self.values: list[int | None] = []  # None: a segment (partly) skipped, not hashed
 
     def update(self, piece: memoryview) -> None:
-        start, count = 0, len(piece)
+        self._advance(len(piece), piece)
+
+    def skip(self, count: int) -> None:
+        self._advance(count, None)
+
+    def _advance(self, count: int, piece: memoryview | None) -> None:
+        start = 0
         while start < count:
             segment_end = self._bounds[len(self.values) + 1]
             take = min(count - start, segment_end - self._position)
-            self._crc = crc32(piece[start : start + take], self._crc)
+            if piece is None:
+                self._skipped = True
+            else:
+                self._crc = crc32(piece[start : start + take], self._crc)
             start += take
             self._position += take
             if self._position == segment_end:
-                self.values.append(self._crc)
-                self._crc = 0
+                self.values.append(None if self._skipped else self._crc)
+                self._crc, self._skipped = 0, False
 
 
 class _Hasher:
@@ -317,14 +374,21 @@ class _Hasher:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
     def feed(self, piece: memoryview) -> None:
+        self._submit(self.sums.update, piece)
+
+    def skip(self, count: int) -> None:
+        """Bytes left out of the stream: their segments get no crc32 (None)."""
+        self._submit(self.sums.skip, count)
+
+    def _submit(self, work: Callable[[Any], None], arg: Any) -> None:
         if self._pool is None:
-            self.sums.update(piece)
+            work(arg)
             return
-        self._pending.append(self._pool.submit(self.sums.update, piece))
+        self._pending.append(self._pool.submit(work, arg))
         while len(self._pending) > _PIPELINE_DEPTH:
             self._pending.popleft().result()
 
-    def finish(self) -> list[int]:
+    def finish(self) -> list[int | None]:
         """Every fed byte is hashed (and no longer read) once this returns."""
         while self._pending:
             self._pending.popleft().result()
@@ -335,7 +399,7 @@ class _Hasher:
 @dataclass(frozen=True, slots=True)
 class Sent:
     committed: bool  # False: the source changed while it was read and ABORT went instead of COMMIT
-    crcs: tuple[int, ...]  # what the bytes sent hash to (empty when aborted)
+    crcs: tuple[int | None, ...]  # what the bytes sent hash to (None: skipped; empty when aborted)
 
 
 def send_snapshot(
@@ -345,6 +409,7 @@ def send_snapshot(
     bounds: Sequence[int],
     is_intact: Callable[[], bool] | None = None,
     stored_crcs: Sequence[int] | None = None,
+    skip: Sequence[tuple[int, int]] = (),
 ) -> Sent:
     """Stream ``view`` as data frames, then COMMIT with the crc32s, or ABORT when it was torn.
 
@@ -352,23 +417,32 @@ def send_snapshot(
         is_intact: the source's seqlock check, asked before every frame and after the last one.
         stored_crcs: crcs recorded when the bytes were received (a replica); they are sent instead of
             the ones computed now, so that bytes corrupted at rest fail the receiver's check.
+        skip: whole segments the receiver fills itself (``Announce.shared``): not sent, not
+            hashed, null in the trailer.
     """
     with _Hasher(bounds, len(view)) as hasher:
-        for offset in range(0, len(view), CHUNK_BYTES):
-            if is_intact is not None and not is_intact():
-                hasher.finish()
-                return _abort(sock, deadline)
-            piece = view[offset : offset + CHUNK_BYTES]
-            hasher.feed(piece)
-            deadline.apply(sock)
-            sock.sendall(_LEN.pack(len(piece)), _MSG_MORE)
-            sock.sendall(piece)
+        position = 0
+        for begin, end in spans(len(view), skip):
+            if begin > position:
+                hasher.skip(begin - position)
+            for offset in range(begin, end, CHUNK_BYTES):
+                if is_intact is not None and not is_intact():
+                    hasher.finish()
+                    return _abort(sock, deadline)
+                piece = view[offset : min(offset + CHUNK_BYTES, end)]
+                hasher.feed(piece)
+                deadline.apply(sock)
+                sock.sendall(_LEN.pack(len(piece)), _MSG_MORE)
+                sock.sendall(piece)
+            position = end
+        if position < len(view):
+            hasher.skip(len(view) - position)
         computed = hasher.finish()  # before the last check: the helper reads the source too
     if is_intact is not None and not is_intact():
         return _abort(sock, deadline)
     deadline.apply(sock)
     sock.sendall(_LEN.pack(0), _MSG_MORE)
-    crcs = list(stored_crcs) if stored_crcs is not None else computed
+    crcs = list(stored_crcs) if stored_crcs is not None and not skip else computed
     send_message(sock, {"commit": True, "crc32": crcs}, deadline)
     return Sent(True, tuple(computed))
 
@@ -387,8 +461,19 @@ class Received:
     aborted: bool = False  # the sender sent ABORT: its source changed (expected, not an error)
 
 
-def receive_snapshot(sock: socket.socket, deadline: Deadline, into: memoryview, bounds: Sequence[int]) -> Received:
+def receive_snapshot(
+    sock: socket.socket,
+    deadline: Deadline,
+    into: memoryview,
+    bounds: Sequence[int],
+    filled: Sequence[tuple[int, int]] = (),
+) -> Received:
     """Receive data frames straight into ``into`` and check the trailer.
+
+    Args:
+        filled: ranges of ``into`` the receiver already wrote itself (the announce's shared
+            segments, from its own node memory): the stream leaves them out; they are hashed here
+            so that the replica's crc32s cover every segment.
 
     Returns:
         The verified crc32s, or why the bytes do not count (an ABORT, a short stream, a checksum
@@ -397,32 +482,50 @@ def receive_snapshot(sock: socket.socket, deadline: Deadline, into: memoryview, 
     Raises:
         ReplicationError, OSError: the stream broke the protocol, closed or timed out.
     """
-    offset, total = 0, len(into)
+    total = len(into)
+    todo = spans(total, filled)
+    expected_bytes = sum(end - begin for begin, end in todo)
+    offset, received = 0, 0
+    computed: list[int | None] = []
     with _Hasher(bounds, total) as hasher:
         while True:
             (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))
             if length == 0:
                 break
-            if length > CHUNK_BYTES or length > total - offset:
+            while todo and offset == todo[0][1]:
+                todo.pop(0)
+            if not todo:
+                raise ReplicationError(f"a data frame of {length} bytes overruns the announced {total} bytes")
+            if offset < todo[0][0]:  # the next span starts after bytes filled here: hash those first
+                hasher.feed(into[offset : todo[0][0]])
+                offset = todo[0][0]
+            if length > CHUNK_BYTES or length > todo[0][1] - offset:
                 raise ReplicationError(f"a data frame of {length} bytes overruns the announced {total} bytes")
             piece = into[offset : offset + length]
             recv_into_exact(sock, piece, deadline)
             hasher.feed(piece)
             offset += length
-        computed = hasher.finish()
+            received += length
+        if received == expected_bytes:
+            if offset < total:
+                hasher.feed(into[offset:total])  # filled bytes after the last span
+            computed = hasher.finish()
     trailer = recv_message(sock, deadline)
     if trailer.get("commit") is not True:
         return Received(f"aborted by the sender ({str(trailer.get('reason'))[:200]})", (), aborted=True)
     crcs = trailer.get("crc32")
-    if offset != total:
-        return Received(f"the sender committed after {offset} of {total} bytes", ())
+    if received != expected_bytes:
+        return Received(f"the sender committed after {received} of {expected_bytes} bytes", ())
     if not isinstance(crcs, list) or len(crcs) != len(computed):
         return Received("the trailer does not carry one crc32 per segment", ())
     for index, (expected, actual) in enumerate(zip(crcs, computed, strict=True)):
+        segment = (bounds[index], bounds[index + 1])
+        if expected is None and any(begin <= segment[0] and segment[1] <= end for begin, end in filled):
+            continue  # filled here, not sent: nothing to compare with
         if expected != actual:
             return Received(f"bytes {bounds[index]}..{bounds[index + 1]} (segment {index}) fail their crc32", ())
     try:
         check_snapshot(into)
     except CheckpointCorruptError as exc:
         return Received(f"the bytes are not a snapshot: {exc.message}", ())
-    return Received(None, tuple(computed))
+    return Received(None, tuple(c for c in computed if c is not None))

@@ -381,7 +381,8 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     if client is not None:
         client.request({"op": "hello_api", "pid": os.getpid()})
         first = variables.rank - variables.local_rank
-        snapshotter = Snapshotter(client, variables.rank, range(first, first + variables.local_world_size))
+        group = range(first, first + variables.local_world_size)
+        snapshotter = Snapshotter(client, variables.rank, group, variables.round)
     else:
         logger.warning("not started by resilrun: training runs, but steps are not snapshotted")
     _JOB = Job(

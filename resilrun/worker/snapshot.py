@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from resilrun.errors import CheckpointError
-from resilrun.state.dedup import Borrowed, borrowed_ranges, plan_owners
+from resilrun.state.dedup import Borrowed, borrowed_ranges, plan_owners, shared_ranges
 from resilrun.state.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
 from resilrun.state.memory import SLOTS
 from resilrun.state.shm import SeqCounters, SharedBuffer
@@ -35,14 +35,16 @@ def dtype_code(tensor: torch.Tensor) -> str:
 class Snapshotter:
     """This rank's two slots in node memory and what each of them holds."""
 
-    def __init__(self, client: AgentClient, rank: int, group: Sequence[int] = ()) -> None:
-        """``group``: the global ranks on this node, which may share replicated tensors (state/dedup.py)."""
+    def __init__(self, client: AgentClient, rank: int, group: Sequence[int] = (), round: int = -1) -> None:
+        """``group``: the global ranks on this node, which may share replicated tensors (state/dedup.py);
+        ``round``: this generation (bytes are shared only between commits of one generation)."""
         self.client = client
         self.rank = rank
+        self.round = round
         self.group = tuple(group)
         self.slots: list[SharedBuffer | None] = [None] * SLOTS
         self._layout: Layout | None = None
-        self._plan: tuple[Layout, frozenset[str], frozenset[str], Borrowed] | None = None
+        self._plan: tuple[Layout, frozenset[str], frozenset[str], Borrowed, tuple[tuple[int, int], ...]] | None = None
         self._whole = False  # the agent asked for a snapshot without borrowed bytes next
         # (step, borrowed ranges, owner rank -> its slot) mapped by borrow() for the next load
         self._lent: tuple[int, Borrowed, dict[int, SharedBuffer]] | None = None
@@ -148,7 +150,7 @@ class Snapshotter:
         # about to be overwritten is the one the agent may still count as the newest complete step.
         self._settle()
         layout = self._layout_for(tensors)
-        skipped, borrowed = self._borrowing(layout, frozenset() if self._whole else replicated)
+        skipped, borrowed, shared = self._borrowing(layout, replicated)
         slot = self._free_slot()
         buffer = self.slots[slot]
         if buffer is None or buffer.nbytes < layout.total_bytes:
@@ -182,6 +184,8 @@ class Snapshotter:
                 "pid": os.getpid(),
                 "values": values,
                 "borrowed": [list(r) for r in borrowed],
+                "shared": [list(r) for r in shared],
+                "round": self.round,
                 "layout": zlib.crc32(layout.header),
             }
         )
@@ -222,16 +226,24 @@ class Snapshotter:
             self._layout = build_layout(specs)
         return self._layout
 
-    def _borrowing(self, layout: Layout, replicated: frozenset[str]) -> tuple[frozenset[str], Borrowed]:
-        """Names this rank does not copy and the ranges its commit borrows (cached per layout)."""
-        if not replicated or len(self.group) < 2:
-            return frozenset(), ()
+    def _borrowing(
+        self, layout: Layout, replicated: frozenset[str]
+    ) -> tuple[frozenset[str], Borrowed, tuple[tuple[int, int], ...]]:
+        """Names this rank does not copy, the ranges its commit borrows, and the shared ranges.
+
+        Cached per layout. Nothing is borrowed when the agent asked for a whole snapshot.
+        """
+        if not replicated:
+            return frozenset(), (), ()
         plan = self._plan
         if plan is None or plan[0] is not layout or plan[1] != replicated:
             owners = plan_owners(layout, replicated, self.group)
             skipped = frozenset(name for name, owner in owners.items() if owner != self.rank)
-            plan = self._plan = (layout, replicated, skipped, borrowed_ranges(layout, owners, self.rank))
-        return plan[2], plan[3]
+            borrowed = borrowed_ranges(layout, owners, self.rank)
+            plan = self._plan = (layout, replicated, skipped, borrowed, shared_ranges(layout, replicated))
+        if self._whole:
+            return frozenset(), (), plan[4]
+        return plan[2], plan[3], plan[4]
 
     def _free_slot(self) -> int:
         if not self.held:

@@ -23,6 +23,8 @@ import torch
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from resilrun.state import peer_server
+from resilrun.state.dedup import layout_hash
+from resilrun.state.layout import parse_header
 from resilrun.state.memory import NodeMemoryTier
 from resilrun.state.peer import ReplicaServer, ReplicaStore, ReplicationError, fetch, held, push
 from resilrun.state.peer_client import connection, push_view
@@ -64,15 +66,17 @@ def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def commit_to_memory(memory: NodeMemoryTier, rank: int, step: int, data: bytes, values: object) -> None:
-    """Do what a worker does: write the slot under its sequence counter, then commit."""
+def commit_to_memory(
+    memory: NodeMemoryTier, rank: int, step: int, data: bytes, values: object, round: int = 0
+) -> None:
+    """Do what a worker does (in generation ``round``): write the slot under its sequence counter, then commit."""
     slot = step % 2
     buffer = memory.allocate(rank, slot, len(data))
     seq = memory.rank(rank).seq
     seq.begin(slot)
     buffer.view()[: len(data)] = data
     seq.end(slot)
-    memory.commit(rank, step, slot, len(data), values)
+    memory.commit(rank, step, slot, len(data), values, layout=layout_hash(data), round=round)
 
 
 @pytest.fixture
@@ -542,3 +546,77 @@ def test_connection_helper_names_the_peer_in_errors() -> None:
     with pytest.raises(ReplicationError, match=address), connection(address, SECRET, Deadline.total(2)):
         pass
     assert issubclass(ReplicationError, CheckpointError)
+
+
+# -- shared segments (DDP state a peer holds itself) ---------------------------------------------------
+def _ddp_snapshot(weight: torch.Tensor, own: int) -> bytes:
+    """A rank's snapshot: a DDP-equal ``weight`` and per-rank ``rng`` bytes, in one fixed layout."""
+    return make_snapshot({"weight": weight, "rng": torch.full((64,), own, dtype=torch.uint8)})
+
+
+def _shared_announce(data: bytes, rank: int, step: int, round: int = 0) -> Announce:
+    view = memoryview(data)
+    layout = parse_header(view, len(view))
+    weight = next(e for e in layout.entries if e.name == "weight")
+    shared = ((layout.data_start + weight.begin, layout.data_start + weight.end),)
+    bounds = snapshot_bounds(view)
+    return Announce(rank, step, None, len(data), None, bounds, shared, zlib.crc32(layout.header), round)
+
+
+def test_a_peer_holding_the_step_itself_fills_the_shared_segments_and_only_own_bytes_travel(
+    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    weight = torch.randn(CHUNK_BYTES // 4 + 1000, generator=torch.Generator().manual_seed(3))
+    commit_to_memory(memory, 1, 5, _ddp_snapshot(weight, own=1), None)  # the receiving node's own rank
+    # What rank 0's sender streams: its own rng bytes, and a weight that must NOT arrive: if the
+    # shared segment travelled, the replica would hold these zeros instead of the receiver's weight.
+    sent = _ddp_snapshot(torch.zeros_like(weight), own=7)
+    announce = _shared_announce(sent, 0, 5)
+
+    assert push_view(server.address, SECRET, announce, memoryview(sent), Deadline.total(5))
+
+    expected = _ddp_snapshot(weight, own=7)
+    assert store.steps(0) == [5]
+    data, _ = fetch(server.address, SECRET, 0, 5, timeout=SHORT)  # verified against the stored crc32s
+    assert bytes(data) == expected
+
+
+@pytest.mark.parametrize("local", ["none", "abandoned timeline"])
+def test_without_the_same_step_locally_the_peer_takes_every_byte(
+    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier, local: str
+) -> None:
+    weight = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    if local == "abandoned timeline":  # step 5 of generation 1, rolled back since: not the step 5 being sent
+        commit_to_memory(memory, 1, 5, _ddp_snapshot(torch.ones_like(weight), own=1), None, round=1)
+        commit_to_memory(memory, 1, 6, _ddp_snapshot(torch.ones_like(weight), own=1), None, round=1)
+    sent = _ddp_snapshot(weight, own=7)
+
+    announce = _shared_announce(sent, 0, 5, round=2)
+    assert push_view(server.address, SECRET, announce, memoryview(sent), Deadline.total(5))
+
+    assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == sent
+
+
+def test_a_deduplicated_slot_sends_its_complete_copy_when_the_peer_cannot_fill(
+    server: ReplicaServer, store: ReplicaStore
+) -> None:
+    weight = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    slot_bytes = _ddp_snapshot(torch.zeros_like(weight), own=7)  # borrowed weight not in this slot
+    complete = _ddp_snapshot(weight, own=7)
+
+    announce = _shared_announce(slot_bytes, 0, 5)
+    view = memoryview(slot_bytes)
+    assert push_view(server.address, SECRET, announce, view, Deadline.total(5), whole=lambda: memoryview(complete))
+
+    assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == complete
+
+
+@pytest.mark.parametrize("shared", [[[8, 9]], [[0, 10**9]], "x", [[16, 8]]])
+def test_shared_ranges_off_segment_bounds_are_refused(server: ReplicaServer, shared: object) -> None:
+    data = snapshot(1)
+    announce = Announce(0, 1, None, len(data), None, snapshot_bounds(memoryview(data)))
+    with authenticated(server) as sock:
+        deadline = Deadline.total(5)
+        send_message(sock, {"op": "push", **announce.to_message(), "shared": shared, "layout": 1}, deadline)
+        reply = recv_message(sock, deadline)
+    assert reply["ok"] is False and "shared" in reply["error"]

@@ -73,7 +73,7 @@ BORROWED_FROM_1 = ((1, 8, 16),)
 
 
 def _write(
-    tier: NodeMemoryTier, rank: int, step: int, payload: bytes, borrowed: tuple = (), layout: int = 7
+    tier: NodeMemoryTier, rank: int, step: int, payload: bytes, borrowed: tuple = (), layout: int = 7, round: int = 1
 ) -> bool:
     """A worker's save: the slot not holding its newest step, bytes between the counter bumps, commit."""
     memory = tier.rank(rank)
@@ -86,7 +86,7 @@ def _write(
         if not any(begin <= index < end for _, begin, end in borrowed):
             view[index] = byte
     memory.seq.end(slot)
-    return tier.commit(rank, step, slot, len(payload), {"step": step}, borrowed, layout)
+    return tier.commit(rank, step, slot, len(payload), {"step": step}, borrowed, layout, round=round)
 
 
 def test_a_snapshot_is_complete_and_announced_only_once_its_owner_committed_the_step(tier: NodeMemoryTier) -> None:
@@ -119,6 +119,14 @@ def test_an_owner_with_another_layout_is_not_borrowed_from_and_deduplication_sto
     assert tier.read(0, 5) is None and not tier.is_complete(0, 5)
     assert _write(tier, 0, 6, b"C" * 24, layout=2) is True  # stays off for the rest of the job
     assert tier.read(0, 6) == (bytearray(b"C" * 24), {"step": 6})
+
+
+def test_bytes_are_never_borrowed_from_an_abandoned_timelines_copy_of_the_step(tier: NodeMemoryTier) -> None:
+    _write(tier, 1, 5, b"O" * 24, round=1)  # generation 1 reached step 5, then rolled back
+    _write(tier, 0, 5, b"A" * 24, BORROWED_FROM_1, round=2)  # generation 2 trains step 5 again
+    assert not tier.is_complete(0, 5) and tier.read(0, 5) is None and tier.lend(0, 5) is None
+    _write(tier, 1, 5, b"B" * 24, round=2)
+    assert tier.read(0, 5) == (bytearray(b"A" * 8 + b"B" * 8 + b"A" * 8), {"step": 5})
 
 
 def test_a_rank_whose_owner_is_out_of_step_is_asked_for_a_whole_snapshot(tier: NodeMemoryTier) -> None:
