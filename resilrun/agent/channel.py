@@ -161,7 +161,8 @@ class AgentChannel:
                 int(request.get("round", -1)),
             )
             copy_s = request.get("copy_s")
-            self.telemetry.committed(rank, step, nbytes, None if copy_s is None else float(copy_s))
+            copied = int(request.get("copied", nbytes))  # less than nbytes when the snapshot borrows
+            self.telemetry.committed(rank, step, copied, None if copy_s is None else float(copy_s))
             return {"ok": True, "whole": whole}, []
         if op == "report":
             # A worker's recovery milestone (state restored, collectives rebuilt, first step done).

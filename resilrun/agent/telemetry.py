@@ -71,7 +71,7 @@ class Telemetry:
         """Nodes stopped heartbeating; ``failures`` describes each (rank and host)."""
 
     def committed(self, rank: int, step: int, nbytes: int, copy_s: float | None) -> None:
-        """A worker committed ``step`` into node memory (called per step: O(1))."""
+        """A worker committed ``step`` into node memory, copying ``nbytes`` (called per step: O(1))."""
 
     def worker_report(self, pid: int, report: dict[str, Any]) -> None:
         """A worker's recovery milestone, sent over the agent channel."""

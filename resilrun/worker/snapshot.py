@@ -161,9 +161,11 @@ class Snapshotter:
         buffer.tensor[: layout.data_start].copy_(header)
         base = layout.data_start
         asynchronous = False
+        copied = layout.data_start
         for entry in layout.entries:
             if entry.name in skipped:
                 continue
+            copied += entry.nbytes
             source = tensors[entry.name].detach()
             target = buffer.tensor[base + entry.begin : base + entry.end].view(source.dtype).view(source.shape)
             non_blocking = source.is_cuda and self._pinned
@@ -181,6 +183,7 @@ class Snapshotter:
                 "step": step,
                 "slot": slot,
                 "nbytes": layout.total_bytes,
+                "copied": copied,
                 "pid": os.getpid(),
                 "values": values,
                 "borrowed": [list(r) for r in borrowed],

@@ -21,6 +21,7 @@ from torch import nn
 
 from resilrun.agent.channel import AgentChannel, channel_env
 from resilrun.agent.control import WorkerControl
+from resilrun.agent.telemetry import Telemetry
 from resilrun.agent.tiers import NodeTiers
 from resilrun.state.layout import DTYPES, parse_header
 from resilrun.state.memory import NodeMemoryTier
@@ -55,10 +56,22 @@ def _worker(rank: int, env: dict[str, str], out: str, seed: int) -> None:
     torch.distributed.destroy_process_group()
 
 
+class _Copies(Telemetry):
+    """Records what each commit says it copied (what the memory tier's byte metric counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copied: dict[tuple[int, int], int] = {}
+
+    def committed(self, rank: int, step: int, nbytes: int, copy_s: float | None) -> None:
+        self.copied[(rank, step)] = nbytes
+
+
 @pytest.fixture
-def agent() -> Iterator[tuple[NodeMemoryTier, dict[str, str]]]:
+def agent() -> Iterator[tuple[NodeMemoryTier, dict[str, str], _Copies]]:
     memory = NodeMemoryTier("dedup-contract")
     channel = AgentChannel(memory, NodeTiers(memory, None), WorkerControl())
+    channel.telemetry = _Copies()
     env = {
         "WORLD_SIZE": "2",
         "LOCAL_WORLD_SIZE": "2",
@@ -67,7 +80,7 @@ def agent() -> Iterator[tuple[NodeMemoryTier, dict[str, str]]]:
         **channel_env(channel),
     }
     try:
-        yield memory, env
+        yield memory, env, channel.telemetry
     finally:
         channel.close()
         memory.close()
@@ -94,9 +107,9 @@ def _tensors(data: bytes | bytearray) -> dict[str, torch.Tensor]:
 
 
 def test_local_ranks_split_the_replicated_state_and_node_memory_holds_every_rank_whole(
-    agent: tuple[NodeMemoryTier, dict[str, str]], tmp_path: Path
+    agent: tuple[NodeMemoryTier, dict[str, str], _Copies], tmp_path: Path
 ) -> None:
-    memory, env = agent
+    memory, env, telemetry = agent
     _run(env, tmp_path, seed=0)
     borrowed_names: dict[int, set[str]] = {}
     for rank in (0, 1):
@@ -111,6 +124,8 @@ def test_local_ranks_split_the_replicated_state_and_node_memory_holds_every_rank
             for e in layout.entries
             if any(b <= start + e.begin and start + e.end <= end for _, b, end in newest.borrowed)
         }
+        # The commit reports the bytes the rank copied: all but what it borrowed
+        assert telemetry.copied[(rank, STEPS - 1)] == newest.nbytes - sum(e - b for _, b, e in newest.borrowed)
         # Node memory reads the rank out whole, equal to the rank's own state
         assembled = memory.read(rank, STEPS - 1)
         assert assembled is not None
