@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError
+from resilrun.state.peer_stream import receive_snapshot, send_snapshot
 from resilrun.state.peer_wire import (
     Announce,
     Deadline,
@@ -24,10 +25,8 @@ from resilrun.state.peer_wire import (
     client_handshake,
     parse_address,
     parse_announce,
-    receive_snapshot,
     recv_message,
     send_message,
-    send_snapshot,
     snapshot_bounds,
 )
 

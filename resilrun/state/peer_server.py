@@ -29,6 +29,7 @@ from resilrun.errors import CheckpointCorruptError, CheckpointError
 from resilrun.state._priority import yield_to_training
 from resilrun.state.memory import NodeMemoryTier
 from resilrun.state.peer_store import Replica, ReplicaStore
+from resilrun.state.peer_stream import receive_snapshot, send_snapshot
 from resilrun.state.peer_wire import (
     Announce,
     Deadline,
@@ -36,10 +37,8 @@ from resilrun.state.peer_wire import (
     check_secret,
     format_address,
     parse_announce,
-    receive_snapshot,
     recv_message,
     send_message,
-    send_snapshot,
     server_handshake,
     snapshot_bounds,
 )
