@@ -5,8 +5,9 @@ so copying all of them from every rank moves L times the bytes one copy needs th
 memory bus, and that traffic is what per-step snapshots cost the training step. Instead each of
 the L local ranks copies a byte-balanced 1/L of the replicated tensors (plus everything of its
 own), and its snapshot *borrows* the rest from the owners' snapshots of the same step. The agent
-assembles a complete snapshot whenever one leaves node memory (replica, upload, restore), so the
-stored format is unchanged.
+assembles a complete snapshot whenever one leaves node memory whole (upload, replica), and a
+restoring rank maps the owners' slots and reads the borrowed tensors there, so the stored format
+is unchanged.
 
 Invariants: the plan is a pure function of the layout, the replicated names and the group, so
 every rank of the group computes the same owners without talking; a borrowed range is an absolute

@@ -44,6 +44,7 @@ class Snapshotter:
         self.group = tuple(group)
         self.slots: list[SharedBuffer | None] = [None] * SLOTS
         self._layout: Layout | None = None
+        self._layout_crc = 0
         self._plan: tuple[Layout, frozenset[str], frozenset[str], Borrowed, tuple[tuple[int, int], ...]] | None = None
         self._whole = False  # the agent asked for a snapshot without borrowed bytes next
         # (step, borrowed ranges, owner rank -> its slot) mapped by borrow() for the next load
@@ -189,7 +190,7 @@ class Snapshotter:
                 "borrowed": [list(r) for r in borrowed],
                 "shared": [list(r) for r in shared],
                 "round": self.round,
-                "layout": zlib.crc32(layout.header),
+                "layout": self._layout_crc,
             }
         )
         self.held[slot] = (step, values)
@@ -227,6 +228,7 @@ class Snapshotter:
         signature = tuple(sorted(specs))
         if self._layout is None or tuple(sorted(self._layout.signature())) != signature:
             self._layout = build_layout(specs)
+            self._layout_crc = zlib.crc32(self._layout.header)  # once per layout, not per step
         return self._layout
 
     def _borrowing(
