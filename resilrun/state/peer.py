@@ -289,10 +289,11 @@ class Replicator:
             target.sock = sock
 
         sent = push_view(target.address, self._secret, announce, view, deadline, check, on_socket, whole)
-        if check is None and not committed.borrowed:
-            target.staged -= 1
-        elif check is not None and not sent:
-            target.staged = _STAGED_PUSHES
+        if not committed.borrowed:  # staging applies to plain slots only (a borrowed one has ``whole``)
+            if check is None:
+                target.staged -= 1
+            elif not sent:
+                target.staged = _STAGED_PUSHES
         return sent
 
     # -- status and shutdown ------------------------------------------------------------------------
