@@ -60,6 +60,24 @@ class StalenessJudge:
         now = self.clock.monotonic()
         return sorted(n for n, (_, changed, _) in self._seen.items() if now - changed > self.timeout_s)
 
+    def lost(self) -> list[str]:
+        """Stale nodes, once no other node is halfway there: nodes that died together are judged together.
+
+        Nodes killed in the same instant last bumped their counters up to one heartbeat interval
+        apart, so plain staleness would judge them one check apart and the job would recover twice
+        (the second recovery tearing down the first's half-built process group). While another node
+        has been silent for over half the timeout, the verdict waits for that node to either move
+        again (then the verdict stands alone, one check later) or go stale too. A live node misses
+        half the timeout only when it is itself in trouble, so a single loss is not delayed.
+        """
+        stale = self.stale()
+        if not stale:
+            return []
+        now = self.clock.monotonic()
+        halfway = self.timeout_s / 2
+        pending = [n for n, (_, changed, _) in self._seen.items() if halfway < now - changed <= self.timeout_s]
+        return [] if pending else stale
+
     def age(self, node: str) -> float | None:
         seen = self._seen.get(node)
         return None if seen is None else self.clock.monotonic() - seen[1]

@@ -142,11 +142,12 @@ class SpareNodes:
         for node, counter in heartbeat_reader(self.rdzv.backend, self.run_id, watched)().items():
             judge.observe(node, counter)
         stale = set(judge.stale())
+        lost = set(judge.lost())
         dead_spares = tuple(n for n in spares if n in stale)
         if dead_spares:
             logger.warning("spare node(s) %s stopped heartbeating: no longer counted as spares", ", ".join(dead_spares))
             self.rdzv.drop_spares(dead_spares)
-        return tuple(n for n in participants if n in stale)
+        return tuple(n for n in participants if n in lost)
 
     def _replace_lost_nodes(self, round_: Round, lost: tuple[str, ...], judge: StalenessJudge) -> bool:
         """Give a lost node's place to a spare node; survivors move to the new generation in place.

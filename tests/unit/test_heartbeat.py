@@ -140,3 +140,46 @@ def test_every_node_is_watched_by_fanout_others_on_the_ring() -> None:
     nodes = [f"n{i}" for i in range(7)]
     watchers = {n: [w for w in nodes if n in watched_nodes(nodes, w, 2)] for n in nodes}
     assert all(len(found) == 2 for found in watchers.values())
+
+
+def test_nodes_that_died_together_are_judged_lost_together() -> None:
+    # Given two nodes killed in the same instant whose last heartbeats were seen 0.9 s apart
+    clock = FakeClock()
+    judge = StalenessJudge(3.0, clock)
+    judge.observe("a", 1)
+    judge.observe("b", 1)
+    judge.observe("live", 1)
+    clock.sleep(0.9)
+    judge.observe("b", 2)
+    for counter in range(2, 6):
+        clock.sleep(0.6)
+        judge.observe("live", counter)
+    # When "a" is stale and "b" has been silent for over half the timeout
+    assert judge.stale() == ["a"] and judge.age("b") == pytest.approx(2.4)
+    # Then the verdict waits for "b", and names both once "b" is stale too
+    assert judge.lost() == []
+    clock.sleep(0.7)
+    judge.observe("live", 6)
+    assert judge.lost() == ["a", "b"]
+
+
+def test_a_single_loss_is_not_delayed_by_live_nodes() -> None:
+    clock = FakeClock()
+    judge = StalenessJudge(3.0, clock)
+    judge.observe("a", 1)
+    for counter in range(1, 5):
+        judge.observe("b", counter)
+        clock.sleep(1.0)
+    assert judge.lost() == ["a"]
+
+
+def test_a_slow_node_that_moves_again_releases_the_verdict_on_the_lost_one() -> None:
+    clock = FakeClock()
+    judge = StalenessJudge(3.0, clock)
+    judge.observe("a", 1)
+    clock.sleep(1.0)
+    judge.observe("slow", 1)
+    clock.sleep(2.1)
+    assert judge.stale() == ["a"] and judge.lost() == []
+    judge.observe("slow", 2)
+    assert judge.lost() == ["a"]
