@@ -89,6 +89,7 @@ class NodeMemoryTier:
         self._lock = threading.Lock()
         self._commits = threading.Condition(self._lock)  # notified on every commit
         self._listeners: list[Callable[[int, Committed], None]] = []
+        self._guards: list[Callable[[int, int], None]] = []
         self._whole = False  # set once local ranks' layouts were seen to differ: no more borrowing
 
     def add_listener(self, listener: Callable[[int, Committed], None]) -> None:
@@ -98,6 +99,22 @@ class NodeMemoryTier:
         the commit of its last owner.
         """
         self._listeners.append(listener)
+
+    def add_overwrite_guard(self, guard: Callable[[int, int], None]) -> None:
+        """Called with (step, round) before a slot holding that step may be rewritten.
+
+        That is at the commit that makes it the older of its rank's two slots (the worker writes its
+        next step there once it has read the commit's answer, which waits for the guards), and when
+        a slot is reallocated or installed into. Whatever refers to those bytes in place (peers'
+        replicas whose DDP segments are this node's own) must copy them out or let go meanwhile.
+        Runs on the committing thread and may hold it for a fraction of a step.
+        """
+        self._guards.append(guard)
+
+    def _release(self, released: Committed | None) -> None:
+        if released is not None:
+            for guard in self._guards:
+                guard(released.step, released.round)
 
     def rank(self, rank: int) -> RankMemory:
         with self._lock:
@@ -124,8 +141,9 @@ class NodeMemoryTier:
             )
         with self._lock:
             old = memory.slots[slot]
-            memory.committed.pop(slot, None)
+            released = memory.committed.pop(slot, None)
             memory.slots[slot] = None
+        self._release(released)
         if old is not None:
             old.close()  # before the new one: a full node may have room for one of the two only
         try:
@@ -169,6 +187,7 @@ class NodeMemoryTier:
             committed = Committed(step, slot, nbytes, values, seq, borrowed, layout, shared, round)
             first = not memory.committed
             memory.committed[slot] = committed
+            released = next((c for other, c in memory.committed.items() if other != slot), None)
             affected = self._affected(rank, committed)
             self._note_mismatch(rank, committed, affected)
             ready = [(r, c) for r, c in affected if not self._missing(r, c)]
@@ -177,6 +196,7 @@ class NodeMemoryTier:
         for listener in self._listeners:
             for ready_rank, ready_commit in ready:
                 listener(ready_rank, ready_commit)
+        self._release(released)
         return whole
 
     def _affected(self, rank: int, committed: Committed) -> list[tuple[int, Committed]]:
@@ -296,25 +316,31 @@ class NodeMemoryTier:
         found = sources[0][1]
         return found.borrowed, {memory.rank: buffer for memory, _, buffer in sources[1:]}
 
-    def copy_shared(
-        self, step: int, layout: int, round: int, ranges: Sequence[tuple[int, int]], into: memoryview, wait_s: float
-    ) -> bool:
-        """Copy ``ranges`` of any local rank's complete snapshot of ``step`` (trained in generation
-        ``round``, laid out as ``layout``) into ``into``.
-
-        For a peer's replica whose shared (DDP-equal) segments this node holds itself. Waits up to
-        ``wait_s`` for a local commit of ``step``; False when none came, or the copy was torn.
-        """
+    def holds(self, step: int, layout: int, round: int, wait_s: float) -> bool:
+        """Whether a local rank holds a complete snapshot of ``step`` trained in generation ``round``,
+        laid out as ``layout``, waiting up to ``wait_s`` for a local commit of it (for a peer's
+        replica whose shared, DDP-equal, segments this node holds itself)."""
         deadline = time.monotonic() + wait_s
         with self._commits:
-            while (holder := self._holder(step, layout, round)) is None:
+            while self._holder(step, layout, round) is None:
                 newest = [m.newest() for m in self._ranks.values()]
                 coming = any(n is None or n.step < step for n in newest)
                 left = deadline - time.monotonic()
                 if not coming or left <= 0:
                     return False
                 self._commits.wait(left)
-            sources = self._sources(holder, step)
+        return True
+
+    def copy_shared(
+        self, step: int, layout: int, round: int, ranges: Sequence[tuple[int, int]], into: memoryview, wait_s: float
+    ) -> bool:
+        """Copy ``ranges`` of a local rank's complete snapshot of ``step`` (see ``holds``) into
+        ``into``; False when none came within ``wait_s``, or the copy was torn."""
+        if not self.holds(step, layout, round, wait_s):
+            return False
+        with self._lock:
+            holder = self._holder(step, layout, round)
+            sources = None if holder is None else self._sources(holder, step)
         if sources is None:
             return False
         if any(memory.seq.read(c.slot) != c.seq for memory, c, _ in sources):
@@ -347,7 +373,8 @@ class NodeMemoryTier:
         if buffer is None or buffer.nbytes < len(data):
             buffer = self.allocate(rank, slot, len(data))
         with self._lock:
-            memory.committed.pop(slot, None)
+            released = memory.committed.pop(slot, None)
+        self._release(released)
         memory.seq.begin(slot)
         buffer.view()[: len(data)] = data
         memory.seq.end(slot)
@@ -389,9 +416,7 @@ def _at_step(memory: RankMemory, step: int) -> Committed | None:
 
 def _lender(memory: RankMemory, borrower: Committed) -> Committed | None:
     """The rank's commit that ``borrower`` may take bytes from: same step, layout and generation."""
-    return next(
-        (c for c in memory.committed.values() if c.step == borrower.step and _same_timeline(c, borrower)), None
-    )
+    return next((c for c in memory.committed.values() if c.step == borrower.step and _same_timeline(c, borrower)), None)
 
 
 def _pieces(

@@ -22,13 +22,15 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError
 from resilrun.state._priority import yield_to_training
 from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.peer_store import Replica, ReplicaStore
+from resilrun.state.peer_refs import LocalReferences
+from resilrun.state.peer_store import LocalRef, Replica, ReplicaStore, Reservation
 from resilrun.state.peer_stream import receive_snapshot, send_snapshot
 from resilrun.state.peer_wire import (
     Announce,
@@ -82,6 +84,7 @@ class ReplicaServer:
         self._secret = secret
         self.replicas = replicas
         self.memory = memory
+        self.refs = LocalReferences(memory, replicas)
         self._io_timeout = io_timeout.total_seconds()
         self._max_connections = max_connections
         self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -168,45 +171,67 @@ class ReplicaServer:
         except ReplicationError as exc:
             send_message(conn, {"ok": False, "error": exc.message}, deadline)
             return
+        token = self.refs.begin(announce.step, announce.round) if announce.shared else None
         try:
-            filled = self._fill_shared(announce, reservation.view)
-            send_message(conn, {"ok": True, "filled": True} if filled else {"ok": True}, deadline)
+            local = self._shared_here(announce, token, reservation.view)
+            send_message(conn, {"ok": True, "filled": True} if local else {"ok": True}, deadline)
+            filled = announce.shared if local else ()
             received = receive_snapshot(conn, deadline, reservation.view, announce.bounds, filled)
+            problem = received.problem
+            if problem is None:
+                replica = Replica(
+                    announce.rank,
+                    announce.step,
+                    announce.world_size,
+                    announce.nbytes,
+                    announce.values,
+                    announce.bounds,
+                    received.crcs,
+                    local if isinstance(local, LocalRef) else None,
+                )
+                problem = self._publish(reservation, replica, token)
         except BaseException:
             self.replicas.release(reservation)
             raise
-        # Publish or release before replying, so that a sender told the outcome may push again at once.
-        if received.problem is None:
-            replica = Replica(
-                announce.rank,
-                announce.step,
-                announce.world_size,
-                announce.nbytes,
-                announce.values,
-                announce.bounds,
-                received.crcs,
-            )
-            self.replicas.publish(reservation, replica)
+        finally:
+            if token is not None:
+                self.refs.end(token)
+        # Published or released before replying, so that a sender told the outcome may push again at once.
+        if problem is None:
             send_message(conn, {"ok": True}, deadline)
             return
         self.replicas.release(reservation)
         level = logging.DEBUG if received.aborted else logging.WARNING
-        logger.log(level, "replica of rank %d step %d not kept: %s", announce.rank, announce.step, received.problem)
-        send_message(conn, {"ok": False, "error": received.problem}, deadline)
+        logger.log(level, "replica of rank %d step %d not kept: %s", announce.rank, announce.step, problem)
+        send_message(conn, {"ok": False, "error": problem}, deadline)
 
-    def _fill_shared(self, announce: Announce, into: memoryview) -> tuple[tuple[int, int], ...]:
-        """Copy the announce's shared segments from this node's own ranks; the ranges filled.
+    def _shared_here(self, announce: Announce, token: int | None, into: memoryview) -> LocalRef | bool:
+        """Whether this node holds the announce's shared segments itself: by reference (a LocalRef,
+        with a token: see peer_refs), copied into ``into`` (True), or not (False).
 
-        Under DDP this node's ranks hold the same parameters and optimizer state at the same
-        step, so those bytes need not cross the network: only each rank's own bytes do. Waits a
-        little for this node's commit of the step (in lockstep it lands about when the push does).
+        Under DDP this node's ranks hold the same parameters and optimizer state at the same step,
+        so those bytes need not cross the network: only each rank's own bytes do. Waits a little
+        for this node's commit of the step (in lockstep it lands about when the push does).
         """
         if not announce.shared:
-            return ()
-        filled = self.memory.copy_shared(
-            announce.step, announce.layout, announce.round, announce.shared, into, _SHARED_WAIT_S
-        )
-        return announce.shared if filled else ()
+            return False
+        step, layout, round = announce.step, announce.layout, announce.round
+        if token is not None and self.memory.holds(step, layout, round, _SHARED_WAIT_S):
+            return LocalRef(layout, round, announce.shared)
+        return self.memory.copy_shared(step, layout, round, announce.shared, into, _SHARED_WAIT_S)
+
+    def _publish(self, reservation: Reservation, replica: Replica, token: int | None) -> str | None:
+        """Make a verified replica visible; why not, when its referenced bytes could not be kept."""
+        if replica.local is None:
+            self.replicas.publish(reservation, replica)
+            return None
+        if token is not None and self.refs.publish(token, lambda: self.replicas.publish(reservation, replica)):
+            return None
+        # The guard released the step while the push was in flight: copy the bytes in while they last.
+        if self.refs.fill(replica.local, replica.step, reservation.view):
+            self.replicas.publish(reservation, replace(replica, local=None))
+            return None
+        return "this node's copy of the shared segments was rewritten while the push was received"
 
     def _fetch(self, conn: socket.socket, request: dict[str, Any], deadline: Deadline) -> None:
         rank, step = request.get("rank"), request.get("step")
@@ -227,7 +252,7 @@ class ReplicaServer:
             send_message(conn, {"ok": True, **announce.to_message()}, deadline)
             send_snapshot(conn, deadline, view, announce.bounds)
             return
-        opened = self.replicas.open(rank, step)
+        opened = self.replicas.open(rank, step) if self.refs.materialize(rank, step) else None
         if opened is None:
             send_message(conn, {"ok": False, "not_found": True, "error": "not held"}, deadline)
             return
@@ -235,7 +260,8 @@ class ReplicaServer:
         announce = Announce(rank, step, replica.world_size, replica.nbytes, replica.values, replica.bounds)
         send_message(conn, {"ok": True, **announce.to_message()}, deadline)
         sent = send_snapshot(conn, deadline, view, replica.bounds, is_current, stored_crcs=replica.crcs)
-        if sent.committed and sent.crcs != replica.crcs and is_current():
+        at_rest = [(now, kept) for now, kept in zip(sent.crcs, replica.crcs, strict=True) if kept is not None]
+        if sent.committed and any(now != kept for now, kept in at_rest) and is_current():
             logger.error("replica of rank %d step %d is corrupt in this node's memory: dropped", rank, step)
             self.replicas.discard(rank, step)
 

@@ -10,6 +10,12 @@ that fails, is aborted or is corrupt never destroys the previous complete one. S
     | writing  | reserve(): generation bumped, bytes arrive  | no                          |
     | complete | publish(), after COMMIT and every crc32     | yes                         |
 
+A replica may hold its shared (DDP-equal) segments by reference: this node's own ranks hold the
+same step of the same generation, so those bytes are not copied into the slot but left where they
+are (``Replica.local``). They are copied in (``materialize``) before a reader streams the replica,
+or before this node's worker may rewrite the slot they are in; a reference whose bytes are gone
+makes the replica count for nothing.
+
 Invariants: at most one transfer per rank at a time; a slot's generation changes whenever it
 starts being rewritten, so a reader streaming from it (a FETCH) can tell that its bytes changed
 under it; buffers are allocated (and pre-faulted) only after the node's free memory was checked,
@@ -19,8 +25,9 @@ and then reused. Thread-safe: a lock guards the slot table, never the bytes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
@@ -34,8 +41,19 @@ _HEADROOM_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
+class LocalRef:
+    """Byte ranges of a replica that are this node's own snapshot of the same step (generation
+    ``round``, layout ``layout``), not yet copied into the replica's slot."""
+
+    layout: int
+    round: int
+    ranges: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Replica:
-    """A complete, verified replica: the metadata the sender announced and the crc32s it committed."""
+    """A complete, verified replica: the metadata the sender announced and the crc32s it committed
+    (None for segments held by reference, or copied in from this node's memory)."""
 
     rank: int
     step: int
@@ -43,7 +61,8 @@ class Replica:
     nbytes: int
     values: Any
     bounds: tuple[int, ...]
-    crcs: tuple[int, ...]
+    crcs: tuple[int | None, ...]
+    local: LocalRef | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +93,8 @@ class ReplicaStore:
         self._name = f"resilrun-{run_id}-replica"
         self._slots: dict[int, list[_Slot]] = {}
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified when a replica is published
+        self._materializing = threading.Lock()
         self._published = 0
         self._closed = False
 
@@ -141,6 +162,7 @@ class ReplicaStore:
             self._published += 1
             slot = slots[reservation.slot]
             slot.replica, slot.writing, slot.order = replica, False, self._published
+            self._changed.notify_all()
 
     def release(self, reservation: Reservation) -> None:
         """Give up a transfer: its slot is empty again; the other slot's replica was never touched."""
@@ -148,6 +170,53 @@ class ReplicaStore:
             slots = self._slots.get(reservation.rank)
             if slots is not None and slots[reservation.slot].generation == reservation.generation:
                 slots[reservation.slot].writing = False
+
+    # -- references into this node's memory -------------------------------------------------------
+    def referencing(self, step: int, round: int) -> list[tuple[int, int]]:
+        """(rank, step) of the replicas whose references are to this node's snapshots of ``step`` or
+        older (in generation ``round``, or any older generation)."""
+        with self._lock:
+            return [
+                (rank, slot.replica.step)
+                for rank, slots in self._slots.items()
+                for slot in slots
+                if slot.replica is not None
+                and slot.replica.local is not None
+                and (slot.replica.local.round, slot.replica.step) <= (round, step)
+            ]
+
+    def wait_newer(self, rank: int, step: int, timeout_s: float) -> bool:
+        """Whether a replica of ``rank`` newer than ``step`` is held, waiting up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not any(s.replica is not None and s.replica.step > step for s in self._slots.get(rank, [])):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._changed.wait(left)
+            return True
+
+    def materialize(self, rank: int, step: int, fill: Callable[[LocalRef, memoryview], bool]) -> bool:
+        """Copy a replica's referenced bytes into its slot (``fill`` copies them from node memory).
+
+        Returns whether the replica is now whole in its slot; when ``fill`` fails (the referenced
+        snapshot is gone) the replica is dropped, never offered half-filled.
+        """
+        with self._materializing:
+            with self._lock:
+                found = self._find(rank, step)
+                if found is None:
+                    return False
+                slot, replica = found
+                if replica.local is None:
+                    return True
+                generation, buffer = slot.generation, slot.buffer
+            filled = buffer is not None and fill(replica.local, buffer.view()[: replica.nbytes])
+            with self._lock:
+                if slot.generation != generation or slot.replica is not replica:
+                    return False
+                slot.replica = replace(replica, local=None) if filled else None
+                return filled
 
     # -- the serving side --------------------------------------------------------------------------
     def open(self, rank: int, step: int) -> tuple[memoryview, Replica, Callable[[], bool]] | None:
@@ -215,6 +284,7 @@ class ReplicaStore:
         """Free every buffer; transfers still running fail their generation check and count for nothing."""
         with self._lock:
             self._closed = True
+            self._changed.notify_all()
             slots, self._slots = self._slots, {}
             buffers = []
             for rank_slots in slots.values():

@@ -10,9 +10,10 @@ ride in the trailer rather than the announce so that each end reads the bytes on
 
 An announce may name *shared* segments (DDP's parameters and optimizer state, equal on every rank)
 with the snapshot's layout and generation. A receiver whose own ranks hold the same step of the
-same generation in the same layout copies them from its node memory and answers ``filled``; the
-sender then leaves those segments out of the stream (null crc32s in the trailer) and the receiver
-hashes its own copy of them, so the replica is complete, with every crc32, either way.
+same generation in the same layout answers ``filled``: it has them itself (by reference, see
+``peer_store``, or copied from its node memory); the sender then leaves those segments out of the
+stream (null crc32s in the trailer). The receiver keeps null crc32s for them too, as nothing crossed
+the network: a reader streaming the replica later hashes them as it sends them.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def send_snapshot(
     view: memoryview,
     bounds: Sequence[int],
     is_intact: Callable[[], bool] | None = None,
-    stored_crcs: Sequence[int] | None = None,
+    stored_crcs: Sequence[int | None] | None = None,
     skip: Sequence[tuple[int, int]] = (),
 ) -> Sent:
     """Stream ``view`` as data frames, then COMMIT with the crc32s, or ABORT when it was torn.
@@ -159,7 +160,8 @@ def send_snapshot(
     Args:
         is_intact: the source's seqlock check, asked before every frame and after the last one.
         stored_crcs: crcs recorded when the bytes were received (a replica); they are sent instead of
-            the ones computed now, so that bytes corrupted at rest fail the receiver's check.
+            the ones computed now, so that bytes corrupted at rest fail the receiver's check (a
+            null one, for bytes that never crossed the network, is replaced by the computed one).
         skip: whole segments the receiver fills itself (``Announce.shared``): not sent, not
             hashed, null in the trailer.
     """
@@ -185,7 +187,9 @@ def send_snapshot(
         return _abort(sock, deadline)
     deadline.apply(sock)
     sock.sendall(LEN.pack(0), _MSG_MORE)
-    crcs = list(stored_crcs) if stored_crcs is not None and not skip else computed
+    crcs = computed
+    if stored_crcs is not None and not skip:
+        crcs = [now if stored is None else stored for stored, now in zip(stored_crcs, computed, strict=True)]
     send_message(sock, {"commit": True, "crc32": crcs}, deadline)
     return Sent(True, tuple(computed))
 
@@ -200,7 +204,7 @@ def _abort(sock: socket.socket, deadline: Deadline) -> Sent:
 @dataclass(frozen=True, slots=True)
 class Received:
     problem: str | None  # None: committed, complete, every crc32 matched, and the bytes parse as a snapshot
-    crcs: tuple[int, ...]  # the verified crc32s, one per segment (empty unless problem is None)
+    crcs: tuple[int | None, ...]  # one per segment (None: filled here; empty unless problem is None)
     aborted: bool = False  # the sender sent ABORT: its source changed (expected, not an error)
 
 
@@ -214,9 +218,9 @@ def receive_snapshot(
     """Receive data frames straight into ``into`` and check the trailer.
 
     Args:
-        filled: ranges of ``into`` the receiver already wrote itself (the announce's shared
-            segments, from its own node memory): the stream leaves them out; they are hashed here
-            so that the replica's crc32s cover every segment.
+        filled: ranges of ``into`` the receiver fills itself (the announce's shared segments, which
+            its own node memory holds): the stream leaves them out, and they are not read here
+            (they may not have been copied in yet); their segments' crc32s are None.
 
     Returns:
         The verified crc32s, or why the bytes do not count (an ABORT, a short stream, a checksum
@@ -239,8 +243,8 @@ def receive_snapshot(
                 todo.pop(0)
             if not todo:
                 raise ReplicationError(f"a data frame of {length} bytes overruns the announced {total} bytes")
-            if offset < todo[0][0]:  # the next span starts after bytes filled here: hash those first
-                hasher.feed(into[offset : todo[0][0]])
+            if offset < todo[0][0]:  # the next span starts after bytes filled here
+                hasher.skip(todo[0][0] - offset)
                 offset = todo[0][0]
             if length > CHUNK_BYTES or length > todo[0][1] - offset:
                 raise ReplicationError(f"a data frame of {length} bytes overruns the announced {total} bytes")
@@ -251,7 +255,7 @@ def receive_snapshot(
             received += length
         if received == expected_bytes:
             if offset < total:
-                hasher.feed(into[offset:total])  # filled bytes after the last span
+                hasher.skip(total - offset)  # filled bytes after the last span
             computed = hasher.finish()
     trailer = recv_message(sock, deadline)
     if trailer.get("commit") is not True:
@@ -271,4 +275,4 @@ def receive_snapshot(
         check_snapshot(into)
     except CheckpointCorruptError as exc:
         return Received(f"the bytes are not a snapshot: {exc.message}", ())
-    return Received(None, tuple(c for c in computed if c is not None))
+    return Received(None, tuple(computed))

@@ -28,6 +28,7 @@ from resilrun.state.layout import parse_header
 from resilrun.state.memory import NodeMemoryTier
 from resilrun.state.peer import ReplicaServer, ReplicaStore, ReplicationError, fetch, held, push
 from resilrun.state.peer_client import connection, push_view
+from resilrun.state.peer_refs import LocalReferences
 from resilrun.state.peer_wire import (
     CHUNK_BYTES,
     MAGIC,
@@ -66,9 +67,7 @@ def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def commit_to_memory(
-    memory: NodeMemoryTier, rank: int, step: int, data: bytes, values: object, round: int = 0
-) -> None:
+def commit_to_memory(memory: NodeMemoryTier, rank: int, step: int, data: bytes, values: object, round: int = 0) -> None:
     """Do what a worker does (in generation ``round``): write the slot under its sequence counter, then commit."""
     slot = step % 2
     buffer = memory.allocate(rank, slot, len(data))
@@ -579,6 +578,94 @@ def test_a_peer_holding_the_step_itself_fills_the_shared_segments_and_only_own_b
     assert store.steps(0) == [5]
     data, _ = fetch(server.address, SECRET, 0, 5, timeout=SHORT)  # verified against the stored crc32s
     assert bytes(data) == expected
+
+
+def _weight_range(data: bytes) -> slice:
+    layout = parse_header(memoryview(data), len(data))
+    weight = next(e for e in layout.entries if e.name == "weight")
+    return slice(layout.data_start + weight.begin, layout.data_start + weight.end)
+
+
+def test_shared_segments_stay_in_node_memory_until_the_replica_is_read(
+    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    weight = torch.randn(1000, generator=torch.Generator().manual_seed(8))
+    commit_to_memory(memory, 1, 5, _ddp_snapshot(weight, own=1), None)
+    sent = _ddp_snapshot(torch.zeros_like(weight), own=7)
+    assert push_view(server.address, SECRET, _shared_announce(sent, 0, 5), memoryview(sent), Deadline.total(5))
+    # The replica refers to rank 1's slot for the weight: nothing was copied into its own slot
+    replica = store.replica(0, 5)
+    assert replica is not None and replica.local is not None
+    opened = store.open(0, 5)
+    assert opened is not None and not any(bytes(opened[0][_weight_range(sent)]))
+    weight_segment = replica.bounds.index(_weight_range(sent).start)
+    assert [i for i, crc in enumerate(replica.crcs) if crc is None] == [weight_segment]
+    # Reading it copies the weight in first: the bytes and the crc32s are those of the whole snapshot
+    assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == _ddp_snapshot(weight, own=7)
+    assert store.replica(0, 5).local is None  # type: ignore[union-attr]
+
+
+def test_a_local_commit_copies_referenced_bytes_in_before_their_slot_can_be_rewritten(
+    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    weight = torch.randn(1000, generator=torch.Generator().manual_seed(9))
+    commit_to_memory(memory, 1, 5, _ddp_snapshot(weight, own=1), None)
+    sent = _ddp_snapshot(torch.zeros_like(weight), own=7)
+    assert push_view(server.address, SECRET, _shared_announce(sent, 0, 5), memoryview(sent), Deadline.total(5))
+    # When rank 1 commits step 6 (its worker may then rewrite step 5's slot) and no newer replica
+    # of rank 0 comes, the replica takes its own copy of the weight
+    commit_to_memory(memory, 1, 6, _ddp_snapshot(weight + 1, own=1), None)
+    assert store.replica(0, 5).local is None  # type: ignore[union-attr]
+    # Then rank 1 rewriting that slot (step 7) does not touch the replica
+    commit_to_memory(memory, 1, 7, _ddp_snapshot(weight + 2, own=1), None)
+    assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == _ddp_snapshot(weight, own=7)
+
+
+def test_a_newer_replica_arriving_while_the_commit_waits_lets_the_older_one_go(
+    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    weight = torch.randn(1000, generator=torch.Generator().manual_seed(10))
+    sent = _ddp_snapshot(torch.zeros_like(weight), own=7)
+    commit_to_memory(memory, 1, 4, _ddp_snapshot(weight, own=1), None)
+    commit_to_memory(memory, 1, 5, _ddp_snapshot(weight, own=1), None)
+    assert push_view(server.address, SECRET, _shared_announce(sent, 0, 5), memoryview(sent), Deadline.total(5))
+    time.sleep(1.0)  # this node's steps are ~1 s apart: a commit may wait up to 0.8 s for a newer replica
+    committing = threading.Thread(target=commit_to_memory, args=(memory, 1, 6, _ddp_snapshot(weight + 1, own=1), None))
+    started = time.monotonic()
+    committing.start()
+    time.sleep(0.2)
+    assert committing.is_alive()  # the commit's answer waits for the replica of step 6...
+    assert push_view(server.address, SECRET, _shared_announce(sent, 0, 6), memoryview(sent), Deadline.total(5))
+    committing.join(5)
+    # ...which arrives, by reference too: the older replica is dropped instead of copied
+    assert time.monotonic() - started < 0.8
+    assert store.steps(0) == [6]
+    assert bytes(fetch(server.address, SECRET, 0, 6, timeout=SHORT)[0]) == _ddp_snapshot(weight + 1, own=7)
+
+
+def test_a_push_of_a_released_step_copies_the_shared_bytes(
+    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    weight = torch.randn(1000, generator=torch.Generator().manual_seed(11))
+    commit_to_memory(memory, 1, 5, _ddp_snapshot(weight, own=1), None)
+    commit_to_memory(memory, 1, 6, _ddp_snapshot(weight + 1, own=1), None)  # step 5's slot is released
+    sent = _ddp_snapshot(torch.zeros_like(weight), own=7)
+    assert push_view(server.address, SECRET, _shared_announce(sent, 0, 5), memoryview(sent), Deadline.total(5))
+    assert store.replica(0, 5).local is None  # type: ignore[union-attr]
+    commit_to_memory(memory, 1, 7, _ddp_snapshot(weight + 2, own=1), None)
+    assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == _ddp_snapshot(weight, own=7)
+
+
+def test_a_push_still_in_flight_when_its_step_is_released_is_not_published_by_reference(
+    memory: NodeMemoryTier, store: ReplicaStore
+) -> None:
+    refs = LocalReferences(memory, store)
+    token = refs.begin(5, 0)
+    assert token is not None
+    refs.release(5, 0)  # no step interval known yet: no wait, the push is revoked at once
+    published: list[bool] = []
+    assert not refs.publish(token, lambda: published.append(True)) and not published
+    assert refs.begin(5, 0) is None and refs.begin(6, 0) is not None and refs.begin(4, 1) is not None
 
 
 @pytest.mark.parametrize("local", ["none", "abandoned timeline"])
