@@ -124,7 +124,12 @@ def node_ranks(pid: int, run_id: str) -> set[int]:
 
 
 def corrupt_replicas(pid: int, run_id: str, ranks: set[int]) -> int:
-    """Flip bytes in the tensor data of every replica ``pid`` holds for ``ranks``; returns how many."""
+    """Flip bytes in the header of every replica ``pid`` holds for ``ranks``; returns how many.
+
+    The header: a replica's DDP-equal tensors may be held by reference to the holder's own
+    snapshot (not in the replica's buffer until it is read), so only the header and each rank's
+    own tensors are surely the replica's bytes at rest; the header is the one found without
+    knowing which tensors are whose."""
     pattern = re.compile(rf"^resilrun-{re.escape(run_id)}-replica-r(\d+)-s\d+$")
     corrupted = 0
     seen: set[int] = set()
@@ -141,13 +146,13 @@ def corrupt_replicas(pid: int, run_id: str, ranks: set[int]) -> int:
                 head = handle.read(8)
                 if len(head) < 8:
                     continue
-                data_start = 8 + struct.unpack("<Q", head)[0]
+                header_bytes = struct.unpack("<Q", head)[0]
                 size = os.fstat(handle.fileno()).st_size
-                if data_start + 64 > size:
+                if header_bytes < 48 or 8 + header_bytes > size:
                     continue
-                handle.seek(data_start + 16)
+                handle.seek(8 + 16)
                 chunk = handle.read(32)
-                handle.seek(data_start + 16)
+                handle.seek(8 + 16)
                 handle.write(bytes(b ^ 0xFF for b in chunk))
                 corrupted += 1
         except OSError:

@@ -88,9 +88,10 @@ class LocalReferences:
         """Copy a replica's referenced ranges in from this node's snapshot (False: it is gone)."""
         return self.memory.copy_shared(step, ref.layout, ref.round, ref.ranges, into, 0.0)
 
-    def materialize(self, rank: int, step: int) -> bool:
-        """Make a replica whole in its slot before it is read; False when it is not held (any more)."""
-        return self.replicas.materialize(rank, step, lambda ref, into: self.fill(ref, step, into))
+    def materialize(self, rank: int, step: int, checksum: bool = True) -> bool:
+        """Make a replica whole in its slot (see ``ReplicaStore.materialize``); False when it is not
+        held (any more)."""
+        return self.replicas.materialize(rank, step, lambda ref, into: self.fill(ref, step, into), checksum)
 
     def release(self, step: int, round: int) -> None:
         """The guard: this node's snapshots of ``step`` (and older) may be rewritten once this returns."""

@@ -252,7 +252,7 @@ class ReplicaServer:
             send_message(conn, {"ok": True, **announce.to_message()}, deadline)
             send_snapshot(conn, deadline, view, announce.bounds)
             return
-        opened = self.replicas.open(rank, step) if self.refs.materialize(rank, step) else None
+        opened = self.replicas.open(rank, step) if self.refs.materialize(rank, step, checksum=False) else None
         if opened is None:
             send_message(conn, {"ok": False, "not_found": True, "error": "not held"}, deadline)
             return

@@ -32,6 +32,7 @@ from typing import Any
 
 import psutil
 
+from resilrun.state._crc import crc32
 from resilrun.state.peer_wire import ReplicationError
 from resilrun.state.shm import SharedBuffer
 
@@ -196,11 +197,15 @@ class ReplicaStore:
                 self._changed.wait(left)
             return True
 
-    def materialize(self, rank: int, step: int, fill: Callable[[LocalRef, memoryview], bool]) -> bool:
+    def materialize(
+        self, rank: int, step: int, fill: Callable[[LocalRef, memoryview], bool], checksum: bool = True
+    ) -> bool:
         """Copy a replica's referenced bytes into its slot (``fill`` copies them from node memory).
 
         Returns whether the replica is now whole in its slot; when ``fill`` fails (the referenced
-        snapshot is gone) the replica is dropped, never offered half-filled.
+        snapshot is gone) the replica is dropped, never offered half-filled. ``checksum``: record
+        the crc32s of the copied segments, so that bytes corrupted at rest from now on are caught
+        (a reader about to stream the replica, which hashes as it sends, can skip that).
         """
         with self._materializing:
             with self._lock:
@@ -211,11 +216,15 @@ class ReplicaStore:
                 if replica.local is None:
                     return True
                 generation, buffer = slot.generation, slot.buffer
-            filled = buffer is not None and fill(replica.local, buffer.view()[: replica.nbytes])
+            view = None if buffer is None else buffer.view()[: replica.nbytes]
+            filled = view is not None and fill(replica.local, view)
+            crcs = replica.crcs
+            if filled and checksum and view is not None:
+                crcs = _checksum_missing(view, replica.bounds, crcs)
             with self._lock:
                 if slot.generation != generation or slot.replica is not replica:
                     return False
-                slot.replica = replace(replica, local=None) if filled else None
+                slot.replica = replace(replica, local=None, crcs=crcs) if filled else None
                 return filled
 
     # -- the serving side --------------------------------------------------------------------------
@@ -296,3 +305,12 @@ class ReplicaStore:
         for buffer in buffers:
             if buffer is not None:
                 buffer.close()
+
+
+def _checksum_missing(
+    view: memoryview, bounds: tuple[int, ...], crcs: tuple[int | None, ...]
+) -> tuple[int | None, ...]:
+    """``crcs`` with each missing one computed from ``view`` (segments are ``bounds[i]..bounds[i + 1]``)."""
+    return tuple(
+        crc32(view[bounds[index] : bounds[index + 1]]) if crc is None else crc for index, crc in enumerate(crcs)
+    )

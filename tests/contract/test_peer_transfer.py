@@ -615,10 +615,18 @@ def test_a_local_commit_copies_referenced_bytes_in_before_their_slot_can_be_rewr
     # When rank 1 commits step 6 (its worker may then rewrite step 5's slot) and no newer replica
     # of rank 0 comes, the replica takes its own copy of the weight
     commit_to_memory(memory, 1, 6, _ddp_snapshot(weight + 1, own=1), None)
-    assert store.replica(0, 5).local is None  # type: ignore[union-attr]
+    replica = store.replica(0, 5)
+    assert replica is not None and replica.local is None and None not in replica.crcs  # checksummed at rest
     # Then rank 1 rewriting that slot (step 7) does not touch the replica
     commit_to_memory(memory, 1, 7, _ddp_snapshot(weight + 2, own=1), None)
     assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == _ddp_snapshot(weight, own=7)
+    # And a bit flipped in the copied-in weight afterwards is caught like any other
+    opened = store.open(0, 5)
+    assert opened is not None
+    opened[0][_weight_range(sent).start + 5] ^= 0xFF
+    del opened
+    with pytest.raises(CheckpointCorruptError, match="crc32"):
+        fetch(server.address, SECRET, 0, 5, timeout=SHORT)
 
 
 def test_a_newer_replica_arriving_while_the_commit_waits_lets_the_older_one_go(
