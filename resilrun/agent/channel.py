@@ -39,7 +39,8 @@ from resilrun.agent.telemetry import Telemetry
 from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import ResilrunError
 from resilrun.state.dedup import parse_borrowed, parse_shared
-from resilrun.state.memory import SLOTS, NodeMemoryTier
+from resilrun.state.memory import NodeMemoryTier
+from resilrun.state.slots import SLOTS
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from typing import Any
 from resilrun.errors import CheckpointError, CheckpointNotFoundError, ResilrunError
 from resilrun.state import durable
 from resilrun.state._priority import yield_to_training
-from resilrun.state.memory import Committed, NodeMemoryTier
+from resilrun.state.memory import NodeMemoryTier
+from resilrun.state.slots import Committed
 from resilrun.storage.api import Storage
 
 logger = logging.getLogger(__name__)

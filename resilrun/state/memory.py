@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -28,56 +27,10 @@ import torch
 
 from resilrun.errors import CheckpointError
 from resilrun.state.dedup import Borrowed, layout_hash, owners_of
-from resilrun.state.shm import SeqCounters, SharedBuffer
+from resilrun.state.shm import SharedBuffer
+from resilrun.state.slots import SLOTS, Committed, RankMemory, at_step, lender
 
 logger = logging.getLogger(__name__)
-
-SLOTS = 2
-_CTL_BYTES = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class Committed:
-    """A complete snapshot of one rank at one step, in one slot."""
-
-    step: int
-    slot: int
-    nbytes: int
-    values: Any
-    # The slot's sequence counter when the commit arrived: a reader's copy is of this step only if
-    # the counter still has this value after the copy (the worker may have rewritten the slot since).
-    seq: int = 0
-    # Ranges the worker left to other local ranks' snapshots of the same step (state/dedup.py), and
-    # the crc32 of its header: a range is borrowed only from an owner whose layout is the same.
-    borrowed: Borrowed = ()
-    layout: int = 0
-    # Ranges equal on every rank of the job (DDP state): a peer holding the same step fills them itself.
-    shared: tuple[tuple[int, int], ...] = ()
-    # The generation the step was trained in (-1: installed from another tier). Bytes are borrowed
-    # only within one generation: after a rollback a slot may still hold the abandoned timeline's
-    # copy of a step number that is being trained again.
-    round: int = -1
-
-
-class RankMemory:
-    """The slots of one global rank."""
-
-    def __init__(self, rank: int, run_id: str) -> None:
-        self.rank = rank
-        self.run_id = run_id
-        self.ctl = SharedBuffer.create(_CTL_BYTES, f"resilrun-{run_id}-r{rank}-ctl")
-        self.seq = SeqCounters(self.ctl)
-        self.slots: list[SharedBuffer | None] = [None] * SLOTS
-        self.committed: dict[int, Committed] = {}
-
-    def newest(self) -> Committed | None:
-        return max(self.committed.values(), key=lambda c: c.step, default=None)
-
-    def close(self) -> None:
-        for buffer in self.slots:
-            if buffer is not None:
-                buffer.close()
-        self.ctl.close()
 
 
 class NodeMemoryTier:
@@ -215,7 +168,7 @@ class NodeMemoryTier:
         missing = set()
         for owner in owners_of(committed.borrowed):
             memory = self._ranks.get(owner)
-            if memory is None or _lender(memory, committed) is None:
+            if memory is None or lender(memory, committed) is None:
                 missing.add(owner)
         return missing
 
@@ -224,7 +177,7 @@ class NodeMemoryTier:
         pairs = [(q, c) for q, c in affected if q != rank]
         for owner in owners_of(committed.borrowed):
             memory = self._ranks.get(owner)
-            match = None if memory is None else _at_step(memory, committed.step)
+            match = None if memory is None else at_step(memory, committed.step)
             if match is not None:
                 pairs.append((owner, match))
         # Another generation's copy of the step is an abandoned timeline, not a different layout.
@@ -259,19 +212,19 @@ class NodeMemoryTier:
         """Whether node memory holds all of ``rank``'s snapshot of ``step`` (own and borrowed bytes)."""
         with self._lock:
             memory = self._ranks.get(rank)
-            found = None if memory is None else _at_step(memory, step)
+            found = None if memory is None else at_step(memory, step)
             return found is not None and not self._missing(rank, found)
 
     def _sources(self, rank: int, step: int) -> list[tuple[RankMemory, Committed, SharedBuffer]] | None:
         """Each slot that holds part of ``rank``'s ``step``, its own first; None if one is gone (lock held)."""
         memory = self._ranks.get(rank)
-        found = None if memory is None else _at_step(memory, step)
+        found = None if memory is None else at_step(memory, step)
         if memory is None or found is None or memory.slots[found.slot] is None:
             return None
         sources = [(memory, found, memory.slots[found.slot])]
         for owner in sorted(owners_of(found.borrowed)):
             owner_memory = self._ranks.get(owner)
-            held = None if owner_memory is None else _lender(owner_memory, found)
+            held = None if owner_memory is None else lender(owner_memory, found)
             if owner_memory is None or held is None:
                 return None
             sources.append((owner_memory, held, owner_memory.slots[held.slot]))
@@ -356,7 +309,7 @@ class NodeMemoryTier:
     def _holder(self, step: int, layout: int, round: int) -> int | None:
         """A local rank holding a complete snapshot of ``step`` of that layout and generation (lock held)."""
         for rank, memory in sorted(self._ranks.items()):
-            found = _at_step(memory, step)
+            found = at_step(memory, step)
             if found is None or round < 0 or found.round != round or found.layout != layout:
                 continue
             if not self._missing(rank, found):
@@ -409,16 +362,6 @@ class NodeMemoryTier:
             memory.close()
 
 
-def _at_step(memory: RankMemory, step: int) -> Committed | None:
-    """The rank's commit of ``step``; of two (a rollback's abandoned copy and the new one), the newer generation's."""
-    return max((c for c in memory.committed.values() if c.step == step), key=lambda c: c.round, default=None)
-
-
-def _lender(memory: RankMemory, borrower: Committed) -> Committed | None:
-    """The rank's commit that ``borrower`` may take bytes from: same step, layout and generation."""
-    return next((c for c in memory.committed.values() if c.step == borrower.step and _same_timeline(c, borrower)), None)
-
-
 def _pieces(
     borrowed: Borrowed, own: SharedBuffer, owners: dict[int, SharedBuffer], begin: int, end: int
 ) -> Iterator[tuple[int, int, SharedBuffer]]:
@@ -434,8 +377,3 @@ def _pieces(
         position = hi
     if position < end:
         yield position, end, own
-
-
-def _same_timeline(owner: Committed, borrower: Committed) -> bool:
-    """Whether ``owner``'s snapshot can lend bytes to ``borrower``'s (same step is checked by the caller)."""
-    return owner.layout == borrower.layout and owner.round == borrower.round

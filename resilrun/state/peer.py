@@ -26,11 +26,12 @@ from datetime import timedelta
 
 from resilrun.errors import CheckpointCorruptError
 from resilrun.state._priority import yield_to_training
-from resilrun.state.memory import Committed, NodeMemoryTier, RankMemory
+from resilrun.state.memory import NodeMemoryTier
 from resilrun.state.peer_client import DEFAULT_TIMEOUT, fetch, held, push, push_view
 from resilrun.state.peer_server import ReplicaServer
 from resilrun.state.peer_store import Replica, ReplicaStore
 from resilrun.state.peer_wire import Announce, Deadline, ReplicationError, check_secret, parse_address, snapshot_bounds
+from resilrun.state.slots import Committed, RankMemory
 
 __all__ = ["Replica", "ReplicaServer", "ReplicaStore", "ReplicationError", "Replicator", "fetch", "held", "push"]
 

@@ -336,6 +336,10 @@ def _all_gather_ints(values: list[int], world_size: int, device: torch.device) -
 
 
 _JOB: Job | None = None
+# Set once this process took part in a generation (or was assigned a rank as a spare): from then on a
+# failure while it joins a later generation (its process group set up against a worker store that a
+# newer generation already replaced) is recovered in-process like a broken collective.
+_TOOK_PART = False
 # A spare asks again after this long, so a wedged agent shows up as an error, not a silent hang.
 _SPARE_POLL_S = 60.0
 
@@ -449,10 +453,12 @@ def _start_watchdog(agent_socket: str, round: int, group_sockets: dict[int, int]
 
 
 def _wait_for_assignment(client: AgentClient) -> None:
+    global _TOOK_PART
     _prewarm()
     while True:
         response, _ = client.request({"op": "await_assignment", "pid": os.getpid(), "timeout_s": _SPARE_POLL_S})
         if response.get("env"):
+            _TOOK_PART = True
             apply_assignment(response["env"])
             return
 
@@ -469,8 +475,9 @@ def _prewarm() -> None:
 
 def reset_for_reentry() -> None:
     """Forget this generation's job and process group, so the script can run again in-process."""
-    global _JOB
+    global _JOB, _TOOK_PART
     job, _JOB = _JOB, None
+    _TOOK_PART = True
     _ddp_sync.forget_all()
     if job is not None and job._watchdog is not None:
         job._watchdog.stopped.set()
@@ -482,8 +489,21 @@ def reset_for_reentry() -> None:
                 step()
             except Exception as exc:  # noqa: BLE001 - a broken group may fail to tear down; a new one replaces it
                 logger.debug("tearing down the broken process group: %s", exc)
+    else:
+        _forget_failed_group_setup()
+
+
+def _forget_failed_group_setup() -> None:
+    """Undo what a failed ``init_process_group`` left behind: torch counted the group it could not
+    build, and names the next one after that count (its keys in the worker store are prefixed by
+    it). A process that retried with the count at 1 would wait forever for peers writing under 0.
+    ``destroy_process_group`` resets the count, but only for a group that exists."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def is_active() -> bool:
-    """Whether this process joined the job through ``resilrun.init()`` (can be recovered in-process)."""
-    return _JOB is not None
+    """Whether this process is part of the job through ``resilrun.init()``, now or in an earlier
+    generation (or as an assigned spare): its failures can be recovered in-process."""
+    return _JOB is not None or _TOOK_PART

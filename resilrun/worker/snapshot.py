@@ -20,8 +20,8 @@ import torch
 from resilrun.errors import CheckpointError
 from resilrun.state.dedup import Borrowed, borrowed_ranges, plan_owners, shared_ranges
 from resilrun.state.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
-from resilrun.state.memory import SLOTS
 from resilrun.state.shm import SeqCounters, SharedBuffer
+from resilrun.state.slots import SLOTS
 from resilrun.worker._channel import AgentClient
 
 

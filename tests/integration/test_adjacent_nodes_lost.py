@@ -81,3 +81,41 @@ def test_two_adjacent_nodes_lost_without_a_persistent_tier_stop_the_job_with_a_c
     assert "have none in node memory, peer replicas or persistent storage" in err
     assert "hint: " in err and "--replicas 2" in err
     assert "restarting the job" not in err
+
+
+@pytest.mark.timeout(400)
+def test_a_second_node_lost_while_the_first_ones_generation_forms_is_recovered_in_process(
+    launcher, tmp_path: Path
+) -> None:
+    """On a ring of four, node rank 1 is lost, then node rank 2 1.5 s later. Node 3 watches node 1
+    but not node 2, so a generation replacing node 1 alone opens; it includes node 2's dead rank,
+    so its process groups cannot form, and node 2's verdict opens the next generation while they
+    try. The survivors' and the first spare's workers, failing in that setup, must follow into the
+    next generation (a failed group setup used to leave torch's group counter off by one in the
+    retrying process: every rank then waited forever for keys under another prefix)."""
+    port = free_port()
+    flags = [
+        "--nnodes", "4", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--replicas", "1",
+        "--heartbeat-timeout", "3", "--max-restarts", "0", "--checkpoint-uri", str(tmp_path / "ckpt"),
+        "--persist-every", "5", *TRAIN, "--checksum-file", str(tmp_path / "out.sha"),
+    ]  # fmt: skip
+    nodes = [launcher("resilrun", *flags) for _ in range(6)]
+    wait_for(lambda: sum("standing by as a spare node" in n.stderr() for n in nodes) == 2, 200, "two spare nodes")
+    wait_for(lambda: any("step 10 loss" in n.stdout() for n in nodes), 200, "training to pass step 10")
+    active = [n for n in nodes if "standing by as a spare node" not in n.stderr()]
+    by_rank = {r: next(n for n in active if f"this node rank {r} runs" in n.stderr()) for r in range(4)}
+    os.kill(by_rank[1].pid, signal.SIGKILL)
+    time.sleep(1.5)
+    os.kill(by_rank[2].pid, signal.SIGKILL)
+    doomed = [by_rank[1], by_rank[2]]
+    # With --max-restarts 0 a restart would fail the job: every remaining node must finish cleanly
+    for node in nodes:
+        if node not in doomed:
+            assert node.wait(240) == 0, node.stderr()[-4000:]
+    err = "".join(n.stderr() for n in nodes if n not in doomed)
+    assert "restarting the job" not in err
+    assert "take the lost node's place: generation 2" in err  # two generations: the first was superseded
+    clean = tmp_path / "clean.sha"
+    run = launcher("resilrun", "--standalone", "--nproc-per-node", "4", *TRAIN[:-2], "--checksum-file", str(clean))
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    assert (tmp_path / "out.sha").read_text() == clean.read_text()

@@ -73,3 +73,19 @@ def test_restored_state_survives_the_slot_being_overwritten() -> None:
     slot = memory.slot.untyped_storage().data_ptr()
     kept = [*fresh_model.parameters(), *(t for s in fresh_opt.state.values() for t in s.values())]
     assert all(t.untyped_storage().data_ptr() != slot for t in kept)
+
+
+def test_reentry_after_a_failed_group_setup_names_the_next_group_as_a_fresh_process_would() -> None:
+    from torch.distributed import distributed_c10d
+
+    from resilrun.worker import job as job_module
+
+    distributed_c10d._world.group_count = 1  # what an init_process_group that failed midway leaves
+    try:
+        job_module.reset_for_reentry()
+        # The retried group is named "0", like the fresh spares' (its store keys are prefixed by it)
+        assert distributed_c10d._world.group_count == 0
+        assert job_module.is_active()  # a failure while joining the next generation is recovered too
+    finally:
+        distributed_c10d._world.group_count = 0
+        job_module._TOOK_PART = False

@@ -1,0 +1,77 @@
+"""One rank's two node-memory slots, and what its worker committed to each.
+
+A commit names the step, the slot and its sequence counter at commit time (a reader's copy of the
+slot is of that step only if the counter has not moved since), and, for a deduplicated snapshot
+(state/dedup.py), the byte ranges it borrows from other local ranks' commits of the same step:
+those lend bytes only within one layout and one generation (``same_timeline``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from resilrun.state.dedup import Borrowed
+from resilrun.state.shm import SeqCounters, SharedBuffer
+
+SLOTS = 2
+_CTL_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A complete snapshot of one rank at one step, in one slot."""
+
+    step: int
+    slot: int
+    nbytes: int
+    values: Any
+    # The slot's sequence counter when the commit arrived: a reader's copy is of this step only if
+    # the counter still has this value after the copy (the worker may have rewritten the slot since).
+    seq: int = 0
+    # Ranges the worker left to other local ranks' snapshots of the same step (state/dedup.py), and
+    # the crc32 of its header: a range is borrowed only from an owner whose layout is the same.
+    borrowed: Borrowed = ()
+    layout: int = 0
+    # Ranges equal on every rank of the job (DDP state): a peer holding the same step fills them itself.
+    shared: tuple[tuple[int, int], ...] = ()
+    # The generation the step was trained in (-1: installed from another tier). Bytes are borrowed
+    # only within one generation: after a rollback a slot may still hold the abandoned timeline's
+    # copy of a step number that is being trained again.
+    round: int = -1
+
+
+class RankMemory:
+    """The slots of one global rank."""
+
+    def __init__(self, rank: int, run_id: str) -> None:
+        self.rank = rank
+        self.run_id = run_id
+        self.ctl = SharedBuffer.create(_CTL_BYTES, f"resilrun-{run_id}-r{rank}-ctl")
+        self.seq = SeqCounters(self.ctl)
+        self.slots: list[SharedBuffer | None] = [None] * SLOTS
+        self.committed: dict[int, Committed] = {}
+
+    def newest(self) -> Committed | None:
+        return max(self.committed.values(), key=lambda c: c.step, default=None)
+
+    def close(self) -> None:
+        for buffer in self.slots:
+            if buffer is not None:
+                buffer.close()
+        self.ctl.close()
+
+
+def at_step(memory: RankMemory, step: int) -> Committed | None:
+    """The rank's commit of ``step``; of two (a rollback's abandoned copy and the new one), the newer generation's."""
+    return max((c for c in memory.committed.values() if c.step == step), key=lambda c: c.round, default=None)
+
+
+def lender(memory: RankMemory, borrower: Committed) -> Committed | None:
+    """The rank's commit that ``borrower`` may take bytes from: same step, layout and generation."""
+    return next((c for c in memory.committed.values() if c.step == borrower.step and same_timeline(c, borrower)), None)
+
+
+def same_timeline(owner: Committed, borrower: Committed) -> bool:
+    """Whether ``owner``'s snapshot can lend bytes to ``borrower``'s (same step is checked by the caller)."""
+    return owner.layout == borrower.layout and owner.round == borrower.round
