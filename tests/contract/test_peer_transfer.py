@@ -586,13 +586,20 @@ def _weight_range(data: bytes) -> slice:
     return slice(layout.data_start + weight.begin, layout.data_start + weight.end)
 
 
-def test_shared_segments_stay_in_node_memory_until_the_replica_is_read(
-    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
-) -> None:
-    weight = torch.randn(1000, generator=torch.Generator().manual_seed(8))
+def _push_step_5_by_reference(server: ReplicaServer, memory: NodeMemoryTier, seed: int) -> tuple[torch.Tensor, bytes]:
+    """This node's rank 1 commits step 5; rank 0's replica of it arrives with the weight shared
+    (the sender's zeros there must never be what the replica holds). Returns (weight, sent)."""
+    weight = torch.randn(1000, generator=torch.Generator().manual_seed(seed))
     commit_to_memory(memory, 1, 5, _ddp_snapshot(weight, own=1), None)
     sent = _ddp_snapshot(torch.zeros_like(weight), own=7)
     assert push_view(server.address, SECRET, _shared_announce(sent, 0, 5), memoryview(sent), Deadline.total(5))
+    return weight, sent
+
+
+def test_shared_segments_stay_in_node_memory_until_the_replica_is_read(
+    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    weight, sent = _push_step_5_by_reference(server, memory, seed=8)
     # The replica refers to rank 1's slot for the weight: nothing was copied into its own slot
     replica = store.replica(0, 5)
     assert replica is not None and replica.local is not None
@@ -608,10 +615,7 @@ def test_shared_segments_stay_in_node_memory_until_the_replica_is_read(
 def test_a_local_commit_copies_referenced_bytes_in_before_their_slot_can_be_rewritten(
     server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
 ) -> None:
-    weight = torch.randn(1000, generator=torch.Generator().manual_seed(9))
-    commit_to_memory(memory, 1, 5, _ddp_snapshot(weight, own=1), None)
-    sent = _ddp_snapshot(torch.zeros_like(weight), own=7)
-    assert push_view(server.address, SECRET, _shared_announce(sent, 0, 5), memoryview(sent), Deadline.total(5))
+    weight, sent = _push_step_5_by_reference(server, memory, seed=9)
     # When rank 1 commits step 6 (its worker may then rewrite step 5's slot) and no newer replica
     # of rank 0 comes, the replica takes its own copy of the weight
     commit_to_memory(memory, 1, 6, _ddp_snapshot(weight + 1, own=1), None)
