@@ -15,6 +15,10 @@ the next commit); and the CPU seconds this process used (all its threads), becau
 shared with other users' jobs wall time swings with their load and CPU time much less. The step
 does real work (forward, backward, DDP allreduce, AdamW) on an MLP whose parameters + Adam
 moments are the requested size, so "fraction of a step" is meaningful.
+
+On a machine with CUDA the model, data and collectives go to ``job.device`` (NCCL, one GPU per
+local rank) and each step ends with a device synchronize, so step times are the GPU's, not the
+launch queue's; the snapshot is then a pinned, non-blocking device-to-host copy.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
 
 
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -90,7 +96,10 @@ def main() -> None:
     import resilrun  # after argparse: --help works without torch.distributed
 
     job = resilrun.init()
-    model = nn.parallel.DistributedDataParallel(build_model(args.state_mib))
+    cuda = job.device.type == "cuda"
+    model = nn.parallel.DistributedDataParallel(
+        build_model(args.state_mib).to(job.device), device_ids=[job.device] if cuda else None
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     hidden = hidden_for(args.state_mib)
     gen = torch.Generator().manual_seed(job.rank)
@@ -110,14 +119,14 @@ def main() -> None:
     for _ in loop:
         tops.append(time.perf_counter())
         cpu.append(time.process_time())
-        train_step(model, opt, torch.randn(args.batch, hidden, generator=gen))
+        train_step(model, opt, torch.randn(args.batch, hidden, generator=gen).to(job.device))
         ends.append(time.perf_counter())
     tops.append(time.perf_counter())  # after the last commit: steps() returned
     cpu.append(time.process_time())
     commits = [top - end for end, top in zip(ends, tops[1:], strict=False)]
     # DDP makes every rank wait for the slowest one's commit at the next allreduce: gather them all.
-    gathered = [torch.zeros(len(commits), dtype=torch.float64) for _ in range(job.world_size)]
-    torch.distributed.all_gather(gathered, torch.tensor(commits, dtype=torch.float64))
+    gathered = [torch.zeros(len(commits), dtype=torch.float64, device=job.device) for _ in range(job.world_size)]
+    torch.distributed.all_gather(gathered, torch.tensor(commits, dtype=torch.float64, device=job.device))
     if job.rank == 0:
         result = {
             "hidden": hidden,
@@ -127,7 +136,8 @@ def main() -> None:
             "snapshots": bool(os.environ.get("RESILRUN_AGENT_SOCKET")) and not args.plain_loop,
             "step": [b - a for a, b in zip(tops, tops[1:], strict=False)],
             "commit": commits,
-            "commit_slowest": torch.stack(gathered).max(dim=0).values.tolist(),
+            "commit_slowest": torch.stack(gathered).max(dim=0).values.cpu().tolist(),
+            "device": str(job.device),
             "cpu": [b - a for a, b in zip(cpu, cpu[1:], strict=False)],
             "message": messages[-len(ends) :] if messages else [],  # every post is a commit
         }

@@ -271,6 +271,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=480.0, help="no new launch after this many seconds")
     parser.add_argument("--json", default="", help="also write every raw result here")
     args = parser.parse_args()
+    if args.replicas and args.nproc < 2:
+        parser.error("--replicas runs two nodes of --nproc/2 ranks each: it needs --nproc >= 2")
     args.sizes = [float(s) for s in args.sizes.split(",")]
     started = time.monotonic()
     part1 = [] if args.skip == "inproc" else [run_inproc(mib, args) for mib in args.sizes]
