@@ -216,9 +216,14 @@ class ReplicaServer:
         if not announce.shared:
             return False
         step, layout, round = announce.step, announce.layout, announce.round
-        if token is not None and self.memory.holds(step, layout, round, _SHARED_WAIT_S):
-            return LocalRef(layout, round, announce.shared)
-        return self.memory.copy_shared(step, layout, round, announce.shared, into, _SHARED_WAIT_S)
+        if token is None:  # the step's slot may be rewritten any time: copy the bytes while they last
+            return self.memory.copy_shared(step, layout, round, announce.shared, into, _SHARED_WAIT_S)
+        # (Not held within the wait: a copy would wait again for the same commit.)
+        return (
+            LocalRef(layout, round, announce.shared)
+            if self.memory.holds(step, layout, round, _SHARED_WAIT_S)
+            else False
+        )
 
     def _publish(self, reservation: Reservation, replica: Replica, token: int | None) -> str | None:
         """Make a verified replica visible; why not, when its referenced bytes could not be kept."""

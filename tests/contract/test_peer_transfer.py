@@ -696,6 +696,19 @@ def test_without_the_same_step_locally_the_peer_takes_every_byte(
     assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == sent
 
 
+def test_a_peer_behind_the_pushed_step_waits_once_for_it_then_takes_every_byte(
+    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    weight = torch.randn(1000, generator=torch.Generator().manual_seed(12))
+    commit_to_memory(memory, 1, 3, _ddp_snapshot(weight, own=1), None)  # this node's commit of 5 never comes
+    sent = _ddp_snapshot(weight + 1, own=7)
+    started = time.monotonic()
+    assert push_view(server.address, SECRET, _shared_announce(sent, 0, 5), memoryview(sent), Deadline.total(5))
+    # One wait for this node's own step 5 (peer_server._SHARED_WAIT_S), not one per way of holding it
+    assert time.monotonic() - started < 1.8
+    assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == sent
+
+
 def test_a_deduplicated_slot_sends_its_complete_copy_when_the_peer_cannot_fill(
     server: ReplicaServer, store: ReplicaStore
 ) -> None:
