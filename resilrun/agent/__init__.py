@@ -123,7 +123,8 @@ def run(config: Config) -> None:
             log_root,
         )
         storage = _open_storage(config)
-        memory = NodeMemoryTier(config.rdzv_id)
+        # Only replicas and the persistent tier copy snapshots out of node memory (checked reads).
+        memory = NodeMemoryTier(config.rdzv_id, checksum_commits=config.replicas > 0 or bool(config.checkpoint_uri))
         control = WorkerControl()
         tiers = NodeTiers(memory, storage)
         channel = AgentChannel(memory, tiers, control)

@@ -1,8 +1,9 @@
 """Tier 3 mechanism: the agent uploads every ``--persist-every``-th committed step, in the background.
 
 Workers never wait for storage. When a due step is committed, the agent copies it out of the slot
-while the worker's commit message is being answered (one memcpy every ``--persist-every`` steps:
-the slot cannot be overwritten during that copy, which it could be during a slow upload); the
+while the worker's commit message is being answered (one memcpy, checked against the commit's
+crc32s, every ``--persist-every`` steps: the slot cannot be overwritten during that copy, which it
+could be during a slow upload; a copy that fails the check is skipped, like one overwritten); the
 upload runs in the background through ``durable.write_rank``. A store counter tells the agent that
 finishes the last rank of a step to write that step's COMPLETE.json (the commit point) and apply
 ``--keep-last``. When uploads fall more than a few steps behind, the oldest pending ones are

@@ -9,13 +9,31 @@ header written by the worker) and its JSON values travel with the commit.
 A deduplicated snapshot (state/dedup.py) borrows byte ranges from other local ranks' snapshots of
 the same step. It is *complete* once every owner has committed that step with the same layout;
 only complete snapshots are announced to listeners (replication, persistence), offered for
-restore, and read out, assembled from the owners' slots under each slot's sequence counter.
+restore, and read out, assembled from the owners' slots.
+
+Why a read is never torn, on any CPU: the agent hashes each commit's own bytes (crc32 per segment:
+the header, each tensor) while handling the commit, before the commit is visible and before it is
+answered. Those bytes cannot change then: the worker rewrites a slot only after it has read the
+answer to a *later* commit (it writes the slot not holding its newest step, after collecting the
+previous commit's answer), and the answer travels through a socket, whose kernel locks order the
+worker's stores before the agent's receive and the agent's loads before the worker's next stores,
+whatever the CPU's memory model. A reader then checks its private copy, after copying, against those
+crc32s: a copy with bytes of two steps fails, however the slot's stores and the sequence counter
+became visible to it (on aarch64 the counter alone can read stable over a torn copy). The counter
+stays as the cheap early exit. The cost is one crc32 pass per commit on the agent's channel thread
+(ISA-L's crc32 outruns the memcpy the worker paid for the same bytes; the worker reads the answer
+only at its next step), nothing on the worker; a reader that copies pays one pass over its copy.
+
+Readers copy outside the lock; they hold a lease on each buffer they copy from (``SharedBuffer.
+acquire``), so a slot reallocated meanwhile is unmapped only when the last of them lets go.
 
 Thread-safe: the agent channel serves several workers at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 import time
@@ -25,19 +43,27 @@ from typing import Any
 import psutil
 import torch
 
-from resilrun.errors import CheckpointError
+from resilrun.errors import CheckpointCorruptError, CheckpointError
+from resilrun.state._crc import crc32
 from resilrun.state.dedup import Borrowed, layout_hash, owners_of
+from resilrun.state.layout import parse_header
 from resilrun.state.shm import SharedBuffer
 from resilrun.state.slots import SLOTS, Committed, RankMemory, at_step, lender
 
 logger = logging.getLogger(__name__)
 
+_Source = tuple[RankMemory, Committed, SharedBuffer]
+
 
 class NodeMemoryTier:
     """All ranks' slots on this node; the agent channel and the replicator read it."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, *, checksum_commits: bool = True) -> None:
+        """``checksum_commits``: hash every commit for the readers that copy slots out (replicator,
+        persister, a peer's fetch). A job with neither replicas nor a persistent tier has no such
+        reader (a restore maps the slots while no rank commits), so it need not pay that pass."""
         self.run_id = run_id
+        self._checksum_commits = checksum_commits
         self._ranks: dict[int, RankMemory] = {}
         self._lock = threading.Lock()
         self._commits = threading.Condition(self._lock)  # notified on every commit
@@ -98,7 +124,9 @@ class NodeMemoryTier:
             memory.slots[slot] = None
         self._release(released)
         if old is not None:
-            old.close()  # before the new one: a full node may have room for one of the two only
+            # Before the new one (a full node may have room for one of the two only), unless a reader
+            # still copies from it: then when that reader lets go.
+            old.close()
         try:
             buffer = SharedBuffer.create(nbytes, f"resilrun-{self.run_id}-r{rank}-s{slot}")
         except OSError as exc:
@@ -134,10 +162,21 @@ class NodeMemoryTier:
         """
         memory = self.rank(rank)
         with self._lock:
-            if memory.slots[slot] is None:
+            buffer = memory.slots[slot]
+            if buffer is None or not buffer.acquire():
                 raise CheckpointError(f"rank {rank} committed step {step} to unallocated slot {slot}")
+        try:
+            if nbytes > buffer.nbytes:
+                raise CheckpointError(f"rank {rank} committed {nbytes} bytes to a {buffer.nbytes}-byte slot")
             seq = memory.seq.read(slot)
-            committed = Committed(step, slot, nbytes, values, seq, borrowed, layout, shared, round)
+            # Outside the lock: other ranks commit meanwhile. () means unchecked: nothing copies slots out.
+            crcs = _checksums(buffer.view(), nbytes, borrowed) if self._checksum_commits else ()
+        finally:
+            buffer.release()
+        with self._lock:
+            if memory.slots[slot] is not buffer:
+                raise CheckpointError(f"rank {rank}'s slot {slot} was reallocated while step {step} was committed")
+            committed = Committed(step, slot, nbytes, values, seq, borrowed, layout, shared, round, crcs)
             first = not memory.committed
             memory.committed[slot] = committed
             released = next((c for other, c in memory.committed.items() if other != slot), None)
@@ -215,7 +254,7 @@ class NodeMemoryTier:
             found = None if memory is None else at_step(memory, step)
             return found is not None and not self._missing(rank, found)
 
-    def _sources(self, rank: int, step: int) -> list[tuple[RankMemory, Committed, SharedBuffer]] | None:
+    def _sources(self, rank: int, step: int) -> list[_Source] | None:
         """Each slot that holds part of ``rank``'s ``step``, its own first; None if one is gone (lock held)."""
         memory = self._ranks.get(rank)
         found = None if memory is None else at_step(memory, step)
@@ -232,27 +271,63 @@ class NodeMemoryTier:
             return None
         return sources  # type: ignore[return-value]  # None excluded just above
 
+    @contextlib.contextmanager
+    def _leased_sources(self, rank: int, step: int) -> Iterator[list[_Source] | None]:
+        """``_sources``, each buffer kept mapped until the block ends (a lease, see ``SharedBuffer``)."""
+        with self._lock:
+            sources = self._sources(rank, step)
+            leased = [buffer for _, _, buffer in sources or () if buffer.acquire()]
+        try:
+            # A buffer still in a slot is never closed under the lock, so every lease was granted.
+            yield sources if sources is not None and len(leased) == len(sources) else None
+        finally:
+            for buffer in leased:
+                buffer.release()
+
+    @contextlib.contextmanager
+    def leased(self, rank: int, committed: Committed) -> Iterator[SharedBuffer | None]:
+        """The buffer of the slot holding ``committed``, mapped until the block ends; None when that
+        commit is no longer held (for a reader that streams a slot itself: the replicator)."""
+        with self._lock:
+            memory = self._ranks.get(rank)
+            buffer = None
+            if memory is not None and memory.committed.get(committed.slot) is committed:
+                buffer = memory.slots[committed.slot]
+            if buffer is not None and not buffer.acquire():
+                buffer = None
+        try:
+            yield buffer
+        finally:
+            if buffer is not None:
+                buffer.release()
+
     def read(self, rank: int, step: int) -> tuple[bytearray, Any] | None:
         """A consistent, complete copy of ``rank``'s snapshot of ``step``, or None if gone or torn.
 
-        Never blocks a worker: the copy is checked against the sequence counter of every slot it
-        came from, and a slot its worker started overwriting meanwhile makes it None (the caller
-        moves on). Borrowed ranges are filled in from their owners' slots.
+        Never blocks a worker: a slot its worker started overwriting meanwhile (the sequence counter
+        moved, or the copy fails its commit's crc32s) makes it None, and the caller moves on.
+        Borrowed ranges are filled in from their owners' slots.
         """
-        with self._lock:
-            sources = self._sources(rank, step)
-        if sources is None:
-            return None
-        if any(memory.seq.read(c.slot) != c.seq for memory, c, _ in sources):
-            return None  # already being (or been) overwritten by a newer step
-        found, buffer = sources[0][1], sources[0][2]
-        data = bytearray(buffer.view()[: found.nbytes])
-        by_owner = {memory.rank: owner_buffer for memory, _, owner_buffer in sources[1:]}
-        for owner, begin, end in found.borrowed:
-            data[begin:end] = by_owner[owner].view()[begin:end]
-        if not all(memory.seq.is_stable(c.slot, c.seq) for memory, c, _ in sources):
-            return None
-        return data, found.values
+        with self._leased_sources(rank, step) as sources:
+            if sources is None:
+                return None
+            if any(memory.seq.read(c.slot) != c.seq for memory, c, _ in sources):
+                return None  # already being (or been) overwritten by a newer step
+            found, buffer = sources[0][1], sources[0][2]
+            data = bytearray(buffer.view()[: found.nbytes])
+            by_owner = {memory.rank: (c, owner_buffer) for memory, c, owner_buffer in sources[1:]}
+            for owner, begin, end in found.borrowed:
+                data[begin:end] = by_owner[owner][1].view()[begin:end]
+            if not all(memory.seq.is_stable(c.slot, c.seq) for memory, c, _ in sources):
+                return None
+            copied = memoryview(data)
+            intact = all(crc32(copied[begin:end]) == crc for begin, end, crc in found.crcs) and all(
+                _is_intact(*by_owner[owner], copied, begin, end) for owner, begin, end in found.borrowed
+            )
+            if not intact:
+                _log_torn(rank, step)
+                return None
+            return data, found.values
 
     def lend(self, rank: int, step: int) -> tuple[Borrowed, dict[int, SharedBuffer]] | None:
         """What a restoring worker maps to load ``rank``'s ``step``: its borrowed ranges and the
@@ -293,18 +368,28 @@ class NodeMemoryTier:
             return False
         with self._lock:
             holder = self._holder(step, layout, round)
-            sources = None if holder is None else self._sources(holder, step)
-        if sources is None:
+        if holder is None:
             return False
-        if any(memory.seq.read(c.slot) != c.seq for memory, c, _ in sources):
-            return False
-        found, own = sources[0][1], sources[0][2]
-        owners = {memory.rank: buffer for memory, _, buffer in sources[1:]}
-        target = torch.frombuffer(into, dtype=torch.uint8) if len(into) else torch.empty(0, dtype=torch.uint8)
-        for begin, end in ranges:
-            for piece_begin, piece_end, buffer in _pieces(found.borrowed, own, owners, begin, end):
+        with self._leased_sources(holder, step) as sources:
+            if sources is None:
+                return False
+            if any(memory.seq.read(c.slot) != c.seq for memory, c, _ in sources):
+                return False
+            found, own = sources[0][1], sources[0][2]
+            owners = {memory.rank: (c, buffer) for memory, c, buffer in sources[1:]}
+            target = torch.frombuffer(into, dtype=torch.uint8) if len(into) else torch.empty(0, dtype=torch.uint8)
+            pieces = [piece for begin, end in ranges for piece in _pieces(found.borrowed, begin, end)]
+            for piece_begin, piece_end, owner in pieces:
+                buffer = own if owner is None else owners[owner][1]
                 target[piece_begin:piece_end].copy_(buffer.tensor[piece_begin:piece_end])
-        return all(memory.seq.is_stable(c.slot, c.seq) for memory, c, _ in sources)
+            if not all(memory.seq.is_stable(c.slot, c.seq) for memory, c, _ in sources):
+                return False
+            for piece_begin, piece_end, owner in pieces:
+                commit, buffer = (found, own) if owner is None else owners[owner]
+                if not _is_intact(commit, buffer, into, piece_begin, piece_end):
+                    _log_torn(holder, step)
+                    return False
+            return True
 
     def _holder(self, step: int, layout: int, round: int) -> int | None:
         """A local rank holding a complete snapshot of ``step`` of that layout and generation (lock held)."""
@@ -362,18 +447,86 @@ class NodeMemoryTier:
             memory.close()
 
 
-def _pieces(
-    borrowed: Borrowed, own: SharedBuffer, owners: dict[int, SharedBuffer], begin: int, end: int
-) -> Iterator[tuple[int, int, SharedBuffer]]:
-    """[begin, end) split by which slot holds each part: the owner's where borrowed, else ``own``."""
+def _pieces(borrowed: Borrowed, begin: int, end: int) -> Iterator[tuple[int, int, int | None]]:
+    """[begin, end) split by which slot holds each part: the owner rank's where borrowed, else None (own)."""
     position = begin
     for owner, lent_begin, lent_end in sorted(borrowed, key=lambda r: r[1]):
         lo, hi = max(lent_begin, begin), min(lent_end, end)
         if lo >= hi:
             continue
         if position < lo:
-            yield position, lo, own
-        yield lo, hi, owners[owner]
+            yield position, lo, None
+        yield lo, hi, owner
         position = hi
     if position < end:
-        yield position, end, own
+        yield position, end, None
+
+
+def _checksums(view: memoryview, nbytes: int, borrowed: Borrowed) -> tuple[tuple[int, int, int], ...]:
+    """(begin, end, crc32) of each segment of ``view[:nbytes]`` outside ``borrowed``.
+
+    Segments are cut at the tensors' bounds (when the bytes are a snapshot) and at the borrowed
+    ranges, so that a range another rank borrows is whole segments here, and a crc32 here is the one
+    the durable manifest and a peer's trailer carry for that tensor.
+    """
+    cuts = {0, nbytes, *_tensor_cuts(view, nbytes)}
+    for _, begin, end in borrowed:
+        cuts.update((begin, end))
+    bounds = sorted(cut for cut in cuts if 0 <= cut <= nbytes)
+    return tuple(
+        (begin, end, crc32(view[begin:end]))
+        for begin, end in zip(bounds, bounds[1:], strict=False)
+        if not any(lent_begin <= begin and end <= lent_end for _, lent_begin, lent_end in borrowed)
+    )
+
+
+def _tensor_cuts(view: memoryview, nbytes: int) -> tuple[int, ...]:
+    """The header's and each tensor's bounds in a snapshot; none when the bytes are not one."""
+    if nbytes < 8:
+        return ()
+    length = int.from_bytes(view[:8], "little")
+    if 8 + length > nbytes:
+        return ()
+    return _cuts_of_header(bytes(view[: 8 + length]), nbytes)
+
+
+@functools.lru_cache(maxsize=16)
+def _cuts_of_header(header: bytes, nbytes: int) -> tuple[int, ...]:
+    """Cached: a job commits the same few layouts every step, and parsing a large header costs."""
+    try:
+        layout = parse_header(header, nbytes)
+    except CheckpointCorruptError:
+        return ()
+    start = layout.data_start
+    return (start, *(start + e.begin for e in layout.entries), *(start + e.end for e in layout.entries))
+
+
+def _is_intact(committed: Committed, buffer: SharedBuffer, copied: memoryview, begin: int, end: int) -> bool:
+    """Whether ``copied[begin:end]`` (slot offsets) holds the bytes ``committed`` wrote there.
+
+    A segment only partly inside the range is completed from the slot itself: a torn remainder makes
+    the check fail, never pass (the copy is refused; it is only ever a false alarm). A commit made
+    without checksums (``checksum_commits=False``) is checked by the sequence counters alone.
+    """
+    if not committed.crcs:
+        return True
+    position = begin
+    for segment_begin, segment_end, expected in committed.crcs:
+        if segment_end <= begin or segment_begin >= end:
+            continue
+        if segment_begin > position:
+            return False  # bytes the commit did not write (borrowed from a third rank): unverifiable
+        lo, hi = max(segment_begin, begin), min(segment_end, end)
+        crc = crc32(buffer.view()[segment_begin:lo]) if segment_begin < lo else 0
+        crc = crc32(copied[lo:hi], crc)
+        if hi < segment_end:
+            crc = crc32(buffer.view()[hi:segment_end], crc)
+        if crc != expected:
+            return False
+        position = hi
+    return position >= end
+
+
+def _log_torn(rank: int, step: int) -> None:
+    # Expected now and then (a reader slower than a step): the caller moves on, as on a moved counter.
+    logger.debug("a copy of rank %d step %d failed its commit's crc32s: overwritten meanwhile", rank, step)

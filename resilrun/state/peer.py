@@ -9,7 +9,9 @@ calls (``push``, ``fetch``, ``held``) are in ``peer_client``.
 Invariants: replication never makes a committing worker wait (the commit listener records
 "rank r has a new step" and returns); the Replicator sends only the newest commit of each rank,
 skipping the steps it fell behind on; the bytes it sends are exactly one committed step, checked
-by the slot's sequence counter (a slot rewritten meanwhile is aborted, never sent as complete);
+against the crc32s the commit recorded (a slot rewritten meanwhile is aborted, never sent as
+complete; the sequence counter only ends such a push early) and leased so a reallocation cannot
+unmap them mid-stream;
 a slow or dead peer makes replicas lag, each peer on its own thread, and is logged once per change.
 """
 
@@ -31,7 +33,8 @@ from resilrun.state.peer_client import DEFAULT_TIMEOUT, fetch, held, push, push_
 from resilrun.state.peer_server import ReplicaServer
 from resilrun.state.peer_store import Replica, ReplicaStore
 from resilrun.state.peer_wire import Announce, Deadline, ReplicationError, check_secret, parse_address, snapshot_bounds
-from resilrun.state.slots import Committed, RankMemory
+from resilrun.state.shm import SharedBuffer
+from resilrun.state.slots import Committed, RankMemory, crcs_at
 
 __all__ = ["Replica", "ReplicaServer", "ReplicaStore", "ReplicationError", "Replicator", "fetch", "held", "push"]
 
@@ -236,14 +239,18 @@ class Replicator:
         Raises:
             ReplicationError: the peer failed; the caller backs off and retries the newest step.
         """
+        # Leased: a reallocation of the slot meanwhile unmaps it only once this push let go of it.
+        with self._memory.leased(source.rank, source.committed) as buffer:
+            return buffer is not None and self._push(target, source, buffer)
+
+    def _push(self, target: _Target, source: _Source, buffer: SharedBuffer) -> bool:
         rank_memory = self._rank_memory[source.rank]
         slot, committed = source.committed.slot, source.committed
-        buffer = rank_memory.slots[slot]  # read before the identity check: a reallocation pops the commit first
 
         def is_intact() -> bool:
             return rank_memory.seq.read(slot) == source.seq and rank_memory.committed.get(slot) is committed
 
-        if buffer is None or not is_intact():
+        if not is_intact():
             return False
         view = buffer.view()[: committed.nbytes]
         whole: Callable[[], memoryview | None] | None = None
@@ -289,7 +296,9 @@ class Replicator:
         def on_socket(sock: socket.socket | None) -> None:
             target.sock = sock
 
-        sent = push_view(target.address, self._secret, announce, view, deadline, check, on_socket, whole)
+        # The commit's crc32s, not the counter, prove the bytes sent (see state/memory.py).
+        expected = crcs_at(committed, bounds)
+        sent = push_view(target.address, self._secret, announce, view, deadline, check, on_socket, whole, expected)
         if not committed.borrowed:  # staging applies to plain slots only (a borrowed one has ``whole``)
             if check is None:
                 target.staged -= 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -78,13 +78,15 @@ def push_view(
     is_intact: Callable[[], bool] | None = None,
     on_socket: Callable[[socket.socket | None], None] | None = None,
     whole: Callable[[], memoryview | None] | None = None,
+    expected_crcs: Sequence[int | None] | None = None,
 ) -> bool:
-    """Send one snapshot; False when ``is_intact`` said the source changed (ABORT was sent).
+    """Send one snapshot; False when ``is_intact`` or ``expected_crcs`` said the source changed (ABORT was sent).
 
     Args:
         whole: when ``view`` is complete only in the announce's shared segments' absence (a
             deduplicated slot), what to send instead if the peer does not fill them itself: a
             private complete copy, or None when the source is gone (ABORT).
+        expected_crcs: the source commit's crc32 per segment (see ``send_snapshot``).
     """
     with connection(address, secret, deadline, on_socket) as sock:
         send_message(sock, {"op": "push", **announce.to_message()}, deadline)
@@ -95,7 +97,7 @@ def push_view(
         if not skip and whole is not None:
             complete = whole()
             view, is_intact = (complete, None) if complete is not None else (view, lambda: False)
-        sent = send_snapshot(sock, deadline, view, announce.bounds, is_intact, skip=skip)
+        sent = send_snapshot(sock, deadline, view, announce.bounds, is_intact, skip=skip, expected_crcs=expected_crcs)
         reply = recv_message(sock, deadline)
         if not sent.committed:
             return False

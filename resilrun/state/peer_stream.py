@@ -154,6 +154,7 @@ def send_snapshot(
     is_intact: Callable[[], bool] | None = None,
     stored_crcs: Sequence[int | None] | None = None,
     skip: Sequence[tuple[int, int]] = (),
+    expected_crcs: Sequence[int | None] | None = None,
 ) -> Sent:
     """Stream ``view`` as data frames, then COMMIT with the crc32s, or ABORT when it was torn.
 
@@ -164,6 +165,8 @@ def send_snapshot(
             null one, for bytes that never crossed the network, is replaced by the computed one).
         skip: whole segments the receiver fills itself (``Announce.shared``): not sent, not
             hashed, null in the trailer.
+        expected_crcs: what the source's commit recorded (None: a segment it did not write); a sent
+            segment hashing otherwise was torn, however intact the source said it was: ABORT.
     """
     with _Hasher(bounds, len(view)) as hasher:
         position = 0
@@ -184,6 +187,11 @@ def send_snapshot(
             hasher.skip(len(view) - position)
         computed = hasher.finish()  # before the last check: the helper reads the source too
     if is_intact is not None and not is_intact():
+        return _abort(sock, deadline)
+    if expected_crcs is not None and any(
+        now is not None and wanted is not None and now != wanted
+        for now, wanted in zip(computed, expected_crcs, strict=True)
+    ):
         return _abort(sock, deadline)
     deadline.apply(sock)
     sock.sendall(LEN.pack(0), _MSG_MORE)

@@ -6,8 +6,11 @@ process holding it exits, so a SIGKILLed agent (and its workers) can never leak 
 while a worker's death alone loses nothing because the agent still holds the fd.
 
 Invariants: buffers are pre-faulted once by their creator (first touch of shared memory runs at a
-quarter of memcpy speed here) and then reused every step; a slot's sequence counter is odd while
-its owner writes it, so a reader can tell a torn copy from a clean one without making anyone wait.
+quarter of memcpy speed here) and then reused every step; a buffer is unmapped only once no reader
+holds a lease on it (``acquire``/``release``), so replacing a slot never pulls memory out from under
+a copy in progress; a slot's sequence counter is odd while its owner writes it, which lets a reader
+give up early on a copy it knows is torn, but an unchanged counter proves nothing on a weakly ordered
+CPU (see ``SeqCounters``): the node-memory tier checks every copy against the crc32s of its commit.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import mmap
 import os
 import struct
+import threading
 
 import torch
 
@@ -32,6 +36,10 @@ class SharedBuffer:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         self._map = mmap.mmap(fd, max(nbytes, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1))
+        self._state = threading.Lock()
+        self._leases = 0
+        self._retired = False  # close() was called: no new leases; unmapped when the last one ends
+        self.closed = False
 
     @classmethod
     def create(cls, nbytes: int, name: str) -> SharedBuffer:
@@ -54,19 +62,55 @@ class SharedBuffer:
     def view(self) -> memoryview:
         return memoryview(self._map)[: self.nbytes]
 
+    def acquire(self) -> bool:
+        """Take a lease: the buffer stays mapped until ``release``; False once it was closed.
+
+        Why: agent threads (replicator, persister, peer server) copy a slot after letting go of the
+        tier's lock, while the worker may have it reallocated; a lease defers the unmapping instead
+        of making the worker wait for a copy (or a slow peer).
+        """
+        with self._state:
+            if self._retired:
+                return False
+            self._leases += 1
+            return True
+
+    def release(self) -> None:
+        """End a lease; the last one ends a buffer that was closed meanwhile."""
+        with self._state:
+            self._leases -= 1
+            last = self._retired and self._leases == 0
+        if last:
+            self._unmap()
+
     def close(self) -> None:
+        """Unmap now, or when the last lease ends (idempotent)."""
+        with self._state:
+            if self._retired:
+                return
+            self._retired = True
+            idle = self._leases == 0
+        if idle:
+            self._unmap()
+
+    def _unmap(self) -> None:
         del self.tensor
         with contextlib.suppress(BufferError):  # a view is still alive; the mapping goes with the process
             self._map.close()
         os.close(self.fd)
+        self.closed = True
 
 
 class SeqCounters:
     """Per-slot sequence numbers in a small shared page (a seqlock without the lock).
 
     Writer: ``begin(slot)`` (counter becomes odd), copy, ``end(slot)`` (even). Reader: read the
-    counter, copy, read again; the copy is clean only when both reads are equal and even.
-    Aligned 8-byte stores are atomic on every platform torch supports.
+    counter, copy, read again; a copy is torn when the two reads differ or are odd. Aligned 8-byte
+    stores are atomic on every platform torch supports, but the converse does not hold: with no
+    fences (none are reachable from Python), a weakly ordered CPU (aarch64) may make the copy's
+    stores visible before ``begin``'s, or satisfy the reader's second counter load before its data
+    loads, so equal even reads do not prove a clean copy. The counter is a cheap early exit; what
+    proves a copy is the commit's crc32s (``resilrun.state.memory``).
     """
 
     def __init__(self, buffer: SharedBuffer) -> None:

@@ -1,13 +1,15 @@
 """One rank's two node-memory slots, and what its worker committed to each.
 
-A commit names the step, the slot and its sequence counter at commit time (a reader's copy of the
-slot is of that step only if the counter has not moved since), and, for a deduplicated snapshot
+A commit names the step, the slot, its sequence counter at commit time (a reader's copy of the
+slot may be of that step only if the counter has not moved since) and the crc32s of the bytes it
+wrote (the copy is of that step only if it has them), and, for a deduplicated snapshot
 (state/dedup.py), the byte ranges it borrows from other local ranks' commits of the same step:
 those lend bytes only within one layout and one generation (``same_timeline``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,10 @@ class Committed:
     # only within one generation: after a rollback a slot may still hold the abandoned timeline's
     # copy of a step number that is being trained again.
     round: int = -1
+    # (begin, end, crc32) of every segment the commit wrote itself (the header, each tensor, and
+    # whatever lies between borrowed ranges), hashed by the agent while the bytes cannot change: a
+    # reader's copy is of this step only if it has these crc32s (see state/memory.py).
+    crcs: tuple[tuple[int, int, int], ...] = ()
 
 
 class RankMemory:
@@ -70,6 +76,13 @@ def at_step(memory: RankMemory, step: int) -> Committed | None:
 def lender(memory: RankMemory, borrower: Committed) -> Committed | None:
     """The rank's commit that ``borrower`` may take bytes from: same step, layout and generation."""
     return next((c for c in memory.committed.values() if c.step == borrower.step and same_timeline(c, borrower)), None)
+
+
+def crcs_at(committed: Committed, bounds: Sequence[int]) -> tuple[int | None, ...]:
+    """``committed``'s crc32 of each segment ``bounds[i]..bounds[i + 1]``; None where it wrote none
+    of that exact segment (borrowed bytes)."""
+    recorded = {(begin, end): crc for begin, end, crc in committed.crcs}
+    return tuple(recorded.get((begin, end)) for begin, end in zip(bounds, bounds[1:], strict=False))
 
 
 def same_timeline(owner: Committed, borrower: Committed) -> bool:

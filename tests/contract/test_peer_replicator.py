@@ -364,3 +364,44 @@ def test_a_broken_targets_callable_keeps_the_current_targets(
     commit(memory, 0, 1, snapshot(1))
 
     eventually(lambda: peer.store.steps(0) == [1])
+
+
+class _Watched:
+    """A rank's sequence counters that note when a thread other than the test's reads them."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.read_elsewhere = threading.Event()
+
+    def read(self, slot: int) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            self.read_elsewhere.set()
+        return self.inner.read(slot)  # type: ignore[attr-defined, no-any-return]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_a_torn_slot_whose_counter_reads_stable_is_never_replicated(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    # Given rank 0's step 1 and rank 1's step 1 committed (slot 1 each)
+    peer = make_peer()
+    targets = Switch(peer.server.address)
+    replicator = Replicator(memory, SECRET, targets, timeout=TIMEOUT, refresh=REFRESH)
+    replicators.append(replicator)
+    commit(memory, 0, 1, snapshot(1))
+    commit(memory, 1, 1, snapshot(1))
+    watched = _Watched(memory.rank(0).seq)
+    memory.rank(0).seq = watched  # type: ignore[assignment]
+    # When half of rank 0's next step lands in that slot ahead of its counter (stores a weakly
+    # ordered CPU made visible before the counter's): the counter reads stable, the bytes are torn
+    torn = snapshot(3)
+    memory.rank(0).slots[1].view()[: len(torn) // 2] = torn[: len(torn) // 2]  # type: ignore[union-attr]
+    targets.on.set()
+    # Then the replicator tries rank 0 first (round robin), then rank 1: once rank 1's step is there,
+    # rank 0's attempt is over, and it sent nothing the peer kept
+    eventually(lambda: replicator.status()[1]["replicated"] == 1)
+    assert watched.read_elsewhere.is_set()
+    assert peer.store.steps(0) == []
+    assert replicator.status()[0]["replicated"] is None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from resilrun.errors import CheckpointError
 from resilrun.state.memory import NodeMemoryTier
+from resilrun.state.shm import SeqCounters
 
 
 @pytest.fixture
@@ -115,3 +118,129 @@ def test_a_full_node_memory_is_a_clear_checkpoint_error_and_keeps_the_other_slot
     # Then the committed step is still there, and no descriptor leaked
     assert tier.read(0, 1) == (b"a" * 8192, {"step": 1})
     assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+# -- readers outside the lock (issue 14, items 8 and 9) ---------------------------------------------
+class _PausingCounters:
+    """The rank's counters, with a hook that parks the reader at its first check after the lock.
+
+    A reader takes the slot's buffer under the tier's lock and copies after letting go of it; this
+    holds it exactly there, so a reallocation can run in between, every time.
+    """
+
+    def __init__(self, inner: SeqCounters) -> None:
+        self.inner = inner
+        self.reader: threading.Thread | None = None
+        self.paused = threading.Event()
+        self.resume = threading.Event()
+
+    def read(self, slot: int) -> int:
+        if threading.current_thread() is self.reader and not self.paused.is_set():
+            self.paused.set()
+            assert self.resume.wait(10), "the test never resumed the reader"
+        return self.inner.read(slot)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_slot_reallocated_while_a_reader_holds_it_stays_mapped_until_the_reader_lets_go(
+    tier: NodeMemoryTier,
+) -> None:
+    # Given step 5 committed in slot 0, and a reader (the replicator, a persister) that took the
+    # slot's buffer and is about to copy it
+    _write(tier, 0, 5, 0, b"five" * 16)
+    memory = tier.rank(0)
+    old = memory.slots[0]
+    assert old is not None
+    counters = _PausingCounters(memory.seq)
+    memory.seq = counters  # type: ignore[assignment]  # a hook around the real counters
+    outcome: list[object] = []
+
+    def reader() -> None:
+        try:
+            outcome.append(tier.read(0, 5))
+        except Exception as exc:  # noqa: BLE001 - the defect surfaced as an exception here
+            outcome.append(exc)
+
+    counters.reader = threading.Thread(target=reader)
+    counters.reader.start()
+    assert counters.paused.wait(10)
+    # When the worker reallocates that slot (a larger layout) meanwhile
+    tier.allocate(0, 0, 256)
+    # Then the reader's buffer is still mapped, and it copies the committed bytes intact
+    counters.resume.set()
+    counters.reader.join(10)
+    assert outcome == [(b"five" * 16, {"step": 5})]
+    # and the old buffer is closed once the reader let go of it: nothing leaks
+    assert old.closed
+
+
+def test_a_lease_keeps_a_replaced_slot_mapped_and_its_release_closes_it(tier: NodeMemoryTier) -> None:
+    _write(tier, 0, 5, 0, b"A" * 64)
+    committed = tier.rank(0).committed[0]
+    with tier.leased(0, committed) as buffer:
+        assert buffer is not None
+        tier.allocate(0, 0, 128)  # the commit is gone, its buffer is not: the lease holds it
+        assert not buffer.closed and bytes(buffer.view()[:64]) == b"A" * 64
+    assert buffer.closed
+    with tier.leased(0, committed) as gone:
+        assert gone is None  # a commit no longer held is not leased
+
+
+def test_a_torn_copy_that_the_counter_misses_is_never_returned(tier: NodeMemoryTier) -> None:
+    # Given step 5 committed in slot 0
+    _write(tier, 0, 5, 0, b"A" * 64)
+    memory = tier.rank(0)
+    buffer = memory.slots[0]
+    assert buffer is not None
+    # When half of the next step's bytes land before the counter shows the write (on a weakly
+    # ordered CPU the stores of the copy may become visible before the counter's): the counter
+    # reads stable, the bytes are from two steps
+    buffer.view()[:32] = b"B" * 32
+    # Then the copy is refused, never returned as step 5
+    assert tier.read(0, 5) is None
+    into = bytearray(64)
+    assert tier.copy_shared(5, 0, -1, [(0, 64)], memoryview(into), 0.0) is False
+
+
+def test_a_torn_borrowed_range_is_never_returned() -> None:
+    tier = NodeMemoryTier("unit-torn-borrow")
+    try:
+        for rank, payload in ((1, b"B" * 24), (0, b"A" * 24)):
+            memory = tier.rank(rank)
+            buffer = tier.allocate(rank, 0, 24)
+            memory.seq.begin(0)
+            buffer.view()[:24] = payload
+            memory.seq.end(0)
+            borrowed = ((1, 8, 16),) if rank == 0 else ()
+            tier.commit(rank, 5, 0, 24, {"step": 5}, borrowed, layout=7, round=1)
+        assert tier.read(0, 5) == (bytearray(b"A" * 8 + b"B" * 8 + b"A" * 8), {"step": 5})
+        owner = tier.rank(1).slots[0]
+        assert owner is not None
+        owner.view()[10:12] = b"CC"  # the owner's next step, ahead of its counter
+        assert tier.read(0, 5) is None
+    finally:
+        tier.close()
+
+
+def test_a_tier_without_readers_that_copy_slots_out_hashes_nothing_and_still_reads() -> None:
+    # Given a job with neither replicas nor a persistent tier: no commit is hashed
+    tier = NodeMemoryTier("unit-no-checksums", checksum_commits=False)
+    try:
+        for rank, payload in ((1, b"B" * 24), (0, b"A" * 24)):
+            memory = tier.rank(rank)
+            buffer = tier.allocate(rank, 0, 24)
+            memory.seq.begin(0)
+            buffer.view()[:24] = payload
+            memory.seq.end(0)
+            borrowed = ((1, 8, 16),) if rank == 0 else ()
+            tier.commit(rank, 5, 0, 24, {"step": 5}, borrowed, layout=7, round=1)
+        assert all(c.crcs == () for r in (0, 1) for c in tier.rank(r).committed.values())
+        # Then reads, borrowed ranges included, are checked by the counters alone and succeed
+        assert tier.read(0, 5) == (bytearray(b"A" * 8 + b"B" * 8 + b"A" * 8), {"step": 5})
+        into = bytearray(24)
+        assert tier.copy_shared(5, 7, 1, [(0, 24)], memoryview(into), 0.0) is True
+        assert bytes(into) == b"A" * 8 + b"B" * 8 + b"A" * 8
+    finally:
+        tier.close()

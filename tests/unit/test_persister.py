@@ -54,3 +54,27 @@ def test_a_step_is_committed_only_when_storage_holds_it_and_a_mismatch_is_an_err
         assert durable.latest_complete_step(storage) is None
         assert "step 0 not committed: storage does not hold what was uploaded" in caplog.text
         assert "is 0 bytes but its manifest says" in caplog.text
+
+
+def test_a_copy_torn_behind_a_stable_counter_is_not_uploaded_and_the_next_step_is() -> None:
+    memory, storage = NodeMemoryTier("persister-torn"), MemoryStorage()
+    torn = {1}
+
+    def tear(rank: int, committed: object) -> None:
+        # Registered before the persister, so it runs first: bytes of another step land in the slot
+        # while the counter reads stable (stores a weakly ordered CPU reordered past the counter's).
+        if getattr(committed, "step", None) in torn:
+            buffer = memory.rank(rank).slots[0]
+            assert buffer is not None
+            buffer.view()[-64:] = b"\xee" * 64
+
+    memory.add_listener(tear)
+    persister = Persister(memory, storage, every=1, keep_last=5, count_persisted=lambda step: 1, world_size=lambda: 1)
+    try:
+        _commit(memory, 1)
+        _commit(memory, 2)
+    finally:
+        persister.close(10)  # uploads already due finish first
+        memory.close()
+    assert durable.latest_complete_step(storage) == 2
+    assert [info.step for info in durable.list_steps(storage)] == [2]  # step 1 was torn: skipped, never uploaded
