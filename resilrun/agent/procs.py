@@ -4,6 +4,11 @@ Invariants: every worker is the leader of its own process group (so signals reac
 e.g. data-loader workers) and dies with the agent (PR_SET_PDEATHSIG), so a SIGKILLed agent leaves
 no orphans. The agent's handled signals are blocked while forking so a Ctrl-C cannot land between
 fork and bookkeeping; children start with them unblocked.
+
+Ownership: a WorkerProcess belongs to the thread that spawned it (the supervisor loop). Only that
+thread reaps it, waits on it and closes its pidfd, so a descriptor is never closed (and its number
+reused) under a ``wait_any_exit`` that selects on it. Other threads (the status publisher) read
+``snapshot()``, which has no side effects.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import IO
 
@@ -26,6 +32,9 @@ from resilrun.config import Std
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _PR_SET_PDEATHSIG = 1
+# Built before any fork so the child converts nothing (a set of plain ints for pthread_sigmask).
+_HANDLED_SIGNUMS = frozenset(int(s) for s in HANDLED_SIGNALS)
+_SIGKILL = int(signal.SIGKILL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,14 +54,29 @@ class WorkerSpec:
         return self.log_dir / "error.json"
 
 
-def _child_setup(agent_pid: int) -> None:
-    """Runs in the child between fork and exec (async-signal-safe calls only)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS)
+@cache
+def _resolve_prctl() -> Callable[[int, int], int] | None:
+    """libc's prctl, looked up in the agent (None where there is none: not Linux).
+
+    Why here and not in the child: dlopen/dlsym take the loader lock, which another thread of the
+    agent (a tee, the channel, the status publisher) may hold at fork time; in the child no thread
+    would ever release it. Cached, so each spawn only calls an already resolved function.
+    """
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = (ctypes.c_int, ctypes.c_ulong)
+    prctl.restype = ctypes.c_int
+    return prctl  # type: ignore[no-any-return]
+
+
+def _child_setup(agent_pid: int, prctl: Callable[[int, int], int] | None) -> None:
+    """Runs in the child between fork and exec: only calls resolved in the parent (no dlopen, no
+    imports), each a thin wrapper of an async-signal-safe syscall (sigprocmask, prctl, getppid, _exit)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED_SIGNUMS)
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, _SIGKILL)
     if os.getppid() != agent_pid:  # the agent died before prctl took effect
         os._exit(1)
 
@@ -80,15 +104,29 @@ class _Tee(threading.Thread):
             self.file.close()
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """What another thread may know of a worker: copied under its lock, so the fields agree."""
+
+    pid: int
+    local_rank: int
+    global_rank: int
+    started_at: float
+    exit_code: int | None  # None: running (as far as the exit can be seen without reaping it)
+    exit_observed_at: float | None  # when the owner reaped the exit (None: not yet)
+
+
 class WorkerProcess:
-    """One running worker and the threads that carry its output."""
+    """One running worker and the threads that carry its output; owned by the thread that spawned it."""
 
     def __init__(self, spec: WorkerSpec, popen: subprocess.Popen[bytes], tees: list[_Tee], files: list[IO[bytes]]):
-        self.spec = spec
+        self._lock = threading.Lock()  # guards _spec, _exit_observed_at, _pidfd against snapshot()
+        self._owner = threading.get_ident()
+        self._spec = spec
         self.popen = popen
         self.tees = tees
         self._files = files
-        self.exit_observed_at: float | None = None
+        self._exit_observed_at: float | None = None
         # Wall clock, like exit_observed_at: a spare started after a failure was seen is not a warm one.
         self.started_at = time.time()
         self._pidfd: int | None = None
@@ -99,18 +137,71 @@ class WorkerProcess:
     def pid(self) -> int:
         return self.popen.pid
 
+    @property
+    def spec(self) -> WorkerSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: WorkerSpec) -> None:
+        """A promoted spare or a survivor moves to a new generation's spec."""
+        with self._lock:
+            self._spec = spec
+
+    @property
+    def exit_observed_at(self) -> float | None:
+        return self._exit_observed_at
+
+    def _require_owner(self, what: str) -> None:
+        if threading.get_ident() != self._owner:
+            raise RuntimeError(f"WorkerProcess.{what}() belongs to the thread that spawned the worker; use snapshot()")
+
     def poll(self) -> int | None:
+        """Owner only: reaps an exit, notes when it was seen and closes the pidfd.
+
+        Safe to close here: the owner is also the only thread that waits on the pidfd
+        (``wait_any_exit``), so no select can hold it meanwhile.
+        """
+        self._require_owner("poll")
         code = self.popen.poll()
-        if code is not None and self.exit_observed_at is None:
-            self.exit_observed_at = time.time()
-        if code is not None and self._pidfd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._pidfd)
-            self._pidfd = None
+        if code is not None:
+            with self._lock:
+                if self._exit_observed_at is None:
+                    self._exit_observed_at = time.time()
+                if self._pidfd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(self._pidfd)
+                    self._pidfd = None
         return code
 
+    def snapshot(self) -> WorkerSnapshot:
+        """Any thread: the worker as it is now, without reaping it or touching its descriptors."""
+        with self._lock:
+            spec = self._spec
+            return WorkerSnapshot(
+                pid=self.popen.pid,
+                local_rank=spec.local_rank,
+                global_rank=spec.global_rank,
+                started_at=self.started_at,
+                exit_code=self._peek_exit_locked(),
+                exit_observed_at=self._exit_observed_at,
+            )
+
+    def _peek_exit_locked(self) -> int | None:
+        """The exit code, reaped or not; with the lock held the pidfd stays this worker's."""
+        code = self.popen.returncode
+        if code is not None or self._pidfd is None:
+            return code
+        try:  # WNOWAIT: the exit stays for the owner's poll() to reap
+            info = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except (AttributeError, ChildProcessError, OSError):  # no P_PIDFD, or the owner reaped it just now
+            return self.popen.returncode
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
     def exit_fd(self) -> int | None:
-        """A descriptor that becomes readable when the worker exits (None: poll instead)."""
+        """Owner only: a descriptor that becomes readable when the worker exits (None: poll instead)."""
+        self._require_owner("exit_fd")
         return self._pidfd
 
     def signal_group(self, signum: int) -> None:
@@ -146,6 +237,7 @@ def spawn(spec: WorkerSpec) -> WorkerProcess:
     out_arg, out_file, out_tee = _open_stream(spec, Std.OUT, "stdout")
     err_arg, err_file, err_tee = _open_stream(spec, Std.ERR, "stderr")
     agent_pid = os.getpid()
+    prctl = _resolve_prctl()  # before forking: the child must not dlopen
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
     try:
         popen = subprocess.Popen(
@@ -155,7 +247,7 @@ def spawn(spec: WorkerSpec) -> WorkerProcess:
             stdout=out_arg,
             stderr=err_arg,
             start_new_session=True,
-            preexec_fn=lambda: _child_setup(agent_pid),  # noqa: PLW1509 - single-threaded at fork time is not required here
+            preexec_fn=lambda: _child_setup(agent_pid, prctl),  # noqa: PLW1509 - it calls only what the parent resolved
         )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
@@ -172,10 +264,11 @@ def spawn(spec: WorkerSpec) -> WorkerProcess:
 
 
 def wait_any_exit(workers: Iterable[WorkerProcess], timeout_s: float) -> None:
-    """Sleep up to ``timeout_s``, waking as soon as one of ``workers`` exits.
+    """Owner only: sleep up to ``timeout_s``, waking as soon as one of ``workers`` exits.
 
     Why: a fixed poll interval adds up to one interval to every failure's detection; waking on the
     exit itself takes that out of the recovery time. Falls back to a plain sleep without pidfds.
+    The pidfds stay open throughout: only the owner (this thread) closes them, in ``poll()``.
     """
     fds = [fd for fd in (w.exit_fd() for w in workers if w.popen.returncode is None) if fd is not None]
     if not fds:
@@ -183,7 +276,7 @@ def wait_any_exit(workers: Iterable[WorkerProcess], timeout_s: float) -> None:
         return
     try:
         select.select(fds, [], [], timeout_s)
-    except (OSError, ValueError):  # a descriptor closed meanwhile: the next poll sees the exit
+    except (OSError, ValueError):  # not expected (the owner closes pidfds only in poll()); poll again soon
         time.sleep(min(timeout_s, 0.01))
 
 

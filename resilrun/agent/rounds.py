@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -33,19 +36,101 @@ class RoundEnd(Enum):
     REJOIN = "rejoin"
 
 
-@dataclass
-class Round:
-    """What this node runs in the current round; in-process recoveries update it in place."""
+@dataclass(frozen=True, slots=True)
+class RoundSnapshot:
+    """A round as another thread may read it: membership and each worker copied together."""
 
     state: RdzvState
     node_rank: int
-    workers: list[procs.WorkerProcess]  # by local rank
-    spares: list[procs.WorkerProcess]
-    store: Any
-    spare_index: int = 0
-    respawn_at: float | None = None
-    killed: set[int] = field(default_factory=set)  # pids SIGKILLed as hung, not yet reaped
-    # Newest step committed on this node when the last in-process recovery started, and the
-    # global ranks that had failed then.
-    recovered_at_step: int | None = None
-    recovered_ranks: frozenset[int] = frozenset()
+    workers: tuple[procs.WorkerSnapshot, ...]  # by local rank
+    spares: tuple[procs.WorkerSnapshot, ...]
+
+
+class Round:
+    """What this node runs in the current round; in-process recoveries update it in place.
+
+    The supervisor thread owns it and its workers. The status thread reads ``snapshot()`` only, which
+    never blocks on an update in progress: a change made in several steps (a spare leaving ``spares``
+    before it joins ``workers``) is wrapped in ``updating()``, and readers see the round as it was
+    before until the block ends.
+    """
+
+    def __init__(
+        self,
+        state: RdzvState,
+        node_rank: int,
+        workers: list[procs.WorkerProcess],  # by local rank
+        spares: list[procs.WorkerProcess],
+        store: Any,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._frozen: RoundSnapshot | None = None  # what readers get while an update is in progress
+        self._state = state
+        self._workers = workers
+        self._spares = spares
+        self.node_rank = node_rank
+        self.store = store
+        self.spare_index = 0
+        self.respawn_at: float | None = None
+        self.killed: set[int] = set()  # pids SIGKILLed as hung, not yet reaped
+        # Newest step committed on this node when the last in-process recovery started, and the
+        # global ranks that had failed then.
+        self.recovered_at_step: int | None = None
+        self.recovered_ranks: frozenset[int] = frozenset()
+
+    # Lists are mutated in place by the owner (append, remove): each such step is atomic for a
+    # reader's copy; assignments go through the lock so a copy sees all of the fields of one moment.
+    @property
+    def state(self) -> RdzvState:
+        return self._state
+
+    @state.setter
+    def state(self, state: RdzvState) -> None:
+        with self._lock:
+            self._state = state
+
+    @property
+    def workers(self) -> list[procs.WorkerProcess]:
+        return self._workers
+
+    @workers.setter
+    def workers(self, workers: list[procs.WorkerProcess]) -> None:
+        with self._lock:
+            self._workers = workers
+
+    @property
+    def spares(self) -> list[procs.WorkerProcess]:
+        return self._spares
+
+    @spares.setter
+    def spares(self, spares: list[procs.WorkerProcess]) -> None:
+        with self._lock:
+            self._spares = spares
+
+    def snapshot(self) -> RoundSnapshot:
+        """Any thread: the round now, or as it was before the update in progress (no side effects)."""
+        with self._lock:
+            if self._frozen is not None:
+                return self._frozen
+            return self._snapshot_locked()
+
+    @contextmanager
+    def updating(self) -> Iterator[None]:
+        """Owner only: readers see none of the changes made inside the block until it ends."""
+        with self._lock:
+            if self._frozen is not None:
+                raise RuntimeError("Round.updating() does not nest")
+            self._frozen = self._snapshot_locked()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._frozen = None
+
+    def _snapshot_locked(self) -> RoundSnapshot:
+        return RoundSnapshot(
+            self._state,
+            self.node_rank,
+            tuple(w.snapshot() for w in list(self._workers)),
+            tuple(s.snapshot() for s in list(self._spares)),
+        )

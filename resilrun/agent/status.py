@@ -9,6 +9,9 @@ known without any agent reading every counter for status.
 
 Heartbeat ages are judged as the supervisor judges them (counters on the observer's monotonic clock),
 never from timestamps written by another machine.
+
+The supervisor thread owns the round and its worker processes; this thread reads their snapshots
+only (``Round.snapshot()``), so it never reaps a worker or closes a descriptor the supervisor waits on.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from resilrun.state.memory import NodeMemoryTier
 from resilrun.status import records as history
 
 if TYPE_CHECKING:
+    from resilrun.agent.procs import WorkerSnapshot
     from resilrun.agent.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
@@ -86,15 +90,16 @@ class StatusPublisher:
         current = getattr(sup, "current", None)
         state = sup.last_state
         node_rank = state.node_rank(self.node_id) if state is not None else None
-        workers = list(current.workers) if current is not None else []
-        spares = list(current.spares) if current is not None else []
+        view = current.snapshot() if current is not None else None
+        workers = list(view.workers) if view is not None else []
+        spares = list(view.spares) if view is not None else []
         waiting = set(self.control.waiting_spares())
         ranks = [self._rank(w) for w in workers]
         node_state = self.state
         if node_state in ("joining", "active"):
             # A spare node runs warm workers without a node rank until it takes a lost node's place.
             node_state = "joining" if current is None else "active" if node_rank is not None else "spare"
-        alive_spares = [s for s in spares if s.poll() is None]
+        alive_spares = [s for s in spares if s.exit_code is None]
         return {
             "schema": history.SCHEMA,
             "node_id": self.node_id,
@@ -114,14 +119,14 @@ class StatusPublisher:
                 "ready": len([s for s in alive_spares if s.pid in waiting]),
                 "pids": [s.pid for s in alive_spares],
             },
-            "tiers": self._tiers([w.spec.global_rank for w in workers]),
+            "tiers": self._tiers([w.global_rank for w in workers]),
             "peer_ages": self._peer_ages(),
             "counts": dict(self.telemetry.counts),
         }
 
-    def _rank(self, worker: Any) -> dict[str, Any]:
-        rank = worker.spec.global_rank
-        code = worker.poll()
+    def _rank(self, worker: WorkerSnapshot) -> dict[str, Any]:
+        rank = worker.global_rank
+        code = worker.exit_code
         silent = self.control.silent_for(worker.pid)
         stalled = self.control.stalled_for(worker.pid)
         progress = self.telemetry.progress.get(rank, {})
@@ -135,7 +140,7 @@ class StatusPublisher:
             state = "finished" if code == 0 else "failed"
         return {
             "rank": rank,
-            "local_rank": worker.spec.local_rank,
+            "local_rank": worker.local_rank,
             "pid": worker.pid,
             "state": state,
             "exit_code": code,
