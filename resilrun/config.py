@@ -255,6 +255,11 @@ class Config:
     shutdown_timeout_s: float = field(
         default=30.0, metadata=_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.")
     )
+    # 300 s as torchrun's exit_barrier_timeout: nodes finish minutes apart when the last ones save.
+    exit_barrier_timeout_s: float = field(
+        default=300.0,
+        metadata=_meta("--exit-barrier-timeout", H, "Seconds finished nodes wait for the others' workers.", pet=False),
+    )
     # Checkpoints (resilrun's own: RESILRUN_* only)
     replicas: int = field(
         default=1, metadata=_meta("--replicas", C, "Peer nodes holding a copy of each snapshot.", pet=False)
@@ -438,6 +443,8 @@ class Config:
             raise ConfigError(f"--monitor-interval ({self.monitor_interval_s}) must be > 0")
         if not self.shutdown_timeout_s >= 0:
             raise ConfigError(f"--shutdown-timeout ({self.shutdown_timeout_s}) must be >= 0")
+        if not self.exit_barrier_timeout_s > 0:
+            raise ConfigError(f"--exit-barrier-timeout ({self.exit_barrier_timeout_s}) must be > 0")
         if not self.hang_timeout_s > 0:
             raise ConfigError(f"--hang-timeout ({self.hang_timeout_s}) must be > 0")
         if not self.first_step_timeout_s > 0:
@@ -486,6 +493,12 @@ class Config:
             raise ConfigError("no training script given", hint="usage: resilrun [OPTIONS] SCRIPT [ARGS...]")
         if self.module and self.no_python:
             raise ConfigError("--module and --no-python cannot be combined")
+        if self.spares and self.no_python:
+            raise ConfigError(
+                "--spares cannot be combined with --no-python",
+                hint="hot spares wait in resilrun's Python worker bootstrap; run the script with python "
+                "(drop --no-python) or use --spares 0",
+            )
         if self.module:
             return
         if self.no_python:

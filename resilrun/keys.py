@@ -32,9 +32,13 @@ def round_master(run_id: str, round: int) -> str:
     return f"{_base(run_id)}/round/{round}/master"
 
 
-def round_done(run_id: str, round: int) -> str:
-    """Counter of nodes whose workers all finished successfully in that round."""
-    return f"{_base(run_id)}/round/{round}/done"
+def round_done(run_id: str, round: int, node_id: str) -> str:
+    """Set (once, idempotently) by a node whose workers all finished successfully in that round.
+
+    One key per node, never a counter: a store may apply a counter update twice (etcd retries), and
+    a node counted twice would close the job while another node's workers still run.
+    """
+    return f"{_base(run_id)}/round/{round}/done/{node_id}"
 
 
 def round_left(run_id: str, round: int) -> str:

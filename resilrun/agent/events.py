@@ -37,6 +37,7 @@ KINDS = (
     "round_started",
     "failure_detected",
     "hang_detected",
+    "spare_exited",
     "spare_promoted",
     "generation_entered",
     "state_transferred",

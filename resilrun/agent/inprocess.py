@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from resilrun.agent import procs
 from resilrun.agent.control import WorkerControl
-from resilrun.agent.failures import ProcessFailure, root_cause
+from resilrun.agent.failures import ProcessFailure, collect_failure, root_cause
 from resilrun.agent.rounds import Round, SignalFlag
 from resilrun.agent.specs import NodeSetup, spare_spec, worker_specs
 from resilrun.agent.telemetry import Telemetry
@@ -28,6 +28,25 @@ logger = logging.getLogger("resilrun.agent.supervisor")
 # A failure in the first seconds finds the spare still importing torch: waiting for it (still far
 # quicker than a restart) beats giving up on in-process recovery. Survivors wait longer than this.
 SPARE_READY_TIMEOUT_S = 30.0
+# A spare that dies while waiting is started again after this, doubling while spares keep dying
+# before they are ready: a one-off (the OOM killer) costs a second, a crash loop does not eat a core.
+SPARE_BACKOFF_FIRST_S = 1.0
+SPARE_BACKOFF_MAX_S = 60.0
+
+
+class SpareBackoff:
+    """How long to wait before starting a spare in place of one that died while waiting."""
+
+    def __init__(self) -> None:
+        self.exits_in_a_row = 0
+
+    def next_delay(self) -> float:
+        delay = min(SPARE_BACKOFF_MAX_S, SPARE_BACKOFF_FIRST_S * 2**self.exits_in_a_row)
+        self.exits_in_a_row += 1
+        return delay
+
+    def spare_ready(self) -> None:
+        self.exits_in_a_row = 0
 
 
 class InProcessRecovery:
@@ -41,6 +60,7 @@ class InProcessRecovery:
     telemetry: Telemetry
     run_id: str
     last_state: RdzvState | None
+    spare_backoff: SpareBackoff
 
     if TYPE_CHECKING:
 
@@ -79,6 +99,52 @@ class InProcessRecovery:
         for worker in killed:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.popen.wait(max(0.0, deadline - time.monotonic()))
+
+    def _check_spares(self, round_: Round) -> None:
+        """Notice spares that died while waiting for a rank: say why, and start others after a backoff.
+
+        Why it matters: a node whose spares are gone still trains, but its next failure costs a new
+        process (seconds) or a restart; the user should learn that from the log before it happens.
+        """
+        waiting = set(self.control.waiting_spares())
+        if any(s.pid in waiting for s in round_.spares):
+            self.spare_backoff.spare_ready()
+        exited = [s for s in round_.spares if s.poll() is not None]
+        if not exited:
+            return
+        round_.spares = [s for s in round_.spares if s not in exited]
+        delay = 0.0
+        for spare in exited:
+            spare.finish_output()
+            failure = collect_failure(
+                global_rank=-1,
+                local_rank=-1,
+                node_rank=round_.node_rank,
+                pid=spare.pid,
+                exit_code=spare.popen.returncode,
+                observed_at=spare.exit_observed_at or time.time(),
+                error_file=spare.spec.error_file,
+            )
+            delay = self.spare_backoff.next_delay()
+            summary = failure.message.splitlines()[0] if failure.message else f"exit code {failure.exit_code}"
+            logger.error(
+                "hot spare (pid %d) exited while waiting for a rank: %s; starting another in %.0f s (logs: %s)",
+                spare.pid,
+                summary,
+                delay,
+                spare.spec.log_dir,
+            )
+            if failure.traceback:
+                logger.error("the spare's traceback:\n%s", failure.traceback.rstrip())
+            self.telemetry.spare_exited(spare.pid, spare.popen.returncode, summary, len(round_.spares), delay)
+        start_at = time.monotonic() + delay
+        round_.respawn_at = start_at if round_.respawn_at is None else max(round_.respawn_at, start_at)
+        if not round_.spares:
+            logger.warning(
+                "no hot spare left on this node (%d configured): until one is back, a failed rank waits for a "
+                "new worker process to start",
+                max(self.config.spares, len(exited)),
+            )
 
     def _top_up_spares(self, round_: Round, want: int | None = None) -> None:
         round_.spares = [s for s in round_.spares if s.poll() is None]
@@ -170,26 +236,28 @@ class InProcessRecovery:
         specs = worker_specs(self.config, self.setup, self.run_id, new, round_.node_rank, master)
         envs: dict[int, dict[str, str]] = {}
         workers = []
-        for spec in specs:
-            spare = replacements.get(spec.local_rank)
-            if spare is not None:
-                round_.spares.remove(spare)
-                spare.spec = spec
-                self.control.assign(spare.pid, spec.env)
-                workers.append(spare)
-            else:
-                worker = round_.workers[spec.local_rank]
-                worker.spec = spec
-                envs[worker.pid] = spec.env
-                workers.append(worker)
-        round_.workers = workers
-        self.control.begin_generation([w.pid for w in workers])
-        self.control.publish_generation(new.round, envs)
-        round_.state = new
+        with round_.updating():  # a status read sees the promoted spare in one list, never in none
+            for spec in specs:
+                spare = replacements.get(spec.local_rank)
+                if spare is not None:
+                    round_.spares.remove(spare)
+                    spare.spec = spec
+                    self.control.assign(spare.pid, spec.env)
+                    workers.append(spare)
+                else:
+                    worker = round_.workers[spec.local_rank]
+                    worker.spec = spec
+                    envs[worker.pid] = spec.env
+                    workers.append(worker)
+            round_.workers = workers
+            self.control.begin_generation([w.pid for w in workers])
+            self.control.publish_generation(new.round, envs)
+            round_.state = new
         round_.store = store  # the previous generation's store goes; its clients have moved on
         self.last_state = new
         self.telemetry.generation_entered(new, round_.node_rank, round_.workers)
         if replacements:
-            # Start replacement spares once the recovery is past its busiest seconds (2 cores here).
+            # Start replacement spares once the recovery is past its busiest seconds (they compete
+            # with it for the cores).
             round_.respawn_at = time.monotonic() + 5.0
         return True

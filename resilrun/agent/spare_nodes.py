@@ -53,6 +53,7 @@ class SpareNodes:
         def _open_next_round(self, state: RdzvState, failures: list[ProcessFailure]) -> RoundEnd: ...
         def _record_failures(self, round: int, failures: list[ProcessFailure]) -> None: ...
         def _top_up_spares(self, round_: Round, want: int | None = None) -> None: ...
+        def _check_spares(self, round_: Round) -> None: ...
         def _ready_spares(self, round_: Round, needed: int) -> list[procs.WorkerProcess]: ...
         def _enter_generation(
             self, round_: Round, new: RdzvState, replacements: dict[int, procs.WorkerProcess]
@@ -64,7 +65,9 @@ class SpareNodes:
         round_ = Round(state, -1, [], self._standby, None)
         self.current = round_
         self._standby = []
-        want = max(self.setup.nproc, self.config.spares)
+        # Warm workers wait in the Python bootstrap; a program run directly (--no-python) cannot wait
+        # without running, so such a spare node starts its workers only when it takes a place.
+        want = 0 if self.config.no_python else max(self.setup.nproc, self.config.spares)
         self._top_up_spares(round_, want)
         logger.info(
             "all %d node(s) of the job are running: standing by as a spare node with %d warm worker(s)",
@@ -90,7 +93,8 @@ class SpareNodes:
                     # node, keeping the warm workers for whatever role this node gets.
                     self._standby, round_.spares = [s for s in round_.spares if s.poll() is None], []
                     return RoundEnd.REJOIN
-                if any(s.poll() is not None for s in round_.spares):
+                self._check_spares(round_)
+                if round_.respawn_at is not None and time.monotonic() >= round_.respawn_at:
                     self._top_up_spares(round_, want)
         finally:
             everyone = round_.workers + round_.spares
@@ -103,9 +107,10 @@ class SpareNodes:
         started = time.monotonic()
         round_.node_rank = node_rank
         self.rdzv.me = replace(self.rdzv.me, preferred_rank=node_rank)
-        ready = self._ready_spares(round_, self.setup.nproc)
+        ready = [] if self.config.no_python else self._ready_spares(round_, self.setup.nproc)
         if len(ready) < self.setup.nproc or not self._enter_generation(round_, new, dict(enumerate(ready))):
-            logger.error("this spare node could not take node rank %d: restarting the job", node_rank)
+            why = " (--no-python: no warm workers)" if self.config.no_python else ""
+            logger.error("this spare node could not take node rank %d%s: restarting the job", node_rank, why)
             self._open_next_round(new, [])
             return RoundEnd.REJOIN
         logger.warning(

@@ -24,15 +24,21 @@ from resilrun.agent import procs
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.failures import ProcessFailure, collect_failure, format_report, root_cause
 from resilrun.agent.heartbeat import StalenessJudge
-from resilrun.agent.inprocess import InProcessRecovery
+from resilrun.agent.inprocess import InProcessRecovery, SpareBackoff
 from resilrun.agent.policy import Action, AgentView, decide
 from resilrun.agent.rounds import Round, RoundEnd, SignalFlag
-from resilrun.agent.spare_nodes import SpareNodes
+from resilrun.agent.spare_nodes import WATCH_FANOUT, SpareNodes
 from resilrun.agent.specs import NodeSetup, worker_specs
 from resilrun.agent.telemetry import Telemetry
 from resilrun.config import Config
 from resilrun.env import STATE_LOST_EXIT_CODE
-from resilrun.errors import RendezvousClosedError, ShutdownRequested, StateLostError, WorkerGroupFailed
+from resilrun.errors import (
+    RendezvousClosedError,
+    RendezvousTimeoutError,
+    ShutdownRequested,
+    StateLostError,
+    WorkerGroupFailed,
+)
 from resilrun.rendezvous.c10d import host_store
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
@@ -59,6 +65,7 @@ class Supervisor(InProcessRecovery, SpareNodes):
         # A spare node's warm workers, kept across rounds it does not take part in.
         self._standby: list[procs.WorkerProcess] = []
         self.current: Round | None = None  # what this node runs now (read by the status publisher)
+        self.spare_backoff = SpareBackoff()
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -140,6 +147,7 @@ class Supervisor(InProcessRecovery, SpareNodes):
                 and len(current.participants) == len(state.participants)
             )
             self._kill_hung_workers(round_)
+            self._check_spares(round_)
             action = decide(AgentView(state.round, codes, current, self.signals.signum, lost, follow))
             everyone = round_.workers + round_.spares
             if action is Action.WAIT:
@@ -278,9 +286,26 @@ class Supervisor(InProcessRecovery, SpareNodes):
         )
 
     def _exit_barrier(self, state: RdzvState) -> RoundEnd:
-        """Wait until every node's workers finished; nodes finishing early keep the store alive."""
-        done = self.rdzv.backend.add(keys.round_done(self.run_id, state.round), 1)
-        logger.info("workers finished; waiting for the other nodes (%d/%d done)", done, len(state.participants))
+        """Wait until every node's workers finished; nodes finishing early keep the store alive.
+
+        A node says it finished with a key of its own, never a counter: a write retried by the store
+        (etcd) counts it once, where a counter counted it twice and closed the job on a node whose
+        workers still ran. The running nodes that no running agent watches any more (the first
+        WATCH_FANOUT after this one on the ring) are watched here: one that goes silent before it
+        finished lost its ranks' work, and the job restarts as on any node loss; one silent after it
+        finished counts as finished. ``--exit-barrier-timeout`` after this node finished, the job is
+        stopped, naming the nodes still running.
+        """
+        backend, clock, me = self.rdzv.backend, self.rdzv.clock, self.rdzv.me.node_id
+        timeout = self.config.exit_barrier_timeout_s
+        backend.set(keys.round_done(self.run_id, state.round, me), b"1")
+        ring = [p.node_id for p in state.participants]
+        index = ring.index(me) if me in ring else 0
+        running = [n for n in ring[index + 1 :] + ring[:index] if n != me]  # ring order, from this node on
+        logger.info("workers finished; waiting for the other nodes (at most %g s, --exit-barrier-timeout)", timeout)
+        judge = StalenessJudge(self.config.heartbeat_timeout_s, clock)
+        deadline = clock.monotonic() + timeout
+        next_check = clock.monotonic()
         while True:
             self.signals.raise_if_set()
             current = self.rdzv.state()
@@ -288,10 +313,66 @@ class Supervisor(InProcessRecovery, SpareNodes):
                 return self._follow_close(current)
             if current.round != state.round:
                 return RoundEnd.REJOIN
-            if self.rdzv.backend.add(keys.round_done(self.run_id, state.round), 0) >= len(state.participants):
-                closed = self.rdzv.close("succeeded")
-                return self._follow_close(closed)
-            time.sleep(self.config.monitor_interval_s)
+            running = self._still_running(state.round, running)
+            if not running:
+                return self._follow_close(self.rdzv.close("succeeded"))
+            now = clock.monotonic()
+            if now >= next_check:
+                next_check = now + self.config.heartbeat_interval_s
+                lost = self._lost_before_finishing(state.round, running[:WATCH_FANOUT], judge)
+                if lost:
+                    return self._node_lost(state, lost, judge, [])
+            if now >= deadline:
+                return self._give_up_waiting(state, running)
+            clock.sleep(self.config.monitor_interval_s)
+
+    def _done_flags(self, round: int, nodes: list[str]) -> list[bool]:
+        flags = self.rdzv.backend.get_many([keys.round_done(self.run_id, round, n) for n in nodes])
+        return [flag is not None for flag in flags]
+
+    def _still_running(self, round: int, running: list[str]) -> list[str]:
+        """``running`` less the nodes that finished since: reads the first few until one is still
+        running (a node never un-finishes), so a poll costs WATCH_FANOUT keys, not one per node."""
+        while running:
+            head = running[:WATCH_FANOUT]
+            finished = {n for n, done in zip(head, self._done_flags(round, head), strict=True) if done}
+            if not finished:
+                return running
+            running = [n for n in running if n not in finished]
+        return running
+
+    def _lost_before_finishing(self, round: int, watched: list[str], judge: StalenessJudge) -> tuple[str, ...]:
+        judge.forget_all_but(watched)
+        for node in watched:
+            judge.observe(node, self.rdzv.backend.add(keys.node_heartbeat(self.run_id, node), 0))
+        lost = judge.lost()
+        # A node that finished just before it went silent is not lost: read its flag once more.
+        return tuple(n for n, done in zip(lost, self._done_flags(round, lost), strict=True) if not done)
+
+    def _give_up_waiting(self, state: RdzvState, running: list[str]) -> RoundEnd:
+        """The exit barrier's deadline passed: stop the job, so the nodes still running end too."""
+        running = [n for n, done in zip(running, self._done_flags(state.round, running), strict=True) if not done]
+        if not running:
+            return self._follow_close(self.rdzv.close("succeeded"))
+        timeout = self.config.exit_barrier_timeout_s
+        names = ", ".join(
+            f"node {rank} ({state.participants[rank].hostname or n})"
+            for n in running
+            if (rank := state.node_rank(n)) is not None
+        )
+        message = (
+            f"the workers of {names} did not finish within {timeout:g} s of node "
+            f"{state.node_rank(self.rdzv.me.node_id)}'s: gave up at the exit barrier (--exit-barrier-timeout)"
+        )
+        closed = self.rdzv.close("stopped", {"message": message})
+        if (closed.failure or {}).get("message") != message:  # another node closed the job first
+            return self._follow_close(closed)
+        self.rdzv.ack_closed()
+        raise RendezvousTimeoutError(
+            message,
+            hint="see the per-rank logs of the nodes named for workers stuck after training "
+            "(a collective with peers that exited); raise --exit-barrier-timeout if they need longer",
+        )
 
     # -- helpers --------------------------------------------------------------------------------
     def _round_master(self, state: RdzvState, node_rank: int) -> tuple[Any, str | None]:

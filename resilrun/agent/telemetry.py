@@ -53,6 +53,9 @@ class Telemetry:
     def hung(self, rank: int, pid: int, reason: str) -> None:
         """A worker was judged hung and is being killed."""
 
+    def spare_exited(self, pid: int, exit_code: int | None, message: str, alive: int, retry_in_s: float) -> None:
+        """A hot spare died while it waited for a rank; ``alive`` spares are left on this node."""
+
     def recovery_decided(
         self, new: RdzvState, failed: list[WorkerProcess], replacements: dict[int, WorkerProcess], decided_s: float
     ) -> None:
@@ -132,7 +135,7 @@ class AgentTelemetry(Telemetry):
         self.progress: dict[int, dict[str, float]] = {}
         self.persisted_step: int | None = None  # newest step whose COMPLETE.json this agent wrote
         self.uploaded: dict[int, int] = {}  # rank -> newest step of it uploaded by this agent
-        self.counts = {"failures": 0, "recoveries": 0, "restarts": 0, "nodes_lost": 0}
+        self.counts = {"failures": 0, "recoveries": 0, "restarts": 0, "nodes_lost": 0, "spares_exited": 0}
         self.outcome: str | None = None
         self._seen_failures: set[tuple[int, int, int]] = set()
         self._seen_lost: set[tuple[str, int]] = set()
@@ -192,6 +195,12 @@ class AgentTelemetry(Telemetry):
 
     def hung(self, rank: int, pid: int, reason: str) -> None:
         self.events.record("hang_detected", rank=rank, pid=pid, reason=reason)
+
+    def spare_exited(self, pid: int, exit_code: int | None, message: str, alive: int, retry_in_s: float) -> None:
+        self.counts["spares_exited"] += 1
+        self.events.record(
+            "spare_exited", pid=pid, exit_code=exit_code, message=message[:300], alive=alive, retry_in_s=retry_in_s
+        )
 
     def recovery_decided(
         self, new: RdzvState, failed: list[WorkerProcess], replacements: dict[int, WorkerProcess], decided_s: float

@@ -74,6 +74,7 @@ def summary(doc: dict[str, Any]) -> str:
         f"world size {job['world_size']}, step {_num(job['step'])}, restarts {job['restarts']}, "
         f"recoveries {job['recoveries']}, spares ready {spares['processes_ready']}"
         + (f" + {spares['nodes']} spare node(s)" if spares["nodes"] else "")
+        + (f" ({spares['processes_exited']} spare(s) exited while waiting)" if spares.get("processes_exited") else "")
     )
 
 

@@ -1,13 +1,14 @@
 """The rendezvous backend contract: a tiny key-value store with counters and compare-and-set.
 
-Every backend (TCPStore, in-memory, later etcd) implements these five calls and passes the one
-contract suite in tests/contract. Values are bytes; a missing key reads as ``None``. Every call
-is bounded by the backend's operation timeout and raises :class:`StoreConnectionError` on failure.
+Every backend (TCPStore, in-memory, etcd) implements these calls and passes the one contract suite
+in tests/contract. Values are bytes; a missing key reads as ``None``. Every call is bounded by the
+backend's operation timeout and raises :class:`StoreConnectionError` on failure.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 
 class RendezvousBackend(ABC):
@@ -16,6 +17,15 @@ class RendezvousBackend(ABC):
     @abstractmethod
     def get(self, key: str) -> bytes | None:
         """The value of ``key``, or ``None`` when it does not exist. Never blocks on absence."""
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values of ``keys`` in order (``None`` for each absent one).
+
+        What a barrier reads (one key per node: a counter could not make it idempotent). Backends
+        answer it in as few requests as their store allows; this default, one ``get`` per key, keeps
+        a wrapper that implements only the five calls correct.
+        """
+        return [self.get(key) for key in keys]
 
     @abstractmethod
     def set(self, key: str, value: bytes) -> None:
@@ -30,7 +40,12 @@ class RendezvousBackend(ABC):
 
     @abstractmethod
     def add(self, key: str, amount: int) -> int:
-        """Atomically add to an integer counter (created at 0) and return the new value."""
+        """Atomically add to an integer counter (created at 0) and return the new value.
+
+        At least once on some stores (etcd: a retried request may apply twice), so a counter may
+        only say "something changed" or hand out unique indices; what must count each node once
+        (a barrier) is one key per node read with :meth:`get_many`.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default has none."""

@@ -12,7 +12,7 @@ import errno
 import ipaddress
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
@@ -40,6 +40,11 @@ def _call(endpoint: str, fn: Callable[[], T]) -> T:
         ) from exc
 
 
+def _unframe(raw: bytes) -> bytes:
+    """A value as it was set (counters written by ``add`` carry no frame)."""
+    return raw[1:] if raw.startswith(_FRAME) else raw
+
+
 class C10dBackend(RendezvousBackend):
     """See base class. Wraps a connected ``torch.distributed.TCPStore``."""
 
@@ -51,8 +56,23 @@ class C10dBackend(RendezvousBackend):
         def read() -> bytes | None:
             if not self.store.check([key]):
                 return None
-            raw = self.store.get(key)
-            return raw[1:] if raw.startswith(_FRAME) else raw
+            return _unframe(self.store.get(key))
+
+        return _call(self.endpoint, read)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Two requests when every key exists (a check, a multi_get); else one check per key.
+
+        TCPStore's multi_get waits for absent keys (until the store timeout), so only keys a check
+        found are fetched; keys are never deleted, so a key found stays there for the fetch.
+        """
+
+        def read() -> list[bytes | None]:
+            if not keys:
+                return []
+            present = list(keys) if self.store.check(list(keys)) else [k for k in keys if self.store.check([k])]
+            found = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
+            return [_unframe(found[k]) if k in found else None for k in keys]
 
         return _call(self.endpoint, read)
 

@@ -1,4 +1,4 @@
-"""The etcd v3 rendezvous backend: the same five calls on a highly available store.
+"""The etcd v3 rendezvous backend: the same contract on a highly available store.
 
 Why etcd and why this client: with the c10d backend the store lives inside one agent, so losing that
 node ends the job. etcd is replicated by raft, so the rendezvous survives any node (and a minority
@@ -15,6 +15,7 @@ How the contract maps onto etcd:
 | set           | one put                                                                    |
 | compare_set   | one txn: compare value == expected (or create_revision == 0 for absent),  |
 |               | put on success, range on failure (to report "already holds desired")      |
+| get_many      | one txn of ranges per 128 keys (etcd's default --max-txn-ops)             |
 | add(key, 0)   | one range (a read never writes: polling a counter costs no raft proposal) |
 | add(key, n)   | one txn: compare mod_revision == cached, put value+n; on a lost race the   |
 |               | failure branch returns the fresh value and the txn is retried             |
@@ -23,7 +24,8 @@ Invariants: every call is bounded by the operation timeout (a deadline on the mo
 a per-request HTTP timeout); connection failures move to the next endpoint of
 ``host:port,host:port``; every failure surfaces as :class:`StoreConnectionError` with a hint. An
 ``add`` whose request was lost *after* it reached etcd may be applied twice when it is retried
-(at-least-once): heartbeats do not care, and only a member dying mid-request can cause it.
+(at-least-once): heartbeats and change hints do not care, and only a member dying mid-request can
+cause it. Nothing that must count each node once is a counter: barriers are one key per node.
 
 Cleanup: every key this backend writes is attached to one *job lease* (``attach_job_lease``), which
 every agent of the job keeps alive; when the last agent is gone etcd deletes the job's keys after
@@ -64,6 +66,8 @@ _RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Backoff between retries: an election on a 3-member cluster takes ~1-2 s (1 s election timeout).
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 0.5
+# etcd refuses a transaction of more operations than its --max-txn-ops (128 by default).
+_MAX_TXN_OPS = 128
 # Job keys outlive their last agent by this long: long enough that every agent being cut off from
 # etcd for a moment does not erase a running job, short enough that a rerun soon starts clean.
 JOB_LEASE_TTL_S = 120
@@ -102,6 +106,22 @@ class EtcdBackend(RendezvousBackend):
     def get(self, key: str) -> bytes | None:
         kvs = self._post("/kv/range", {"key": _b64(key)}).get("kvs")
         return _value(kvs[0]) if kvs else None
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        values: list[bytes | None] = []
+        for start in range(0, len(keys), _MAX_TXN_OPS):
+            chunk = keys[start : start + _MAX_TXN_OPS]
+            ranges = [{"request_range": {"key": _b64(key)}} for key in chunk]
+            result = self._post("/kv/txn", {"compare": [], "success": ranges})
+            for response in result.get("responses", []):
+                kvs = response.get("response_range", {}).get("kvs")
+                values.append(_value(kvs[0]) if kvs else None)
+        if len(values) != len(keys):
+            raise StoreConnectionError(
+                f"etcd at {self.endpoint_list} answered {len(values)} of {len(keys)} reads of one transaction",
+                hint="check that --rdzv-endpoint names etcd's client URLs (an etcd v3 gateway)",
+            )
+        return values
 
     def set(self, key: str, value: bytes) -> None:
         self._post("/kv/put", self._put(key, value))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from resilrun.rendezvous.api import RendezvousBackend
 
@@ -17,6 +18,10 @@ class MemoryBackend(RendezvousBackend):
     def get(self, key: str) -> bytes | None:
         with self._lock:
             return self._data.get(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        with self._lock:
+            return [self._data.get(key) for key in keys]
 
     def set(self, key: str, value: bytes) -> None:
         with self._lock:

@@ -84,7 +84,7 @@ def compose(raw: dict[str, Any], *, endpoint: str = "", backend: str = "") -> di
                 "heartbeat_age_s": ages.get(node_id),
                 "uptime_s": doc.get("uptime_s"),
                 "ranks": [r["rank"] for r in doc.get("ranks", [])],
-                "spares": doc.get("spares", {}),
+                "spares": {**doc.get("spares", {}), "exited": int((doc.get("counts") or {}).get("spares_exited", 0))},
                 "tiers": doc.get("tiers", {}),
                 "lost": lost,
             }
@@ -110,6 +110,8 @@ def compose(raw: dict[str, Any], *, endpoint: str = "", backend: str = "") -> di
             "processes_ready": sum(int(n["spares"].get("ready") or 0) for n in nodes if n["state"] == "active"),
             "processes_alive": sum(int(n["spares"].get("alive") or 0) for n in nodes if n["state"] == "active"),
             "nodes": len([n for n in nodes if n["state"] in ("waiting", "spare")]),
+            # Spares that died while they waited for a rank (each one was logged and started again).
+            "processes_exited": sum(int(n["spares"].get("exited") or 0) for n in nodes),
         },
         "snapshots": _snapshots(nodes, ranks),
         "history": [_entry(record, raw["parts"].get(record.get("round"), [])) for record in raw["history"]],

@@ -61,21 +61,59 @@ def shut_down(sockets: dict[int, int]) -> int:
 
 
 class GenerationWatchdog(threading.Thread):
-    """Waits (through the agent) for the next generation, then aborts this one's collectives."""
+    """Waits (through the agent) for the next generation, then aborts this one's collectives.
 
-    def __init__(self, wait_for_next: Callable[[], bool], abort: Callable[[], None]) -> None:
+    Armed for exactly one generation: ``abort`` must act on what that generation opened (its process
+    group, its sockets), never on whatever is current when the news arrives, because the process may
+    already be building the next generation's group by then. ``disarm`` (the process leaves the
+    generation) and the abort exclude each other: once ``disarm`` returns, no abort can follow, and
+    the thread is gone (its blocking wait is interrupted), so none is left behind per generation.
+    """
+
+    def __init__(
+        self,
+        wait_for_next: Callable[[], bool],
+        abort: Callable[[], None],
+        interrupt: Callable[[], None],
+        release: Callable[[], None] = lambda: None,
+    ) -> None:
+        """``interrupt`` makes a blocked ``wait_for_next`` fail; ``release`` runs when the thread ends."""
         super().__init__(name="resilrun-generation-watchdog", daemon=True)
         self._wait_for_next = wait_for_next
         self._abort = abort
-        self.stopped = threading.Event()
+        self._interrupt = interrupt
+        self._release = release
+        self._lock = threading.Lock()
+        self._armed = True
 
     def run(self) -> None:
-        while not self.stopped.is_set():
+        try:
+            self._watch()
+        finally:
+            self._release()
+
+    def _watch(self) -> None:
+        while self._is_armed():
             try:
                 moved_on = self._wait_for_next()
-            except Exception as exc:  # noqa: BLE001 - the agent went away: nothing to watch for
+            except Exception as exc:  # noqa: BLE001 - the agent went away or we were disarmed: stop watching
                 logger.debug("generation watchdog stops: %s", exc)
                 return
-            if moved_on and not self.stopped.is_set():
-                self._abort()
+            if moved_on:
+                with self._lock:
+                    if self._armed:
+                        self._armed = False
+                        self._abort()
                 return
+
+    def _is_armed(self) -> bool:
+        with self._lock:
+            return self._armed
+
+    def disarm(self, join_timeout_s: float = 5.0) -> None:
+        """Stop watching: no abort after this returns, and the thread ends (waited for, bounded)."""
+        with self._lock:
+            self._armed = False
+        self._interrupt()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(join_timeout_s)

@@ -11,14 +11,23 @@ Why a bootstrap at all:
 
 It imports nothing heavy itself: torch is imported by the user's script.
 
+- it is where a hot spare waits (``RESILRUN_SPARE=1``): torch and the script's imports are loaded
+  and the first-DDP cost paid, but no line of the script runs until the agent has given the spare
+  a rank, so the script sees the complete torchrun environment of the rank it replaces, exactly
+  like a worker started with it (scripts read ``RANK`` before anything else; a plain torchrun
+  script must never run as a world of one beside the real job).
+
 Usage: ``python -u -m resilrun.worker._bootstrap [-m] TARGET [ARGS...]``
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import faulthandler
 import gc
+import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -61,6 +70,81 @@ def _run(target: str, args: list[str], as_module: bool) -> None:
     else:
         sys.path[0] = os.path.dirname(os.path.abspath(target))
         runpy.run_path(target, run_name="__main__")
+
+
+# Packages that capture the process's rank from the environment when imported (Lightning's
+# ``rank_zero_only.rank``): loaded in a spare, they would keep the spare's rank-less view after it
+# takes a rank. The script imports them itself, with its rank set.
+_RANK_AT_IMPORT = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
+
+
+def script_imports(target: str, as_module: bool) -> list[str]:
+    """The installed packages a script imports at its top level, in order (what a spare preloads).
+
+    Only statements at the top level (also inside top-level ``try``/``if`` blocks) and only absolute
+    imports of modules found outside the script's own directory: the user's own modules may read the
+    environment when imported, and they are quick to import anyway.
+    """
+    path = _script_path(target) if as_module else target
+    if path is None:
+        return []
+    try:
+        with open(path, "rb") as handle:
+            tree = ast.parse(handle.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    local_dir = os.path.dirname(os.path.abspath(path))
+    names: list[str] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.append(node.module)
+            elif isinstance(node, (ast.Try, ast.If)):
+                visit(node.body)
+
+    visit(tree.body)
+    found = []
+    for name in dict.fromkeys(names):
+        top = name.partition(".")[0]
+        if top == "__future__" or top in _RANK_AT_IMPORT or _is_local(top, local_dir):
+            continue
+        found.append(name)
+    return found
+
+
+def _script_path(module: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None and spec.origin and spec.origin.endswith(".py") else None
+
+
+def _is_local(top: str, directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, f"{top}.py")) or os.path.isdir(os.path.join(directory, top))
+
+
+def _stand_by(target: str, as_module: bool) -> None:
+    """A hot spare: load what the script will need, then wait for a rank; returns with it applied.
+
+    Why here and not in ``resilrun.init()``: everything above ``init()`` in the script would run
+    without a rank (scripts branch on ``RANK`` at their first line, and a script that never calls
+    ``init()`` would run whole, as a job of its own).
+    """
+    import torch  # noqa: F401 - the import is the point: seconds a replacement then does not pay
+    import torch.distributed  # noqa: F401
+
+    from resilrun.worker import job
+
+    for name in script_imports(target, as_module):
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # noqa: BLE001 - the script imports it again, with its rank, and reports then
+            sys.stderr.write(f"resilrun: spare could not preload {name}: {type(exc).__name__}: {exc}\n")
+    job.stand_by()
 
 
 # What gloo and NCCL say when a peer died or the job's collectives were aborted for a recovery.
@@ -168,6 +252,14 @@ def main(argv: list[str]) -> None:
         argv = argv[1:]
     target, args = argv[0], argv[1:]
     faulthandler.enable(all_threads=True)
+    if os.environ.get("RESILRUN_SPARE") == "1":
+        try:
+            _stand_by(target, as_module)
+        except BaseException as exc:
+            # A spare that cannot wait any more (its agent gone, an error of its own) says why: the
+            # agent logs this traceback and starts another spare.
+            write_error_file(exc)
+            raise
     while True:
         try:
             _run(target, list(args), as_module)

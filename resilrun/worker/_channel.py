@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Any
@@ -92,6 +93,11 @@ class AgentClient:
                 os.close(fd)
             raise CheckpointError(str(response.get("error", "agent refused")), hint=response.get("hint"))
         return response, fds
+
+    def interrupt(self) -> None:
+        """Make a request blocked in another thread fail now (a plain close would not wake it)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self._sock.close()

@@ -12,7 +12,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -347,8 +347,8 @@ _SPARE_POLL_S = 60.0
 def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     """Join the job: set up torch.distributed's default group and this rank's snapshots.
 
-    A hot spare (started by ``resilrun --spares N``) blocks here, warm, until the agent gives it
-    the rank of a failed worker.
+    A hot spare (started by ``resilrun --spares N``) never gets here before it has a rank: it waits
+    in resilrun's worker bootstrap, before the script's first line (see ``stand_by``).
 
     Args:
         backend: ``nccl`` when CUDA is available, else ``gloo``, unless given.
@@ -358,10 +358,14 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     if _JOB is not None:
         return _JOB
     variables = read_worker_variables()
+    if variables.spare:
+        # Spares wait in resilrun's worker bootstrap, before the script runs; getting here means the
+        # script was started some other way with a spare's environment.
+        raise RuntimeError(
+            "resilrun.init() was called in a hot spare that has no rank yet; spares wait in resilrun's "
+            "worker bootstrap (python -m resilrun.worker._bootstrap SCRIPT), which --no-python skips"
+        )
     client = AgentClient(variables.agent_socket) if variables.agent_socket else None
-    if variables.spare and client is not None:
-        _wait_for_assignment(client)
-        variables = read_worker_variables()
     use_cuda = torch.cuda.is_available() and (backend in (None, "nccl"))
     device = torch.device("cuda", variables.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -441,26 +445,48 @@ def _start_watchdog(agent_socket: str, round: int, group_sockets: dict[int, int]
         )
         return bool(response.get("env"))
 
-    def abort() -> None:
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            dist.group.WORLD.abort()
-        else:
-            shut_down(group_sockets)
-
-    watchdog = GenerationWatchdog(wait_for_next, abort)
+    watchdog = GenerationWatchdog(wait_for_next, _abort_for(group_sockets), client.interrupt, client.close)
     watchdog.start()
     return watchdog
 
 
-def _wait_for_assignment(client: AgentClient) -> None:
+def _abort_for(group_sockets: dict[int, int]) -> Callable[[], None]:
+    """What aborts the collectives of the process group that exists now (and only that one)."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    nccl = group is not None and dist.get_backend(group) == "nccl"
+
+    def abort() -> None:
+        if nccl and group is not None:
+            try:
+                group.abort()
+            except Exception as exc:  # noqa: BLE001 - already destroyed: nothing left to abort
+                logger.debug("aborting the previous generation's group: %s", exc)
+        else:
+            shut_down(group_sockets)
+
+    return abort
+
+
+def stand_by() -> None:
+    """A hot spare: pay the first-DDP cost, then block until the agent gives this process a rank
+    and adopt that rank's environment (called by the worker bootstrap before the script runs).
+
+    Raises:
+        CheckpointError: the agent is gone (the spare then exits; a new agent starts new spares).
+    """
     global _TOOK_PART
+    socket_path = os.environ.get("RESILRUN_AGENT_SOCKET", "")
     _prewarm()
-    while True:
-        response, _ = client.request({"op": "await_assignment", "pid": os.getpid(), "timeout_s": _SPARE_POLL_S})
-        if response.get("env"):
-            _TOOK_PART = True
-            apply_assignment(response["env"])
-            return
+    client = AgentClient(socket_path)
+    try:
+        while True:
+            response, _ = client.request({"op": "await_assignment", "pid": os.getpid(), "timeout_s": _SPARE_POLL_S})
+            if response.get("env"):
+                _TOOK_PART = True
+                apply_assignment(response["env"])
+                return
+    finally:
+        client.close()
 
 
 def _prewarm() -> None:
@@ -480,7 +506,7 @@ def reset_for_reentry() -> None:
     _TOOK_PART = True
     _ddp_sync.forget_all()
     if job is not None and job._watchdog is not None:
-        job._watchdog.stopped.set()
+        job._watchdog.disarm()
     if job is not None and job._snapshotter is not None:
         job._snapshotter.close()
     if dist.is_initialized():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -160,6 +161,39 @@ def test_add_counters_are_independent(key: str, backend: RendezvousBackend) -> N
     backend.add(key + "/b", 40)
     assert backend.add(key + "/a", 0) == 2
     assert backend.add(key + "/b", 0) == 40
+
+
+# -- get_many ----------------------------------------------------------------------------------------
+def test_get_many_returns_each_value_in_order_and_none_for_a_missing_key(key: str, backend: RendezvousBackend) -> None:
+    backend.set(key + "/a", b"1")
+    backend.set(key + "/c", b"")
+    assert backend.get_many([key + "/c", key + "/b", key + "/a"]) == [b"", None, b"1"]
+
+
+def test_get_many_of_no_key_is_empty(backend: RendezvousBackend) -> None:
+    assert backend.get_many([]) == []
+
+
+def test_get_many_of_only_present_keys_returns_them_all(key: str, backend: RendezvousBackend) -> None:
+    names = [f"{key}/{i}" for i in range(3)]
+    for i, name in enumerate(names):
+        backend.set(name, b"v" * i)
+    assert backend.get_many(names) == [b"", b"v", b"vv"]
+
+
+def test_get_many_of_more_keys_than_one_request_holds(key: str, backend: RendezvousBackend) -> None:
+    # etcd caps the operations of one transaction (128 by default): a long list is split, not refused.
+    names = [f"{key}/{i}" for i in range(300)]
+    for name in names[::2]:
+        backend.set(name, name.encode())
+    assert backend.get_many(names) == [name.encode() if i % 2 == 0 else None for i, name in enumerate(names)]
+
+
+def test_get_many_sees_a_key_written_by_another_client(connect: Any, key: str) -> None:
+    writer, reader = connect(), connect()
+    assert reader.get_many([key]) == [None]
+    writer.set(key, b"done")
+    assert reader.get_many([key, key]) == [b"done", b"done"]
 
 
 @pytest.mark.parametrize("kind", ["memory", "c10d"])

@@ -427,6 +427,13 @@ def test_module_and_no_python_together_are_a_usage_error(script: str) -> None:
     assert "--module and --no-python" in error.message
 
 
+def test_spares_with_no_python_are_a_usage_error() -> None:
+    # A spare waits in the Python bootstrap before the script runs; a program run directly cannot.
+    error = _config_error(script="true", no_python=True, spares=1)
+    assert "--spares cannot be combined with --no-python" in error.message
+    assert error.hint
+
+
 def test_no_python_with_a_missing_program_is_a_usage_error() -> None:
     name = f"resilrun-no-such-program-{uuid.uuid4().hex}"
     error = _config_error(script=name, no_python=True)
@@ -495,6 +502,7 @@ _RESILRUN_ONLY = {
     "first_step_timeout_s",
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
+    "exit_barrier_timeout_s",
     "replicas",
     "checkpoint_uri",
     "persist_every",

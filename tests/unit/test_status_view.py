@@ -117,7 +117,7 @@ def test_a_running_job_lists_its_nodes_ranks_spares_and_snapshot_progress() -> N
     assert [n["node_rank"] for n in doc["nodes"]] == [0, 1]
     assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
     assert [r["node_rank"] for r in doc["ranks"]] == [0, 0, 1, 1]
-    assert doc["spares"] == {"processes_ready": 2, "processes_alive": 2, "nodes": 0}
+    assert doc["spares"] == {"processes_ready": 2, "processes_alive": 2, "nodes": 0, "processes_exited": 0}
     # each node's heartbeat age is what the other agent observed for it
     assert [n["heartbeat_age_s"] for n in doc["nodes"]] == [1.4, 0.4]
     # every rank holds 20 in memory, 19 at the peers; 19 is complete in storage (node 0 wrote it)
