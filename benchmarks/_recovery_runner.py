@@ -93,6 +93,7 @@ def launch(
     timeout_s: float,
     stall_s: float,
     dump_on_hang: bool,
+    cwd: Path | None = None,
 ) -> Launch:
     """Run ``cmd`` in its own session until it exits, stalls or times out; see the module docstring."""
     lines: list[tuple[float, str]] = []
@@ -113,6 +114,7 @@ def launch(
             stdin=subprocess.DEVNULL,
             text=True,
             start_new_session=True,
+            cwd=cwd,
         )
     pumper = threading.Thread(target=pump, args=(proc.stderr,), daemon=True)
     pumper.start()

@@ -3,6 +3,7 @@
     python benchmarks/recovery.py [--sizes 64,256] [--kills 3] [--steps 40] [--json out.json]
     python benchmarks/recovery.py --quick        # smoke check: 64 MiB, 1 kill
     python benchmarks/recovery.py --spares 0     # resilrun without a hot spare (a new process)
+    python benchmarks/recovery.py --launchers resilrun --baseline ../old-checkout   # before/after
 
 What it measures (DESIGN.md §3, issue 4): 4 ranks (``--standalone --nproc-per-node 4``, gloo), a
 toy MLP whose params + AdamW moments are ``--sizes`` MiB per rank, rank 1 SIGKILLed when step
@@ -24,6 +25,11 @@ redoes 5 steps, exactly as with saves at 10/20 and a kill at 25. More steps only
 steps, 1.2-1.7 s each at 256 MiB on 2 cores, and would take the default run far past ~15 minutes
 (it takes ~17 as it is: 24 launches of 4-5 processes); ``--steps 40 --kill-step 25`` gives the
 longer form. Exits 1 if any resilrun run did not finish.
+
+``--baseline DIR`` adds ``resilrun-baseline``: the same runs with the resilrun of another checkout
+(a ``git worktree`` of an older commit), launched from that directory so that the agent and its
+workers import it, interleaved with the others: a change's effect on recovery, measured in the same
+run. ``--launchers`` picks which of the launchers run (default: all).
 
 Why this shape: on a 2-core machine timings drift with load, so launchers run interleaved (run i
 rotates the order) and figures are medians with min-max. Every run is bounded (``--timeout``, and
@@ -158,13 +164,16 @@ def run_one(name: str, mib: int, killed: bool, args: argparse.Namespace, index: 
     run_dir.mkdir(parents=True)
     events, ckpt = run_dir / "events.log", Path(tempfile.mkdtemp(prefix="dcp-", dir=args.ckpt_root))
     env = clean_env(extra)
-    if killed and name == "resilrun":
+    if killed and name.startswith("resilrun"):
         env["RESILRUN_FAULTS"] = f"kill:rank=1,step={args.kill_step}"
     cmd = [*prefix, "--standalone", "--nproc-per-node", str(NPROC), str(script), "--mib", str(mib)]
     cmd += ["--steps", str(args.steps), "--events", str(events), "--ckpt-dir", str(ckpt)]
     cmd += ["--kill-step", str(args.kill_step if killed else -1)]
     try:
-        ran = launch(cmd, env, events, run_dir / "stderr.log", args.timeout, args.stall, dump_on_hang=True)
+        cwd = args.baseline if name == "resilrun-baseline" else None
+        if cwd is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cwd), env.get("PYTHONPATH", "")]))
+        ran = launch(cmd, env, events, run_dir / "stderr.log", args.timeout, args.stall, dump_on_hang=True, cwd=cwd)
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
     res: dict[str, Any] = {"launcher": name, "mib": mib, "killed": killed, "tag": tag, **parse_events(events)}
@@ -224,7 +233,7 @@ def report(runs: list[dict[str, Any]], sizes: list[int], kill_step: int) -> str:
     md += ["", "| ratio of medians | MiB/rank | kill → next step | kill → progress regained |", "|---|---|---|---|"]
     for mib in sizes:
         ok = {n: [r for r in runs if r["launcher"] == n and r["mib"] == mib and r["killed"]] for n in names}
-        for base in names[1:]:
+        for base in [n for n in names if n != "resilrun"]:
             keys = ("to_next", "to_regained")
             cells = [med(cell_values(ok["resilrun"], k)) / med(cell_values(ok[base], k)) for k in keys]
             text = [f"{c:.3f}" if c == c else "—" for c in cells]  # NaN: no recovered run to compare
@@ -278,8 +287,24 @@ def main() -> None:
     parser.add_argument(
         "--spares", type=int, default=1, help="resilrun's --spares (0: a new process replaces the killed rank)"
     )
+    parser.add_argument("--baseline", type=Path, default=None, help="also run the resilrun of this checkout")
+    parser.add_argument("--launchers", default="", help="comma-separated subset of the launchers (default: all)")
     args = parser.parse_args()
     LAUNCHERS["resilrun"][0][-1] = str(args.spares)
+    if args.baseline is not None:
+        if not (args.baseline / "resilrun" / "__init__.py").is_file():
+            parser.error(f"--baseline {args.baseline}: no resilrun package there (give a checkout's root)")
+        args.baseline = args.baseline.resolve()
+        LAUNCHERS["resilrun-baseline"] = LAUNCHERS["resilrun"]
+    if args.launchers:
+        chosen = [n.strip() for n in args.launchers.split(",") if n.strip()]
+        unknown = sorted(set(chosen) - set(LAUNCHERS))
+        if unknown or "resilrun" not in chosen:
+            known = ", ".join(LAUNCHERS)
+            parser.error(f"--launchers {args.launchers}: choose from {known}, resilrun included")
+        for name in list(LAUNCHERS):
+            if name not in chosen and name != "resilrun-baseline":
+                del LAUNCHERS[name]
     if args.quick:
         args.sizes, args.kills = "64", 1
     sizes = [int(s) for s in args.sizes.split(",") if s]

@@ -182,7 +182,9 @@ class AgentChannel:
             env = self.control.await_assignment(int(request["pid"]), float(request["timeout_s"]))
             return {"ok": True, "env": env}, []
         if op == "await_generation":
-            env = self.control.await_generation(int(request["pid"]), int(request["round"]), float(request["timeout_s"]))
+            env = self.control.await_generation(
+                int(request["pid"]), int(request["round"]), float(request["timeout_s"]), bool(request.get("raised"))
+            )
             return {"ok": True, "env": env}, []
         if op == "restore_info":
             return {"ok": True, **self.tiers.restore_info(int(request["rank"]), int(request["world_size"]))}, []

@@ -1,9 +1,16 @@
 """Where the agent and its worker processes meet for in-process recovery.
 
 Workers block here (through the agent channel) in two situations: a hot spare waits to be given a
-rank, and a survivor whose collective failed waits to learn the job's next generation. The
-supervisor publishes both. Every wait has a deadline, after which the worker gets "no" and fails
-the ordinary way.
+rank, and a worker whose script raised waits to learn the job's next generation. The supervisor
+publishes both. Every wait has a deadline, after which the worker gets "no" and fails the ordinary
+way.
+
+Whether a worker that raised is a survivor (a peer failed and broke its collective: it must wait for
+the next generation) or the failure itself (its own error, an NCCL or CUDA error included: it must
+exit at once, so that the job can replace it) is not guessed from the exception's text: the
+supervisor decides from what the agents know (``raised_workers``, ``dismiss``): a failure already
+seen anywhere in the job, or a node that stopped heartbeating, makes it a survivor; none of that
+within a short grace makes it the failure.
 
 Invariants: a published generation only moves forward; a spare is assigned at most once.
 """
@@ -29,6 +36,8 @@ class WorkerControl:
         self._beats: dict[int, float] = {}  # pid -> when its heartbeat thread last spoke
         self._finished: set[int] = set()
         self._started: dict[int, float] = {}  # pid -> when it was given its rank in this generation
+        self._raised: dict[int, tuple[int, float]] = {}  # pid -> (its round, since when) while it waits
+        self._dismissed: set[int] = set()
 
     # -- channel side -------------------------------------------------------------------------
     def register_api(self, pid: int) -> None:
@@ -50,16 +59,42 @@ class WorkerControl:
             finally:
                 self._waiting_spares.discard(pid)
 
-    def await_generation(self, pid: int, after_round: int, timeout_s: float) -> dict[str, Any] | None:
-        """A survivor waits for a generation newer than ``after_round`` that still includes it."""
+    def await_generation(
+        self, pid: int, after_round: int, timeout_s: float, raised: bool = False
+    ) -> dict[str, Any] | None:
+        """A worker waits for a generation newer than ``after_round`` that still includes it.
+
+        ``raised``: its script raised something a broken collective could have caused; it waits as a
+        survivor until the supervisor ``dismiss``es it (nothing says a peer failed: the error is its
+        own, and it should exit now) or the generation comes.
+        """
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._round <= after_round or pid not in self._generation_env:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._cond.wait(remaining)
-            return self._generation_env[pid]
+            if raised:
+                self._raised[pid] = (after_round, time.monotonic())
+                self._cond.notify_all()
+            try:
+                while self._round <= after_round or pid not in self._generation_env:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or pid in self._dismissed:
+                        return None
+                    self._cond.wait(remaining)
+                return self._generation_env[pid]
+            finally:
+                self._raised.pop(pid, None)
+                self._dismissed.discard(pid)
+
+    def raised_workers(self) -> dict[int, tuple[int, float]]:
+        """Workers waiting after their script raised: pid -> (their round, monotonic time since)."""
+        with self._cond:
+            return dict(self._raised)
+
+    def dismiss(self, pid: int) -> None:
+        """Tell a worker that raised that no peer failed: its error is the failure, it exits now."""
+        with self._cond:
+            if pid in self._raised:
+                self._dismissed.add(pid)
+                self._cond.notify_all()
 
     def beat(self, pid: int) -> None:
         with self._cond:

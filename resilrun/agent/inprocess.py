@@ -11,17 +11,20 @@ import logging
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from resilrun import keys
 from resilrun.agent import procs
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.failures import ProcessFailure, collect_failure, root_cause
+from resilrun.agent.heartbeat import read_counters
 from resilrun.agent.rounds import Round, SignalFlag
 from resilrun.agent.specs import NodeSetup, spare_spec, worker_specs
 from resilrun.agent.telemetry import Telemetry
 from resilrun.config import Config
 from resilrun.rendezvous.executor import RendezvousClient
-from resilrun.rendezvous.protocol import RdzvState
+from resilrun.rendezvous.protocol import MAX_RECOVERIES_WITHOUT_PROGRESS, RdzvState, recovery_budget_spent
 
 logger = logging.getLogger("resilrun.agent.supervisor")
 
@@ -49,6 +52,32 @@ class SpareBackoff:
         self.exits_in_a_row = 0
 
 
+def _log_budget_spent(state: RdzvState, newest: int) -> None:
+    if not state.closed and recovery_budget_spent(state, newest):
+        logger.warning(
+            "in-process recovery budget spent: %d recoveries in a row without a newer step than %d "
+            "(at most %d): restarting instead (bounded by --max-restarts)",
+            state.stalled_recoveries,
+            state.progress_step,
+            MAX_RECOVERIES_WITHOUT_PROGRESS,
+        )
+
+
+# A worker that raised waits at least this long for evidence that a peer failed before it (a failure
+# record, which a peer's agent writes within milliseconds of seeing the exit), plus 1.5 heartbeat
+# intervals on a multi-node job (a node whose counter did not move in that time may be lost: then the
+# worker keeps waiting for the watchers' verdict, which takes --heartbeat-timeout).
+RAISED_GRACE_S = 0.3
+
+
+@dataclass
+class _RaisedProbe:
+    """Since when workers of this node wait after raising, and the other nodes' heartbeats then."""
+
+    started: float
+    counters: dict[str, int]
+
+
 class InProcessRecovery:
     """Hot spares and generations of this node's workers (see the module docstring)."""
 
@@ -61,6 +90,7 @@ class InProcessRecovery:
     run_id: str
     last_state: RdzvState | None
     spare_backoff: SpareBackoff
+    raised_probe: _RaisedProbe | None
 
     if TYPE_CHECKING:
 
@@ -99,6 +129,47 @@ class InProcessRecovery:
         for worker in killed:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.popen.wait(max(0.0, deadline - time.monotonic()))
+
+    def _judge_raised(self, round_: Round, codes: tuple[int | None, ...], current: RdzvState) -> None:
+        """Decide for the workers whose script raised whether they are survivors or the failure.
+
+        Survivors (a peer failed first and broke their collective) wait for the next generation; the
+        failure itself (its own error: a bug, an NCCL or CUDA error of its own) is told to exit, so the
+        ordinary path replaces it. Decided from what the agents know, never from the error's text: a
+        local worker that exited, a failure recorded by any agent in this round, or a round that moved
+        on mean a peer failed; a node whose heartbeat stopped may be lost (wait for the verdict). None
+        of these within the grace: nothing failed before it.
+        """
+        pending = [pid for pid, (round, _) in self.control.raised_workers().items() if round == round_.state.round]
+        if not pending:
+            self.raised_probe = None
+            return
+        state = round_.state
+        if any(code not in (None, 0) for code in codes) or current.closed or current.round != state.round:
+            return
+        if self.rdzv.backend.add(keys.round_failure_count(self.run_id, state.round), 0) > 0:
+            return
+        me = self.rdzv.me.node_id
+        others = [p.node_id for p in state.participants if p.node_id != me]
+        counters = read_counters(self.rdzv.backend, self.run_id, others)() if others else {}
+        now = time.monotonic()
+        if self.raised_probe is None:
+            self.raised_probe = _RaisedProbe(now, counters)
+            return
+        grace = RAISED_GRACE_S + (1.5 * self.config.heartbeat_interval_s if others else 0.0)
+        if now - self.raised_probe.started < grace:
+            return
+        if any(counters.get(node) == self.raised_probe.counters.get(node) for node in others):
+            return  # a node may be lost: its watchers decide within --heartbeat-timeout
+        ranks = {w.pid: w.spec.global_rank for w in round_.workers}
+        for pid in pending:
+            if pid in ranks:
+                logger.warning(
+                    "rank %d raised with no failure before it anywhere in the job: its own error is the failure",
+                    ranks[pid],
+                )
+                self.control.dismiss(pid)
+        self.raised_probe = None
 
     def _check_spares(self, round_: Round) -> None:
         """Notice spares that died while waiting for a rank: say why, and start others after a backoff.
@@ -162,7 +233,13 @@ class InProcessRecovery:
         """
         started = time.monotonic()
         failed = [w for w in round_.workers if w.poll() not in (None, 0)]
-        if not failed or not self.control.uses_api([w.pid for w in round_.workers]):
+        if not failed:
+            return False
+        # Recorded at once, before anything waits (a spare still warming): other nodes' workers whose
+        # collectives broke learn from this record that a peer failed first (``_judge_raised``).
+        failures = [self._describe(w, round_.node_rank) for w in failed]
+        self._record_failures(round_.state.round, failures)
+        if not self.control.uses_api([w.pid for w in round_.workers]):
             return False
         newest = self.control.newest_step([w.pid for w in round_.workers])
         newest = -1 if newest is None else newest
@@ -178,11 +255,10 @@ class InProcessRecovery:
         ready = self._ready_spares(round_, len(failed))
         if len(failed) > len(ready):
             return False
-        failures = [self._describe(w, round_.node_rank) for w in failed]
-        self._record_failures(round_.state.round, failures)
         cause = root_cause(failures)
-        new = self.rdzv.recover(round_.state.round, failure=cause.to_dict() if cause else None)
+        new = self.rdzv.recover(round_.state.round, failure=cause.to_dict() if cause else None, newest_step=newest)
         if new.closed or not (new.recovering and new.complete and new.round > round_.state.round):
+            _log_budget_spent(new, newest)
             return False
         if new.node_rank(self.rdzv.me.node_id) != round_.node_rank:
             return False

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from resilrun.agent import procs
+from resilrun.agent.control import WorkerControl
 from resilrun.agent.failures import ProcessFailure, root_cause
 from resilrun.agent.heartbeat import StalenessJudge, watched_nodes
 from resilrun.agent.heartbeat import read_counters as heartbeat_reader
@@ -24,7 +25,7 @@ from resilrun.agent.telemetry import Telemetry
 from resilrun.config import Config
 from resilrun.errors import ShutdownRequested
 from resilrun.rendezvous.executor import RendezvousClient
-from resilrun.rendezvous.protocol import RdzvState
+from resilrun.rendezvous.protocol import RdzvState, recovery_budget_spent
 
 logger = logging.getLogger("resilrun.agent.supervisor")
 
@@ -38,6 +39,7 @@ class SpareNodes:
 
     config: Config
     setup: NodeSetup
+    control: WorkerControl
     rdzv: RendezvousClient
     signals: SignalFlag
     telemetry: Telemetry
@@ -165,8 +167,17 @@ class SpareNodes:
         failures = self._lost_failures(state, lost, judge)
         self._record_failures(state.round, failures)
         cause = root_cause(failures)
-        new = self.rdzv.replace_nodes(state.round, lost, failure=cause.to_dict() if cause else None)
+        newest = self.control.newest_step([w.pid for w in round_.workers])
+        newest = -1 if newest is None else newest
+        new = self.rdzv.replace_nodes(state.round, lost, failure=cause.to_dict() if cause else None, newest_step=newest)
         if new.closed or not (new.recovering and new.complete and new.round > state.round):
+            if not new.closed and recovery_budget_spent(new, newest):
+                logger.warning(
+                    "in-process recovery budget spent (%d in a row without a newer step than %d): the lost "
+                    "node's place is not given to a spare node; restarting instead",
+                    new.stalled_recoveries,
+                    new.progress_step,
+                )
             return False
         if new.node_rank(self.rdzv.me.node_id) != round_.node_rank:
             return False

@@ -66,6 +66,8 @@ class Supervisor(InProcessRecovery, SpareNodes):
         self._standby: list[procs.WorkerProcess] = []
         self.current: Round | None = None  # what this node runs now (read by the status publisher)
         self.spare_backoff = SpareBackoff()
+        self.raised_probe = None
+        self._recorded: set[tuple[int, int, int]] = set()  # (round, rank, pid) of failures in the store
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -148,6 +150,7 @@ class Supervisor(InProcessRecovery, SpareNodes):
             )
             self._kill_hung_workers(round_)
             self._check_spares(round_)
+            self._judge_raised(round_, codes, current)
             action = decide(AgentView(state.round, codes, current, self.signals.signum, lost, follow))
             everyone = round_.workers + round_.spares
             if action is Action.WAIT:
@@ -418,7 +421,12 @@ class Supervisor(InProcessRecovery, SpareNodes):
         logger.error("node 0 (%s) %s, before it hosted the worker store", failures[0].host, failures[0].message)
         self._record_failures(state.round, failures)
         cause = root_cause(failures)
-        new = self.rdzv.replace_nodes(state.round, (leader,), failure=cause.to_dict() if cause else None)
+        workers = self.current.workers if self.current is not None else []
+        newest = self.control.newest_step([w.pid for w in workers])
+        failure = cause.to_dict() if cause else None
+        new = self.rdzv.replace_nodes(
+            state.round, (leader,), failure=failure, newest_step=-1 if newest is None else newest
+        )
         if not (new.round > state.round and new.recovering) and not new.closed:
             self.rdzv.next_round(
                 state.round, failure=cause.to_dict() if cause else None, max_restarts=self.config.max_restarts
@@ -451,6 +459,9 @@ class Supervisor(InProcessRecovery, SpareNodes):
         return self.config.rdzv.read_timeout_s
 
     def _record_failures(self, round: int, failures: list[ProcessFailure]) -> None:
+        """Each failure once: the restart path describes again what an in-process attempt recorded."""
+        failures = [f for f in failures if (round, f.global_rank, f.pid) not in self._recorded]
+        self._recorded.update((round, f.global_rank, f.pid) for f in failures)
         self.telemetry.failures(round, failures)
         for failure in failures:
             index = self.rdzv.backend.add(keys.round_failure_count(self.run_id, round), 1)

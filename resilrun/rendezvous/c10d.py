@@ -125,9 +125,7 @@ def host_store(host: str, port: int, timeout: timedelta) -> TCPStore:
     bound_port = listener.getsockname()[1]
     fd = listener.detach()  # TCPStore owns the descriptor from here on (it does not dup it)
     try:
-        return TCPStore(
-            host, bound_port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd
-        )
+        return TCPStore(host, bound_port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd)
     except BaseException:
         os.close(fd)
         raise

@@ -164,13 +164,16 @@ class RendezvousClient:
             lambda s: protocol.decide_next_round(s, observed_round, failure=failure, max_restarts=max_restarts)
         )
 
-    def recover(self, observed_round: int, *, failure: dict[str, Any] | None) -> RdzvState:
-        """Open the next generation for an in-process recovery (no-op if the job moved on)."""
-        return self._update(lambda s: protocol.decide_recover(s, observed_round, failure))
+    def recover(self, observed_round: int, *, failure: dict[str, Any] | None, newest_step: int = -1) -> RdzvState:
+        """Open the next generation for an in-process recovery (no-op if the job moved on, or if the
+        in-process budget is spent: ``protocol.recovery_budget_spent``)."""
+        return self._update(lambda s: protocol.decide_recover(s, observed_round, failure, newest_step))
 
-    def replace_nodes(self, observed_round: int, lost: tuple[str, ...], *, failure: dict[str, Any] | None) -> RdzvState:
+    def replace_nodes(
+        self, observed_round: int, lost: tuple[str, ...], *, failure: dict[str, Any] | None, newest_step: int = -1
+    ) -> RdzvState:
         """Open the next generation with spare nodes in place of ``lost`` (no-op if impossible)."""
-        return self._update(lambda s: protocol.decide_replace(s, observed_round, lost, failure))
+        return self._update(lambda s: protocol.decide_replace(s, observed_round, lost, failure, newest_step))
 
     def drop_spares(self, gone: tuple[str, ...]) -> RdzvState:
         return self._update(lambda s: protocol.decide_drop_spares(s, gone))

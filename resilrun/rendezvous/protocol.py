@@ -22,6 +22,13 @@ from typing import Any
 
 from resilrun.errors import RendezvousError
 
+# In-process recoveries (hot spares, spare nodes) the job may decide in a row without a newer step
+# committed anywhere between them. Failures alternating between ranks at the same step would
+# otherwise recover forever without touching --max-restarts; past this many, a failure takes the
+# restart path, which --max-restarts bounds. A few are legitimate (a second node lost while the
+# first one's generation forms, a failure during the recovery itself), so it is not one.
+MAX_RECOVERIES_WITHOUT_PROGRESS = 3
+
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
@@ -57,6 +64,10 @@ class RdzvState:
     recoveries: int = 0
     # Standby nodes: they arrived when the round was full and wait, warm, to replace a lost node.
     spares: tuple[NodeInfo, ...] = ()
+    # The in-process recovery budget, job-wide: the newest committed step known when the last
+    # recovery was decided, and how many were decided in a row without a newer one.
+    progress_step: int = -1
+    stalled_recoveries: int = 0
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -229,30 +240,68 @@ def decide_next_round(
         failure=failure if failure is not None else state.failure,
         recoveries=state.recoveries,
         spares=state.spares,
+        # A restart does not refill the in-process budget: only a new step does.
+        progress_step=state.progress_step,
+        stalled_recoveries=state.stalled_recoveries,
     )
 
 
-def decide_recover(state: RdzvState, observed_round: int, failure: dict[str, Any] | None) -> RdzvState | None:
+def recovery_budget_spent(state: RdzvState, newest_step: int) -> bool:
+    """Whether one more in-process recovery would exceed MAX_RECOVERIES_WITHOUT_PROGRESS.
+
+    ``newest_step`` is the newest step the deciding node's workers committed; any newer than the one
+    recorded at the last recovery is progress and starts the count again.
+    """
+    return newest_step <= state.progress_step and state.stalled_recoveries >= MAX_RECOVERIES_WITHOUT_PROGRESS
+
+
+def _counted(state: RdzvState, newest_step: int) -> dict[str, int]:
+    progressed = newest_step > state.progress_step
+    return {
+        "progress_step": max(newest_step, state.progress_step),
+        "stalled_recoveries": 1 if progressed else state.stalled_recoveries + 1,
+    }
+
+
+def decide_recover(
+    state: RdzvState, observed_round: int, failure: dict[str, Any] | None, newest_step: int = -1
+) -> RdzvState | None:
     """Open the next generation of the same complete round, for an in-process recovery.
 
-    Returns None when another node already moved the job on (the caller follows what it reads).
+    Returns None when another node already moved the job on (the caller follows what it reads), or
+    when the in-process budget is spent (``recovery_budget_spent``: the caller restarts instead).
     """
     if state.closed or state.round != observed_round or not state.complete:
         return None
+    if recovery_budget_spent(state, newest_step):
+        return None
     return replace(
-        state, round=state.round + 1, recovering=True, recoveries=state.recoveries + 1, failure=failure, waiting=()
+        state,
+        round=state.round + 1,
+        recovering=True,
+        recoveries=state.recoveries + 1,
+        failure=failure,
+        waiting=(),
+        **_counted(state, newest_step),
     )
 
 
 def decide_replace(
-    state: RdzvState, observed_round: int, lost: tuple[str, ...], failure: dict[str, Any] | None
+    state: RdzvState,
+    observed_round: int,
+    lost: tuple[str, ...],
+    failure: dict[str, Any] | None,
+    newest_step: int = -1,
 ) -> RdzvState | None:
     """The next generation with spare nodes in the places of ``lost`` nodes (same node ranks).
 
-    Returns None when that cannot be done: the job moved on, a lost node is not a participant, or
-    there are fewer spares of the right size than lost nodes (the caller restarts instead).
+    Returns None when that cannot be done: the job moved on, a lost node is not a participant,
+    there are fewer spares of the right size than lost nodes, or the in-process budget is spent
+    (the caller restarts instead).
     """
     if state.closed or state.round != observed_round or not state.complete:
+        return None
+    if recovery_budget_spent(state, newest_step):
         return None
     participants = list(state.participants)
     spares = list(state.spares)
@@ -274,6 +323,7 @@ def decide_replace(
         recoveries=state.recoveries + 1,
         failure=failure,
         waiting=(),
+        **_counted(state, newest_step),
     )
 
 

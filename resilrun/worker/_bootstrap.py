@@ -147,33 +147,21 @@ def _stand_by(target: str, as_module: bool) -> None:
     job.stand_by()
 
 
-# What gloo and NCCL say when a peer died or the job's collectives were aborted for a recovery.
-_PEER_FAILURE_MARKERS = (
-    "gloo",
-    "NCCL",
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "communicator was aborted",
-)
+def _may_be_a_broken_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` could come from a collective that a failed peer broke, judged by type alone.
 
-
-def _peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) says a collective broke, rather than this rank's own code.
-
-    Why it matters: a survivor whose collective broke waits for the job's next generation, but a
-    rank that raised on its own (a bug, bad data) is the failure itself. If it waited too, the agent
-    would learn of it only when the wait ran out (tens of seconds) instead of when it exits.
+    Only a RuntimeError can (torch's DistError is one; gloo raises plain ones); a ValueError,
+    KeyError, or a CUDA out-of-memory error anywhere in the chain is not. This only spares the rank's
+    own obvious errors a short wait: whether a RuntimeError is a peer's failure or this rank's own (an
+    NCCL or CUDA error of its own) is decided by the agent, from what the job knows, never from text.
     """
-    dist = sys.modules.get("torch.distributed")
-    dist_error = getattr(dist, "DistError", None) if dist is not None else None
+    torch = sys.modules.get("torch")
+    own = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),) if isinstance(t, type))
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if dist_error is not None and isinstance(current, dist_error):
-            return True
-        if isinstance(current, RuntimeError) and any(marker in str(current) for marker in _PEER_FAILURE_MARKERS):
+        if isinstance(current, RuntimeError) and not (own and isinstance(current, own)):
             return True
         current = current.__cause__ or current.__context__
     return False
@@ -182,14 +170,17 @@ def _peer_failure(exc: BaseException) -> bool:
 def _next_generation(exc: BaseException) -> dict[str, str] | None:
     """The environment of the job's next generation if this failure is being recovered, else None.
 
-    Only a broken collective waits for the agent's decision; this rank's own error only takes a
-    generation that is already published (then it is part of a recovery already under way).
+    What could be a broken collective waits for the agent's decision: the job's next generation (a
+    peer failed first: this rank is a survivor) or "no" (nothing failed before it: its error is the
+    failure, and it exits so that it can be replaced). Any other error only takes a generation that
+    is already published (then it is part of a recovery already under way).
     """
     job = sys.modules.get("resilrun.worker.job")
     socket_path = os.environ.get("RESILRUN_AGENT_SOCKET")
     if job is None or not job.is_active() or not socket_path or isinstance(exc, KeyboardInterrupt):
         return None
-    wait_s = float(os.environ.get("RESILRUN_RECOVERY_WAIT_S", "10")) if _peer_failure(exc) else 0.0
+    raised = _may_be_a_broken_collective(exc)
+    wait_s = float(os.environ.get("RESILRUN_RECOVERY_WAIT_S", "10")) if raised else 0.0
     from resilrun.worker._channel import AgentClient
 
     try:
@@ -201,6 +192,7 @@ def _next_generation(exc: BaseException) -> dict[str, str] | None:
                     "pid": os.getpid(),
                     "round": int(os.environ.get("RESILRUN_ROUND", "0")),
                     "timeout_s": wait_s,
+                    "raised": raised,
                 }
             )
         finally:

@@ -156,3 +156,22 @@ def test_a_worker_stuck_before_its_first_step_is_caught_by_the_first_step_timeou
     assert err.count("hot spare takes over") == 1
     assert "restarting the job" not in err
     assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
+
+
+def test_failures_alternating_between_ranks_at_one_step_exhaust_the_in_process_budget(
+    launcher, tmp_path: Path
+) -> None:
+    # Given ranks 0 and 1 killed in turn as step 5 starts, in every incarnation, spares to replace each
+    plan = "; ".join(f"kill:rank={attempt % 2},step=5,attempt={attempt}" for attempt in range(8))
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "2", "--max-restarts", "0",
+        str(EXAMPLE), *ARGS, env={"RESILRUN_FAULTS": plan},
+    )  # fmt: skip
+    # Then the job is recovered in-process a bounded number of times, then takes the restart path
+    # (none left: it fails) instead of recovering for as long as the failures go on
+    assert run.wait(150) == 1, run.stderr()[-3000:]
+    assert_nothing_left(run)
+    err = run.stderr()
+    assert "in-process recovery budget spent: 3 recoveries in a row without a newer step than 4" in err
+    assert err.count("hot spare takes over") == 3, err[-3000:]
+    assert "no restart left (--max-restarts 0)" in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import psutil
@@ -112,3 +113,28 @@ def _clean_checksum_args(launcher, tmp_path: Path, args: list[str]) -> str:  # n
     )
     assert run.wait(120) == 0, run.stderr()[-3000:]
     return target.read_text()
+
+
+def test_a_ranks_own_communication_error_is_the_failure_not_a_peers(launcher, tmp_path: Path) -> None:
+    # Given rank 1 failing with its own NCCL-style error at step 6 while rank 0 waits for it in the
+    # all-reduce (nothing else failed: text that names NCCL must not make it wait as a survivor)
+    def run_job(name: str, fail: list[str]) -> tuple[str, str, float]:
+        target = tmp_path / f"{name}.sha"
+        run = launcher(
+            "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+            str(HELPERS / "own_dist_error.py"), *fail, "--checksum-file", str(target),
+        )  # fmt: skip
+        started = time.monotonic()
+        assert run.wait(150) == 0, run.stderr()[-3000:]
+        assert_nothing_left(run)
+        return target.read_text(), run.stderr(), time.monotonic() - started
+
+    faulty, err, seconds = run_job("faulty", ["--fail-rank", "1", "--fail-step", "6"])
+    clean, _, clean_seconds = run_job("clean", [])
+    # Then the agent decides it is rank 1's own failure at once, a spare takes rank 1, rank 0
+    # recovers in its process, and the job ends as a failure-free run does, in about its time
+    assert "rank 1 raised with no failure before it anywhere in the job" in err
+    assert "hot spare takes over" in err
+    assert "rank 0 recovering in-process" in err
+    assert faulty == clean
+    assert seconds < clean_seconds + 15, (seconds, clean_seconds)

@@ -55,3 +55,41 @@ def test_a_spare_waits_for_its_assignment_and_a_survivor_for_its_generation() ->
     assert control.await_generation(8, after_round=0, timeout_s=0.05) == {"RANK": "0"}
     assert control.await_generation(8, after_round=1, timeout_s=0.05) is None
     assert control.await_assignment(9, timeout_s=0.05) is None
+
+
+def _wait_in_thread(control: WorkerControl, pid: int, round: int, raised: bool) -> tuple[threading.Thread, list]:
+    answer: list = []
+    thread = threading.Thread(target=lambda: answer.append(control.await_generation(pid, round, 30.0, raised)))
+    thread.start()
+    return thread, answer
+
+
+def test_a_worker_that_raised_waits_until_the_supervisor_dismisses_it() -> None:
+    control = WorkerControl()
+    thread, answer = _wait_in_thread(control, 11, 0, raised=True)
+    deadline = time.monotonic() + 5
+    while 11 not in control.raised_workers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert control.raised_workers()[11][0] == 0
+    # When the supervisor finds no failure before it: the worker is told "no" at once
+    control.dismiss(11)
+    thread.join(5)
+    assert answer == [None] and not thread.is_alive()
+    assert control.raised_workers() == {}
+
+
+def test_a_worker_that_raised_gets_the_generation_when_a_peer_failed_first() -> None:
+    control = WorkerControl()
+    thread, answer = _wait_in_thread(control, 12, 3, raised=True)
+    deadline = time.monotonic() + 5
+    while 12 not in control.raised_workers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    control.publish_generation(4, {12: {"RANK": "0"}})
+    thread.join(5)
+    assert answer == [{"RANK": "0"}]
+    # and a dismissal for a worker no longer waiting is a no-op (it cannot poison its next wait)
+    control.dismiss(12)
+    thread, answer = _wait_in_thread(control, 12, 4, raised=False)
+    control.publish_generation(5, {12: {"RANK": "1"}})
+    thread.join(5)
+    assert answer == [{"RANK": "1"}]

@@ -9,6 +9,7 @@ import pytest
 from resilrun.agent.policy import Action, AgentView, decide
 from resilrun.errors import RendezvousError
 from resilrun.rendezvous.protocol import (
+    MAX_RECOVERIES_WITHOUT_PROGRESS,
     Decision,
     NodeInfo,
     RdzvState,
@@ -19,8 +20,10 @@ from resilrun.rendezvous.protocol import (
     decide_join,
     decide_leave,
     decide_next_round,
+    decide_recover,
     decide_replace,
     has_reached_min,
+    recovery_budget_spent,
 )
 
 
@@ -366,3 +369,31 @@ def test_the_state_round_trips_with_spares_and_reads_documents_without_them() ->
     assert RdzvState.from_bytes(b'{"closed":false,"complete":false,"failure":null,"outcome":null,'
                                 b'"participants":[],"recovering":false,"recoveries":0,"restarts":0,'
                                 b'"round":0,"waiting":[]}') == RdzvState()
+
+
+# -- the in-process recovery budget -----------------------------------------------------------------
+def test_recoveries_without_progress_are_bounded_job_wide() -> None:
+    # Given failures that alternate between ranks, each at the same step (newest committed: 4)
+    state = RdzvState(round=0, complete=True, participants=(A, B))
+    for expected in range(1, MAX_RECOVERIES_WITHOUT_PROGRESS + 1):
+        new = decide_recover(state, state.round, {"message": "killed"}, newest_step=4)
+        assert new is not None and new.stalled_recoveries == expected and new.progress_step == 4
+        state = new
+    # Then one more is refused (the caller restarts, which --max-restarts bounds), on a spare node too
+    assert recovery_budget_spent(state, 4)
+    assert decide_recover(state, state.round, {"message": "killed"}, newest_step=4) is None
+    spared = replace(state, spares=(C,))
+    assert decide_replace(spared, spared.round, ("a",), {"message": "node lost"}, newest_step=4) is None
+    # and a restart does not refill the budget
+    restarted = decide_next_round(state, state.round, failure={"message": "killed"}, max_restarts=3)
+    assert restarted is not None and recovery_budget_spent(restarted, 4)
+
+
+def test_a_newer_step_refills_the_recovery_budget() -> None:
+    state = RdzvState(round=7, complete=True, participants=(A, B), progress_step=4, stalled_recoveries=3)
+    assert recovery_budget_spent(state, 4)
+    new = decide_recover(state, 7, None, newest_step=9)
+    assert new is not None and (new.progress_step, new.stalled_recoveries) == (9, 1)
+    spared = replace(state, spares=(C,))
+    replaced = decide_replace(spared, 7, ("a",), None, newest_step=5)
+    assert replaced is not None and (replaced.progress_step, replaced.stalled_recoveries) == (5, 1)
