@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test-tools demo test lint bench
+.PHONY: install test-tools demo test quick lint bench
 
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -35,11 +35,16 @@ demo: install
 	$(PY) -m resilrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_ddp_torchrun.py --steps 30
 
 test: install test-tools
-	$(PY) -m ruff check resilrun tests examples benchmarks
+	$(PY) -m ruff check resilrun tests examples benchmarks tools
 	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark
 
+# The quick subset: unit, contract and CLI tests, no launcher started (a minute or so on 2 cores).
+quick: install test-tools
+	$(PY) -m ruff check resilrun tests examples benchmarks tools
+	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark tests/unit tests/contract tests/cli
+
 lint: $(PY)
-	$(PY) -m ruff check resilrun tests examples benchmarks
+	$(PY) -m ruff check resilrun tests examples benchmarks tools
 
 bench: install
 	$(PY) benchmarks/launch_overhead.py

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import typer
 
-from resilrun.cli import _docgen, app
+from resilrun.cli import app
 from resilrun.config import CONFIG_FIELDS
 from resilrun.errors import EXIT_CODE_MEANINGS, ExitCode
+from tools import docgen as _docgen
 
 ROOT = Path(__file__).resolve().parents[2]
 MAN_PAGES = sorted((ROOT / "man").glob("*.1"))
@@ -36,7 +37,7 @@ def _roff(flag: str) -> str:
 # -- drift -----------------------------------------------------------------------------------------
 def test_committed_completions_and_man_pages_match_the_cli() -> None:
     stale = _docgen.stale()
-    assert stale == [], f"regenerate with: python -m resilrun.cli._docgen ({', '.join(stale)} differ)"
+    assert stale == [], f"regenerate with: python -m tools.docgen ({', '.join(stale)} differ)"
 
 
 def test_check_command_passes_on_the_committed_files_whatever_the_environment(tmp_path: Path) -> None:
@@ -50,7 +51,7 @@ def test_check_command_passes_on_the_committed_files_whatever_the_environment(tm
         "HOME": str(tmp_path),
     }
     result = subprocess.run(
-        [sys.executable, "-m", "resilrun.cli._docgen", "--check"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tools.docgen", "--check"], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -65,7 +66,7 @@ def test_check_lists_missing_and_changed_files_and_exits_1(tmp_path: Path, capsy
     assert _docgen.main(["--check", "--root", str(tmp_path)]) == 1
     out, err = capsys.readouterr()
     assert out.splitlines() == ["completions/resilrun.fish", "man/resilrun-run.1"]
-    assert "python -m resilrun.cli._docgen" in err
+    assert "python -m tools.docgen" in err
     # Writing repairs exactly those files
     assert _docgen.main(["--root", str(tmp_path)]) == 0
     assert _docgen.stale(tmp_path) == []

@@ -40,7 +40,7 @@ def agent() -> _Agent:
 
 
 def _round() -> Any:
-    workers = [SimpleNamespace(pid=100, spec=SimpleNamespace(global_rank=0)), SimpleNamespace(pid=101, spec=SimpleNamespace(global_rank=1))]
+    workers = [SimpleNamespace(pid=100 + rank, spec=SimpleNamespace(global_rank=rank)) for rank in (0, 1)]
     return SimpleNamespace(state=STATE, workers=workers)
 
 

@@ -1,4 +1,4 @@
-"""``python -m resilrun.cli._docgen [--check]``: shell completions and man pages from the one CLI definition.
+"""``python -m tools.docgen [--check]``: shell completions and man pages from the one CLI definition.
 
 Writes ``completions/resilrun.{bash,zsh,fish}``, the exact text ``_RESILRUN_COMPLETE=source_<shell>
 resilrun`` prints, and ``man/resilrun.1`` plus ``man/resilrun-<command>.1``, roff in the style of
@@ -38,7 +38,7 @@ from resilrun.errors import EXIT_CODE_MEANINGS, ExitCode
 
 __all__ = ["generate", "main"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PROG = "resilrun"
 COMPLETE_VAR = "_RESILRUN_COMPLETE"  # typer's name: _<PROG>_COMPLETE
 SHELLS = ("bash", "zsh", "fish")
@@ -511,7 +511,7 @@ def stale(root: Path = ROOT) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m resilrun.cli._docgen", description="Write completions/ and man/ from the CLI definition."
+        prog="python -m tools.docgen", description="Write completions/ and man/ from the CLI definition."
     )
     parser.add_argument("--check", action="store_true", help="fail (exit 1) if a committed file differs")
     parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         for rel in differ:
             out.data(rel)
         if differ:
-            out.error(f"{len(differ)} generated file(s) differ from the CLI", "run: python -m resilrun.cli._docgen")
+            out.error(f"{len(differ)} generated file(s) differ from the CLI", "run: python -m tools.docgen")
             return 1
         return 0
     for rel, text in generate().items():
