@@ -49,6 +49,7 @@ class WorkerControl:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             self._waiting_spares.add(pid)
+            self._cond.notify_all()  # a recovery may be waiting for this spare (wait_for_waiting_spares)
             try:
                 while pid not in self._assignments:
                     remaining = deadline - time.monotonic()
@@ -136,6 +137,17 @@ class WorkerControl:
     def waiting_spares(self) -> list[int]:
         with self._cond:
             return sorted(self._waiting_spares)
+
+    def wait_for_waiting_spares(self, pids: list[int], needed: int, timeout_s: float) -> bool:
+        """Block until ``needed`` of ``pids`` wait for a rank, at most ``timeout_s``; whether they do."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self._waiting_spares.intersection(pids)) < needed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
 
     def uses_api(self, pids: list[int]) -> bool:
         with self._cond:

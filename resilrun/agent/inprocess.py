@@ -31,6 +31,8 @@ logger = logging.getLogger("resilrun.agent.supervisor")
 # A failure in the first seconds finds the spare still importing torch: waiting for it (still far
 # quicker than a restart) beats giving up on in-process recovery. Survivors wait longer than this.
 SPARE_READY_TIMEOUT_S = 30.0
+# While waiting for spares to become ready, how often to look for one that died meanwhile.
+SPARE_EXIT_RECHECK_S = 0.25
 # A spare that dies while waiting is started again after this, doubling while spares keep dying
 # before they are ready: a one-off (the OOM killer) costs a second, a crash loop does not eat a core.
 SPARE_BACKOFF_FIRST_S = 1.0
@@ -301,7 +303,10 @@ class InProcessRecovery:
             if len(ready) >= needed or len(alive) < needed or time.monotonic() >= deadline:
                 return ready
             self.signals.raise_if_set()
-            time.sleep(0.05)
+            # Woken the moment a spare starts waiting; the timeout re-checks spares that died meanwhile.
+            self.control.wait_for_waiting_spares(
+                [s.pid for s in alive], needed, min(SPARE_EXIT_RECHECK_S, max(0.0, deadline - time.monotonic()))
+            )
 
     def _enter_generation(self, round_: Round, new: RdzvState, replacements: dict[int, procs.WorkerProcess]) -> bool:
         """Move this node's workers to generation ``new.round``: survivors keep their processes,

@@ -93,3 +93,18 @@ def test_a_worker_that_raised_gets_the_generation_when_a_peer_failed_first() -> 
     control.publish_generation(5, {12: {"RANK": "1"}})
     thread.join(5)
     assert answer == [{"RANK": "1"}]
+
+
+def test_a_recovery_waiting_for_a_spare_wakes_when_the_spare_starts_waiting() -> None:
+    control = WorkerControl()
+    assert control.wait_for_waiting_spares([21], 1, 0.0) is False
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(control.wait_for_waiting_spares([21], 1, 30.0)))
+    waiter.start()
+    spare = threading.Thread(target=control.await_assignment, args=(21, 30.0))
+    spare.start()
+    waiter.join(5)
+    assert woke == [True], "the recovery was not woken by the spare"
+    control.assign(21, {"RANK": "1"})
+    spare.join(5)
+    assert not spare.is_alive()
