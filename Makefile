@@ -32,7 +32,7 @@ test-tools:
 	fi
 
 demo: install
-	$(PY) -m resilrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_ddp_torchrun.py --steps 30
+	$(PY) examples/demo/resilient_demo.py
 
 test: install test-tools
 	$(PY) -m ruff check resilrun tests examples benchmarks tools

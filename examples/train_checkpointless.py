@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step")
     parser.add_argument("--checksum-file", default="")
+    parser.add_argument("--progress", action="store_true", help="rank 0 prints a line for every step")
     args = parser.parse_args()
 
     job = resilrun.init()
@@ -48,7 +49,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         sched.step()
-        if job.rank == 0 and step % 10 == 0:
+        if job.rank == 0 and (args.progress or step % 10 == 0):
             print(f"step {step} loss {loss.item():.5f}", flush=True)
         if args.sleep:
             time.sleep(args.sleep)

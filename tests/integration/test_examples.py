@@ -247,3 +247,15 @@ def test_examples_readme_describes_every_example() -> None:
     for path in sorted(EXAMPLES.rglob("*")):
         if path.is_file() and path.name != "README.md" and "__pycache__" not in path.parts:
             assert str(path.relative_to(EXAMPLES)) in readme, path
+
+
+def test_the_demo_shows_a_recovery_and_its_verdict() -> None:
+    # Given `make demo`'s driver, When it runs, Then the job lost a worker, recovered without a restart
+    # and ended with the failure-free run's parameters
+    demo = EXAMPLES / "demo" / "resilient_demo.py"
+    result = subprocess.run([sys.executable, str(demo)], capture_output=True, text=True, timeout=150, check=False)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert "hot spare takes over" in out
+    assert "steps redone: 0; whole-job restarts: 0" in out
+    assert "verdict: final parameters identical to a failure-free run" in out
