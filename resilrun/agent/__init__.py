@@ -127,7 +127,11 @@ def run(config: Config) -> None:
         memory = NodeMemoryTier(config.rdzv_id, checksum_commits=config.replicas > 0 or bool(config.checkpoint_uri))
         control = WorkerControl()
         tiers = NodeTiers(memory, storage)
-        channel = AgentChannel(memory, tiers, control)
+        events = EventLog(log_root / EVENTS_FILE, node_id=me.node_id, host=me.hostname)
+        publisher: list[StatusPublisher] = []  # set below; the metrics read its latest document
+        metrics = _metrics(config, lambda: publisher[0].latest if publisher else None)
+        telemetry = AgentTelemetry(events, backend, config.rdzv_id, metrics)
+        channel = AgentChannel(memory, tiers, control, telemetry)
         setup = NodeSetup(
             nproc=nproc,
             addr=addr,
@@ -135,12 +139,7 @@ def run(config: Config) -> None:
             base_env={**agent_environ(), **channel_env(channel)},  # the token reaches only our workers
             agent_socket=channel.path,
         )
-        supervisor = Supervisor(config, setup, rdzv, signals, control)
-        events = EventLog(log_root / EVENTS_FILE, node_id=me.node_id, host=me.hostname)
-        publisher: list[StatusPublisher] = []  # set below; the metrics read its latest document
-        metrics = _metrics(config, lambda: publisher[0].latest if publisher else None)
-        telemetry = AgentTelemetry(events, backend, config.rdzv_id, metrics)
-        supervisor.telemetry = channel.telemetry = telemetry
+        supervisor = Supervisor(config, setup, rdzv, signals, control, telemetry)
         peers = None
         if config.replicas > 0 and max_nodes > 1:
             peers = PeerTier(

@@ -54,13 +54,14 @@ _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 class AgentChannel:
     """Accepts worker connections and answers their requests, one thread per worker."""
 
-    # Where commits and the workers' recovery milestones are reported (set by the composition root).
-    telemetry: Telemetry = Telemetry()
-
-    def __init__(self, memory: NodeMemoryTier, tiers: NodeTiers, control: WorkerControl) -> None:
+    def __init__(
+        self, memory: NodeMemoryTier, tiers: NodeTiers, control: WorkerControl, telemetry: Telemetry | None = None
+    ) -> None:
+        """``telemetry``: where commits and the workers' recovery milestones are reported (none: nowhere)."""
         self.memory = memory
         self.tiers = tiers
         self.control = control
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.token = secrets.token_hex(32)
         self._refusals: set[str] = set()
         self._dir = Path(tempfile.mkdtemp(prefix="resilrun-agent-"))  # mode 0700

@@ -50,7 +50,6 @@ class SpareNodes:
 
     if TYPE_CHECKING:
 
-        def _monitor(self, round_: Round) -> RoundEnd: ...
         def _follow_close(self, state: RdzvState) -> RoundEnd: ...
         def _open_next_round(self, state: RdzvState, failures: list[ProcessFailure]) -> RoundEnd: ...
         def _record_failures(self, round: int, failures: list[ProcessFailure]) -> None: ...
@@ -61,12 +60,17 @@ class SpareNodes:
             self, round_: Round, new: RdzvState, replacements: dict[int, procs.WorkerProcess]
         ) -> bool: ...
 
-    def _stand_by(self, state: RdzvState) -> RoundEnd:
-        """A spare node: warm workers wait to take a lost node's ranks; the job is followed meanwhile."""
+    def _stand_by(self, state: RdzvState) -> RoundEnd | Round:
+        """A spare node: warm workers wait to take a lost node's ranks; the job is followed meanwhile.
+
+        Returns how the standby ended, or, when this node took a lost node's place, the round its
+        warm workers now run (the caller supervises it like any other; no recursion into the loop).
+        """
         me = self.rdzv.me.node_id
         round_ = Round(state, -1, [], self._standby, None)
         self.current = round_
         self._standby = []
+        handed_over = False  # set once the warm workers run a lost node's ranks (the caller owns them then)
         # Warm workers wait in the Python bootstrap; a program run directly (--no-python) cannot wait
         # without running, so such a spare node starts its workers only when it takes a place.
         want = 0 if self.config.no_python else max(self.setup.nproc, self.config.spares)
@@ -89,7 +93,10 @@ class SpareNodes:
                     return self._follow_close(current)
                 rank = current.node_rank(me)
                 if rank is not None and current.complete and current.recovering:
-                    return self._take_over(round_, current, rank)
+                    taken = self._take_over(round_, current, rank)
+                    if isinstance(taken, Round):
+                        handed_over = True
+                    return taken
                 if rank is not None or not current.complete or not current.is_spare(me):
                     # A restart opened a new round (or this node was forgotten): join it like any
                     # node, keeping the warm workers for whatever role this node gets.
@@ -99,12 +106,13 @@ class SpareNodes:
                 if round_.respawn_at is not None and time.monotonic() >= round_.respawn_at:
                     self._top_up_spares(round_, want)
         finally:
-            everyone = round_.workers + round_.spares
-            procs.stop([w for w in everyone if w.poll() is None], signal.SIGKILL, 0.0)
-            for worker in everyone:
-                worker.finish_output()
+            if not handed_over:
+                everyone = round_.workers + round_.spares
+                procs.stop([w for w in everyone if w.poll() is None], signal.SIGKILL, 0.0)
+                for worker in everyone:
+                    worker.finish_output()
 
-    def _take_over(self, round_: Round, new: RdzvState, node_rank: int) -> RoundEnd:
+    def _take_over(self, round_: Round, new: RdzvState, node_rank: int) -> RoundEnd | Round:
         """This spare node was chosen for a lost node's place: its warm workers take those ranks."""
         started = time.monotonic()
         round_.node_rank = node_rank
@@ -123,7 +131,7 @@ class SpareNodes:
             new.round,
             time.monotonic() - started,
         )
-        return self._monitor(round_)
+        return round_
 
     def _drop_standby(self) -> None:
         if self._standby:

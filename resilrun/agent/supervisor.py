@@ -49,12 +49,17 @@ logger = logging.getLogger(__name__)
 class Supervisor(InProcessRecovery, SpareNodes):
     """Runs the node's share of the job until it succeeds, fails for good, or is stopped."""
 
-    # Events, status history and metrics (resilrun.agent.telemetry); the base class records nothing.
-    telemetry: Telemetry = Telemetry()
-
     def __init__(
-        self, config: Config, setup: NodeSetup, rdzv: RendezvousClient, signals: SignalFlag, control: WorkerControl
+        self,
+        config: Config,
+        setup: NodeSetup,
+        rdzv: RendezvousClient,
+        signals: SignalFlag,
+        control: WorkerControl,
+        telemetry: Telemetry | None = None,
     ) -> None:
+        """``telemetry``: events, status history and metrics (resilrun.agent.telemetry; none: nothing recorded)."""
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.control = control
         self.config = config
         self.setup = setup
@@ -83,7 +88,10 @@ class Supervisor(InProcessRecovery, SpareNodes):
             self.last_state = state
             node_rank = state.node_rank(self.rdzv.me.node_id)
             if node_rank is None:  # the round is full: this node stands by as a spare node
-                if self._stand_by(state) is RoundEnd.DONE:
+                standby = self._stand_by(state)
+                # Chosen for a lost node's place: its warm workers now run that node's ranks.
+                end = self._supervise(standby) if isinstance(standby, Round) else standby
+                if end is RoundEnd.DONE:
                     return
                 continue
             self._drop_standby()
@@ -116,6 +124,10 @@ class Supervisor(InProcessRecovery, SpareNodes):
         self.current = round_
         self.telemetry.round_started(state, node_rank, round_.workers)
         self._top_up_spares(round_)
+        return self._supervise(round_)
+
+    def _supervise(self, round_: Round) -> RoundEnd:
+        """Monitor a round to its end; its workers and spares never outlive it, on any exit path."""
         try:
             return self._monitor(round_)
         finally:
