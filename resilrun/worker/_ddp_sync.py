@@ -13,7 +13,11 @@ first forward without ``settle`` (a script that never calls ``job.steps()``) syn
 ranks never train from different weights. Every rank takes the same path (same script, same agreed
 restore plan), which is what makes the deferred collectives line up.
 
-It leans on two private torch helpers; when they are missing, DDP is left exactly as torch has it.
+The patch is scoped to the job: ``resilrun.init()`` installs it only in a worker resilrun launched
+(a script under plain ``python`` or torchrun keeps torch's DDP), and ``uninstall()`` puts torch's
+``__init__`` back when the process leaves its generation (``reset_for_reentry``); the next
+generation's ``init()`` installs it again. The private torch helpers it leans on are probed in
+``_torch_compat``; when they are missing, DDP is left exactly as torch has it.
 """
 
 from __future__ import annotations
@@ -27,14 +31,13 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from resilrun.worker import _torch_compat
+
 logger = logging.getLogger(__name__)
 
-try:
-    from torch.distributed.utils import _sync_module_states, _verify_param_shape_across_processes
-except ImportError:  # pragma: no cover - a torch without them keeps DDP's own start-up sync
-    _sync_module_states = _verify_param_shape_across_processes = None  # type: ignore[assignment]
-
 _ORIGINAL_INIT = DistributedDataParallel.__init__
+# The __init__ install() put on DDP while the patch is in place; None when it is not.
+_PATCHED_INIT: Any = None
 _PENDING: weakref.WeakKeyDictionary[DistributedDataParallel, tuple[bool, Any]] = weakref.WeakKeyDictionary()
 # Every DDP built since install(): snapshots need to know which parameters DDP keeps equal on all ranks.
 _BUILT: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
@@ -42,13 +45,17 @@ _BUILT: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
 def install() -> bool:
     """Make DDPs built from now on defer their start-up sync (idempotent); False if unsupported."""
-    if _sync_module_states is None or "init_sync" not in inspect.signature(_ORIGINAL_INIT).parameters:
-        return False
-    if DistributedDataParallel.__init__ is not _ORIGINAL_INIT:
+    global _PATCHED_INIT
+    if _PATCHED_INIT is not None:
         return True
+    if not _torch_compat.can_defer_ddp_sync():
+        return False
     signature = inspect.signature(_ORIGINAL_INIT)
 
     def __init__(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - the patched name
+        if _PATCHED_INIT is None:  # uninstalled, but something patched DDP on top of this: pass through
+            _ORIGINAL_INIT(self, *args, **kwargs)
+            return
         bound = signature.bind(self, *args, **kwargs)
         if "init_sync" in bound.arguments:  # the user chose: respect it
             _ORIGINAL_INIT(self, *args, **kwargs)
@@ -58,8 +65,32 @@ def install() -> bool:
         _PENDING[self] = (_buffers_synced_at_init(bound.arguments), self.register_forward_pre_hook(_sync_on_forward))
         _BUILT.add(self)
 
+    _PATCHED_INIT = __init__
     DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
+    logger.debug("torch private interfaces: %s", _torch_compat.report())
     return True
+
+
+def uninstall() -> None:
+    """Give DDP back torch's own ``__init__`` and forget every DDP built under the patch (idempotent).
+
+    Why: the patch serves one generation of a resilrun job; whatever the process builds after it
+    left the job (or after a test) must behave as torch documents.
+    """
+    global _PATCHED_INIT
+    forget_all()
+    if _PATCHED_INIT is None:
+        return
+    if DistributedDataParallel.__init__ is _PATCHED_INIT:
+        DistributedDataParallel.__init__ = _ORIGINAL_INIT  # type: ignore[method-assign]
+    else:  # patched again on top of ours: leave theirs in place; ours now passes straight through
+        logger.debug("DistributedDataParallel.__init__ was patched after resilrun's; left in place")
+    _PATCHED_INIT = None
+
+
+def installed() -> bool:
+    """Whether DDPs built now defer their start-up sync."""
+    return _PATCHED_INIT is not None
 
 
 def settle(restored: Iterable[Any]) -> None:
@@ -120,16 +151,7 @@ def _sync(ddp: DistributedDataParallel) -> None:
     """What DDP's ``init_sync`` would have done at construction: same checks, same broadcast."""
     buffers = _PENDING[ddp][0]
     _forget(ddp)
-    parameters, _ = ddp._build_params_for_reducer()
-    _verify_param_shape_across_processes(ddp.process_group, parameters)
-    _sync_module_states(
-        module=ddp.module,
-        process_group=ddp.process_group,
-        broadcast_bucket_size=ddp.broadcast_bucket_size,
-        src=0,
-        params_and_buffers_to_ignore=ddp.parameters_to_ignore,
-        broadcast_buffers=buffers,
-    )
+    _torch_compat.sync_ddp_start(ddp, broadcast_buffers=buffers)
 
 
 def _sync_on_forward(ddp: DistributedDataParallel, _inputs: Any) -> None:

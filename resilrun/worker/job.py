@@ -24,7 +24,7 @@ from resilrun.errors import CheckpointError, StateLostError
 from resilrun.log import rank_ranges
 from resilrun.state.restore import RestorePlan, Tier, plan_restore
 from resilrun.state.tree import flatten, unflatten
-from resilrun.worker import _ddp_sync
+from resilrun.worker import _ddp_sync, _torch_compat
 from resilrun.worker._abort import GenerationWatchdog, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient
 from resilrun.worker._replicated import replicated_names
@@ -318,12 +318,8 @@ def _fix_bucket_layouts(objects: Any) -> None:
     the backward pass than the ready order would.
     """
     for obj in objects:
-        if isinstance(obj, torch.nn.parallel.DistributedDataParallel) and not getattr(
-            obj, "_has_rebuilt_buckets", True
-        ):
-            obj.reducer._push_all_rebuilt_params()
-            if obj.reducer._rebuild_buckets():
-                obj._has_rebuilt_buckets = True
+        if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+            _torch_compat.rebuild_ddp_buckets(obj)  # without the interface: warned once, layout left to DDP
 
 
 def _all_gather_ints(values: list[int], world_size: int, device: torch.device) -> list[list[int]]:
@@ -504,7 +500,7 @@ def reset_for_reentry() -> None:
     global _JOB, _TOOK_PART
     job, _JOB = _JOB, None
     _TOOK_PART = True
-    _ddp_sync.forget_all()
+    _ddp_sync.uninstall()  # the next generation's init() installs it again
     if job is not None and job._watchdog is not None:
         job._watchdog.disarm()
     if job is not None and job._snapshotter is not None:
@@ -524,9 +520,7 @@ def _forget_failed_group_setup() -> None:
     build, and names the next one after that count (its keys in the worker store are prefixed by
     it). A process that retried with the count at 1 would wait forever for peers writing under 0.
     ``destroy_process_group`` resets the count, but only for a group that exists."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if world is not None and hasattr(world, "group_count"):
-        world.group_count = 0
+    _torch_compat.reset_group_counter()  # without the counter: warned once, nothing to reset
 
 
 def is_active() -> bool:

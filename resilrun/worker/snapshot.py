@@ -22,6 +22,7 @@ from resilrun.state.dedup import Borrowed, borrowed_ranges, plan_owners, shared_
 from resilrun.state.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
 from resilrun.state.shm import SeqCounters, SharedBuffer
 from resilrun.state.slots import SLOTS
+from resilrun.worker import _torch_compat
 from resilrun.worker._channel import AgentClient
 
 
@@ -270,8 +271,6 @@ class Snapshotter:
 def _pin(buffer: SharedBuffer) -> bool:
     """Page-lock the mapping so device-to-host copies can be asynchronous (best effort)."""
     try:
-        cudart = torch.cuda.cudart()
-        result = cudart.cudaHostRegister(buffer.tensor.data_ptr(), buffer.nbytes, 0)
-        return int(result) == 0
+        return _torch_compat.pin_host_memory(buffer.tensor.data_ptr(), buffer.nbytes)
     except Exception:  # noqa: BLE001 - pinning is an optimisation; pageable copies still work
         return False

@@ -2,13 +2,15 @@
 parameter, run (same result as torch's own) on a fresh start or at the first forward otherwise.
 
 Two real gloo processes on loopback; rank 1 starts from different weights than rank 0, so a
-broadcast that did not happen shows as differing parameters.
+broadcast that did not happen shows as differing parameters. The patch's scope (installed, then
+undone when the process leaves its generation) is checked in this process, on one rank.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,60 @@ def test_an_explicit_init_sync_is_left_to_torch(results: dict) -> None:
     rank0, rank1 = results["explicit"]
     assert not rank0["pending_after_build"] and not rank1["pending_after_build"]
     assert _equal(rank0["state"], rank1["state"])
+
+
+# The patch's scope, in this process: one rank on a HashStore is enough to build DDPs.
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        _ddp_sync.uninstall()
+        dist.destroy_process_group()
+
+
+def test_uninstall_gives_ddp_back_torchs_own_init(one_rank: None) -> None:
+    assert _ddp_sync.install() and _ddp_sync.installed()
+    patched = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+    assert patched in _ddp_sync._PENDING and _ddp_sync.built() == [patched]
+    _ddp_sync.uninstall()
+    assert nn.parallel.DistributedDataParallel.__init__ is _ddp_sync._ORIGINAL_INIT
+    assert not _ddp_sync.installed() and not _ddp_sync._PENDING and not _ddp_sync.built()
+    plain = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+    assert plain not in _ddp_sync._PENDING and not _ddp_sync.built()
+    _ddp_sync.uninstall()  # idempotent
+
+
+def test_uninstall_leaves_a_later_patch_in_place_and_ours_passes_through(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ddp_class = nn.parallel.DistributedDataParallel
+    _ddp_sync.install()
+    ours = ddp_class.__init__
+    calls = []
+
+    def theirs(self: nn.parallel.DistributedDataParallel, *args: object, **kwargs: object) -> None:
+        calls.append(self)
+        ours(self, *args, **kwargs)
+
+    monkeypatch.setattr(ddp_class, "__init__", theirs)
+    _ddp_sync.uninstall()
+    assert ddp_class.__init__ is theirs
+    ddp = ddp_class(nn.Linear(2, 2))
+    assert calls == [ddp] and ddp not in _ddp_sync._PENDING and not _ddp_sync.built()
+
+
+def test_leaving_a_generation_uninstalls_the_patch() -> None:
+    from resilrun.worker import job as job_module
+
+    assert _ddp_sync.install()
+    try:
+        job_module.reset_for_reentry()
+        assert not _ddp_sync.installed()
+        assert nn.parallel.DistributedDataParallel.__init__ is _ddp_sync._ORIGINAL_INIT
+    finally:
+        _ddp_sync.uninstall()
+        job_module._TOOK_PART = False

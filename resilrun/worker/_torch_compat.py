@@ -1,0 +1,188 @@
+"""Every private torch interface resilrun touches, each behind a probe with a stated fallback.
+
+Why: private attributes change or vanish in any torch release without notice. Gathered here, a
+torch upgrade means checking one file (and its tests, tests/unit/test_torch_compat.py), and a
+missing attribute costs a feature named in one warning instead of an ``AttributeError`` in the
+middle of a recovery. Each probe runs once per process (``forget_probes`` re-runs them, for tests).
+
+What resilrun does when a probe fails:
+
+- ``deferred_ddp_sync``: DDP keeps torch's own start-up broadcast (a recovery pays for it again).
+- ``ddp_bucket_rebuild``: DDP rebuilds its buckets after its first step as torch does; a resumed
+  job may then sum gradients in another order than the failure-free run (bitwise drift, 3+ ranks).
+- ``group_counter``: the counter is left as is; a process whose group setup failed midway may not
+  meet its peers when it retries in-process.
+- ``cuda_host_register``: snapshot buffers stay pageable; device-to-host copies are synchronous.
+
+Every probe holds on the torch versions ``pyproject.toml`` declares (``TESTED_TORCH``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+logger = logging.getLogger(__name__)
+
+# The torch release every test runs on; keep in step with the torch pin of pyproject.toml.
+TESTED_TORCH = "2.13"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Whether one private interface is there, and what resilrun does when it is not."""
+
+    name: str
+    holds: bool
+    fallback: str
+
+
+_FALLBACKS = {
+    "deferred_ddp_sync": "DDP keeps torch's own start-up broadcast",
+    "ddp_bucket_rebuild": "bucket layout left to DDP: bitwise equality after a recovery not guaranteed with 3+ ranks",
+    "group_counter": "group counter not reset: an in-process retry after a failed group setup may not meet its peers",
+    "cuda_host_register": "snapshot buffers stay pageable: device-to-host copies are synchronous",
+}
+_WARNED: set[str] = set()
+
+
+@functools.cache
+def _sync_helpers() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """torch's own start-up checks and broadcast, as DDP's ``init_sync`` runs them."""
+    try:
+        from torch.distributed.utils import _sync_module_states, _verify_param_shape_across_processes
+    except ImportError:
+        return None
+    init = DistributedDataParallel.__init__
+    if "init_sync" not in inspect.signature(init).parameters:
+        return None
+    if not hasattr(DistributedDataParallel, "_build_params_for_reducer"):
+        return None
+    return _sync_module_states, _verify_param_shape_across_processes
+
+
+@functools.cache
+def _bucket_rebuild_probe() -> bool:
+    reducer = getattr(dist, "Reducer", None)
+    return all(hasattr(reducer, name) for name in ("_rebuild_buckets", "_push_all_rebuilt_params"))
+
+
+@functools.cache
+def _group_counter_probe() -> bool:
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return world is not None and hasattr(world, "group_count")
+
+
+@functools.cache
+def _host_register_probe() -> bool:
+    # torch.cuda.cudart() would initialise CUDA; the module it returns can be looked at without that.
+    runtime = getattr(torch._C, "_cudart", None)
+    return callable(getattr(torch.cuda, "cudart", None)) and hasattr(runtime, "cudaHostRegister")
+
+
+_PROBES: dict[str, Callable[[], Any]] = {
+    "deferred_ddp_sync": _sync_helpers,
+    "ddp_bucket_rebuild": _bucket_rebuild_probe,
+    "group_counter": _group_counter_probe,
+    "cuda_host_register": _host_register_probe,
+}
+
+
+def report() -> list[Probe]:
+    """Each probe on the running torch (for a debug log line, and for the tests)."""
+    return [Probe(name, bool(probe()), _FALLBACKS[name]) for name, probe in _PROBES.items()]
+
+
+def forget_probes() -> None:
+    """Probe again on next use, and warn again (a test that removed an attribute needs both)."""
+    for probe in _PROBES.values():
+        probe.cache_clear()  # type: ignore[attr-defined]  # every probe is functools.cache'd
+    _WARNED.clear()
+
+
+def _fall_back(name: str) -> None:
+    if name not in _WARNED:
+        _WARNED.add(name)
+        logger.warning(
+            "torch %s lacks a private interface resilrun uses (%s; tested with torch %s): %s",
+            torch.__version__,
+            name,
+            TESTED_TORCH,
+            _FALLBACKS[name],
+        )
+
+
+def can_defer_ddp_sync() -> bool:
+    """Whether DDP can be built without its start-up sync and synced later by ``sync_ddp_start``."""
+    if _sync_helpers() is None:
+        _fall_back("deferred_ddp_sync")
+        return False
+    return True
+
+
+def sync_ddp_start(ddp: DistributedDataParallel, *, broadcast_buffers: bool) -> None:
+    """Run what DDP's ``init_sync`` would have run at construction: same checks, same broadcast.
+
+    Raises:
+        RuntimeError: the helpers are missing; only a DDP built after ``can_defer_ddp_sync()``
+            said True gets here, so this means torch changed under a running process.
+    """
+    helpers = _sync_helpers()
+    if helpers is None:
+        raise RuntimeError(f"torch {torch.__version__} lacks DDP's start-up sync helpers (tested: {TESTED_TORCH})")
+    sync_module_states, verify_shapes = helpers
+    parameters, _ = ddp._build_params_for_reducer()
+    verify_shapes(ddp.process_group, parameters)
+    sync_module_states(
+        module=ddp.module,
+        process_group=ddp.process_group,
+        broadcast_bucket_size=ddp.broadcast_bucket_size,
+        src=0,
+        params_and_buffers_to_ignore=ddp.parameters_to_ignore,
+        broadcast_buffers=broadcast_buffers,
+    )
+
+
+def rebuild_ddp_buckets(ddp: DistributedDataParallel) -> bool:
+    """Give ``ddp`` its final bucket layout now, as DDP would after its first step.
+
+    The rebuild is a collective (rank 0's layout is broadcast), so every rank must call it; the
+    probe answers the same on all of them, as they run the same torch. False: nothing was done
+    (already rebuilt, or the interface is missing, which is warned about once).
+    """
+    if not _bucket_rebuild_probe() or not hasattr(ddp, "_has_rebuilt_buckets"):
+        _fall_back("ddp_bucket_rebuild")
+        return False
+    if ddp._has_rebuilt_buckets:
+        return False
+    ddp.reducer._push_all_rebuilt_params()
+    if ddp.reducer._rebuild_buckets():
+        ddp._has_rebuilt_buckets = True
+        return True
+    return False
+
+
+def reset_group_counter() -> bool:
+    """Set torch's count of process groups built back to 0 (it names the next group); False if absent."""
+    if not _group_counter_probe():
+        _fall_back("group_counter")
+        return False
+    dist.distributed_c10d._world.group_count = 0
+    return True
+
+
+def pin_host_memory(data_ptr: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` of host memory at ``data_ptr`` for CUDA; False when it could not be."""
+    if not _host_register_probe():
+        if torch.version.cuda is not None:  # on a CPU build there is nothing to pin for: no warning
+            _fall_back("cuda_host_register")
+        return False
+    return int(torch.cuda.cudart().cudaHostRegister(data_ptr, nbytes, 0)) == 0
