@@ -77,13 +77,16 @@ class WorkerControl:
             try:
                 while self._round <= after_round or pid not in self._generation_env:
                     remaining = deadline - time.monotonic()
-                    if remaining <= 0 or pid in self._dismissed:
+                    # A dismissal is for the wait of the worker's script, not for its watchdog
+                    # thread's wait on the same pid (which must neither take nor consume it).
+                    if remaining <= 0 or (raised and pid in self._dismissed):
                         return None
                     self._cond.wait(remaining)
                 return self._generation_env[pid]
             finally:
-                self._raised.pop(pid, None)
-                self._dismissed.discard(pid)
+                if raised:
+                    self._raised.pop(pid, None)
+                    self._dismissed.discard(pid)
 
     def raised_workers(self) -> dict[int, tuple[int, float]]:
         """Workers waiting after their script raised: pid -> (their round, monotonic time since)."""

@@ -108,3 +108,20 @@ def test_a_recovery_waiting_for_a_spare_wakes_when_the_spare_starts_waiting() ->
     control.assign(21, {"RANK": "1"})
     spare.join(5)
     assert not spare.is_alive()
+
+
+def test_a_dismissal_reaches_the_scripts_wait_not_the_watchdogs_wait_on_the_same_pid() -> None:
+    # Given a worker whose script raised and waits, while its watchdog thread waits on the same pid
+    control = WorkerControl()
+    thread, answer = _wait_in_thread(control, 13, 0, raised=True)
+    deadline = time.monotonic() + 5
+    while 13 not in control.raised_workers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    control.dismiss(13)
+    # Then the watchdog's wait neither returns on it nor consumes it (it runs to its own timeout),
+    started = time.monotonic()
+    assert control.await_generation(13, 0, 0.3) is None
+    assert time.monotonic() - started >= 0.25
+    # and the script's wait is told "no"
+    thread.join(5)
+    assert answer == [None] and not thread.is_alive()
