@@ -2,6 +2,7 @@
 
     python benchmarks/node_loss.py [--timeouts 2,5] [--runs 2] [--mib 16] [--json out.json]
     python benchmarks/node_loss.py --quick        # smoke check: one run per launcher
+    python benchmarks/node_loss.py --tiers none,persistent    # with and without a persistent tier
 
 Three agents on loopback, ``--nnodes 2 --nproc-per-node 2``: two run the job, the third finds it
 full and waits (resilrun: a spare node with warm workers; torchrun: an agent waiting for the next
@@ -17,6 +18,11 @@ worker and reloads the newest DCP checkpoint. Reported, medians with min-max: ki
 declares the node lost (resilrun: detection vs the timeout), → next step done by rank 0, → progress
 regained (the first step beyond the ones done before the kill), steps redone, whether the final
 parameters equal a failure-free run of the same launcher, leftover processes.
+
+``--tiers none,persistent`` runs resilrun with and without a persistent tier (``--checkpoint-uri``
+in the run's directory, ``--persist-every 5``), one row each: a lost node's replicas lagging
+behind training make the resume fall back to an older step (the persistent one, when there is
+one), the case issue 14 item 1 is about; ``--launchers`` picks resilrun, torchrun or both.
 """
 
 from __future__ import annotations
@@ -113,7 +119,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_one(launcher: str, timeout_s: float | None, killed: bool, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+def run_one(
+    launcher: str, timeout_s: float | None, killed: bool, args: argparse.Namespace, tag: str, tier: str = "none"
+) -> dict[str, Any]:
     run_dir = args.out_dir / tag
     run_dir.mkdir(parents=True)
     events, ckpt = run_dir / "events.log", Path(tempfile.mkdtemp(prefix="dcp-"))
@@ -123,13 +131,17 @@ def run_one(launcher: str, timeout_s: float | None, killed: bool, args: argparse
     script_args = ["--mib", str(args.mib), "--steps", str(args.steps), "--events", str(events), "--ckpt-dir", str(ckpt)]
     if launcher == "resilrun":
         cmd = [sys.executable, "-m", "resilrun", *common, "--replicas", "1", "--heartbeat-timeout", str(timeout_s)]
+        if tier == "persistent":
+            cmd += ["--checkpoint-uri", str(run_dir / "persistent"), "--persist-every", "5"]
         cmd += [str(HERE / "_recovery_resilrun.py"), *script_args]
         env = clean_env({})
     else:
         cmd = [*TORCHRUN, *common, str(HERE / "_recovery_torchrun.py"), *script_args]
         env = clean_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     agents = [Agent(cmd, env, run_dir / f"agent{i}.err") for i in range(3)]
-    res: dict[str, Any] = {"launcher": launcher, "timeout": timeout_s, "killed": killed, "tag": tag, "status": "ok"}
+    res: dict[str, Any] = {
+        "launcher": launcher, "timeout": timeout_s, "killed": killed, "tag": tag, "status": "ok", "tier": tier,
+    }  # fmt: skip
     started = time.time()
     try:
         kill_at = None
@@ -209,22 +221,24 @@ def _summary(res: dict[str, Any]) -> str:
 
 def report(runs: list[dict[str, Any]]) -> str:
     md = [
-        "| launcher | --heartbeat-timeout | recovered | kill → node declared lost (s) | kill → next step (s) | "
-        "kill → progress regained (s) | steps redone | final params equal | leftover procs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| launcher | persistent tier | --heartbeat-timeout | recovered | kill → node declared lost (s) | "
+        "kill → next step (s) | kill → progress regained (s) | steps redone | final params equal | leftover procs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     clean = {r["launcher"]: r["checksum"] for r in runs if not r["killed"] and r["status"] == "ok"}
-    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, Any, str], list[dict[str, Any]]] = {}
     for r in runs:
         if r["killed"]:
-            groups.setdefault((r["launcher"], r["timeout"]), []).append(r)
-    for (name, timeout), rows in groups.items():
+            groups.setdefault((r["launcher"], r["timeout"], r.get("tier", "none")), []).append(r)
+    for (name, timeout, tier), rows in groups.items():
         ok = [r for r in rows if r["status"] == "ok"]
         ref = clean.get(name)
         equal = f"{sum(r['checksum'] == ref for r in ok)}/{len(rows)}" if ref else "—"
-        redone = sorted({r["redone"] for r in ok if r.get("redone") is not None})
+        redone = sorted(r["redone"] for r in ok if r.get("redone") is not None)
+        persistent = "—" if name == "torchrun" else ("DIR, every 5" if tier == "persistent" else "none")
         md.append(
-            f"| {name} | {timeout if timeout is not None else '— (worker errors)'} | {len(ok)}/{len(rows)} | "
+            f"| {name} | {persistent} | {timeout if timeout is not None else '— (worker errors)'} | "
+            f"{len(ok)}/{len(rows)} | "
             f"{fmt([r['detected'] for r in ok if 'detected' in r])} | "
             f"{fmt([r['to_next'] for r in ok if 'to_next' in r])} | "
             f"{fmt([r['to_regained'] for r in ok if 'to_regained' in r])} | {'/'.join(map(str, redone)) or '—'} | "
@@ -234,7 +248,7 @@ def report(runs: list[dict[str, Any]]) -> str:
     if torch_next:
         base = statistics.median(torch_next)
         md.append("")
-        for (name, timeout), rows in groups.items():
+        for (name, timeout, _), rows in groups.items():
             vals = [r["to_regained"] for r in rows if "to_regained" in r and r["status"] == "ok"]
             if name == "resilrun" and vals:
                 md.append(
@@ -253,6 +267,8 @@ def main() -> int:
     parser.add_argument("--kill-at", type=int, default=15, help="kill once rank 0 has done this many steps")
     parser.add_argument("--timeout", type=float, default=300.0, help="per launch, seconds")
     parser.add_argument("--quick", action="store_true", help="one run per launcher, first timeout only")
+    parser.add_argument("--tiers", default="none", help="resilrun runs: none and/or persistent (comma-separated)")
+    parser.add_argument("--launchers", default="resilrun,torchrun", help="which launchers to run")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -261,15 +277,16 @@ def main() -> int:
         args.runs, timeouts = 1, timeouts[:1]
     args.out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="resilrun-node-loss-"))
     print(f"logs under {args.out_dir}", file=sys.stderr)
-    runs = [
-        run_one("resilrun", timeouts[0], False, args, "000-resilrun-clean"),
-        run_one("torchrun", None, False, args, "001-torchrun-clean"),
-    ]
-    index = 2
+    launchers, tiers = args.launchers.split(","), args.tiers.split(",")
+    runs = [run_one(name, timeouts[0] if name == "resilrun" else None, False, args, f"00{i}-{name}-clean")
+            for i, name in enumerate(launchers)]  # fmt: skip
+    index = len(runs)
     for i in range(args.runs):
-        plan: list[tuple[str, float | None]] = [("resilrun", t) for t in timeouts] + [("torchrun", None)]
-        for launcher, timeout in plan[i % len(plan) :] + plan[: i % len(plan)]:  # rotate against drift
-            runs.append(run_one(launcher, timeout, True, args, f"{index:03d}-{launcher}-{timeout}"))
+        plan: list[tuple[str, float | None, str]] = [
+            ("resilrun", t, tier) for t in timeouts for tier in tiers if "resilrun" in launchers
+        ] + ([("torchrun", None, "none")] if "torchrun" in launchers else [])
+        for launcher, timeout, tier in plan[i % len(plan) :] + plan[: i % len(plan)]:  # rotate against drift
+            runs.append(run_one(launcher, timeout, True, args, f"{index:03d}-{launcher}-{timeout}-{tier}", tier))
             index += 1
     text = report(runs)
     print(text)
