@@ -317,7 +317,8 @@ class Supervisor(InProcessRecovery, SpareNodes):
         ring = [p.node_id for p in state.participants]
         index = ring.index(me) if me in ring else 0
         running = [n for n in ring[index + 1 :] + ring[:index] if n != me]  # ring order, from this node on
-        logger.info("workers finished; waiting for the other nodes (at most %g s, --exit-barrier-timeout)", timeout)
+        if running:  # a one-node job has nobody to wait for
+            logger.info("workers finished; waiting for the other nodes (at most %g s, --exit-barrier-timeout)", timeout)
         judge = StalenessJudge(self.config.heartbeat_timeout_s, clock)
         deadline = clock.monotonic() + timeout
         next_check = clock.monotonic()
