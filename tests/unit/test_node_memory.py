@@ -204,17 +204,22 @@ def test_a_torn_copy_that_the_counter_misses_is_never_returned(tier: NodeMemoryT
     assert tier.copy_shared(5, 0, -1, [(0, 64)], memoryview(into), 0.0) is False
 
 
+def _commit_a_borrowing_pair(tier: NodeMemoryTier) -> None:
+    """Step 5 of ranks 1 (b"B" * 24) and 0 (b"A" * 24), rank 0 borrowing bytes 8-16 from rank 1."""
+    for rank, payload in ((1, b"B" * 24), (0, b"A" * 24)):
+        memory = tier.rank(rank)
+        buffer = tier.allocate(rank, 0, 24)
+        memory.seq.begin(0)
+        buffer.view()[:24] = payload
+        memory.seq.end(0)
+        borrowed = ((1, 8, 16),) if rank == 0 else ()
+        tier.commit(rank, 5, 0, 24, {"step": 5}, borrowed, layout=7, round=1)
+
+
 def test_a_torn_borrowed_range_is_never_returned() -> None:
     tier = NodeMemoryTier("unit-torn-borrow")
     try:
-        for rank, payload in ((1, b"B" * 24), (0, b"A" * 24)):
-            memory = tier.rank(rank)
-            buffer = tier.allocate(rank, 0, 24)
-            memory.seq.begin(0)
-            buffer.view()[:24] = payload
-            memory.seq.end(0)
-            borrowed = ((1, 8, 16),) if rank == 0 else ()
-            tier.commit(rank, 5, 0, 24, {"step": 5}, borrowed, layout=7, round=1)
+        _commit_a_borrowing_pair(tier)
         assert tier.read(0, 5) == (bytearray(b"A" * 8 + b"B" * 8 + b"A" * 8), {"step": 5})
         owner = tier.rank(1).slots[0]
         assert owner is not None
@@ -228,14 +233,7 @@ def test_a_tier_without_readers_that_copy_slots_out_hashes_nothing_and_still_rea
     # Given a job with neither replicas nor a persistent tier: no commit is hashed
     tier = NodeMemoryTier("unit-no-checksums", checksum_commits=False)
     try:
-        for rank, payload in ((1, b"B" * 24), (0, b"A" * 24)):
-            memory = tier.rank(rank)
-            buffer = tier.allocate(rank, 0, 24)
-            memory.seq.begin(0)
-            buffer.view()[:24] = payload
-            memory.seq.end(0)
-            borrowed = ((1, 8, 16),) if rank == 0 else ()
-            tier.commit(rank, 5, 0, 24, {"step": 5}, borrowed, layout=7, round=1)
+        _commit_a_borrowing_pair(tier)
         assert all(c.crcs == () for r in (0, 1) for c in tier.rank(r).committed.values())
         # Then reads, borrowed ranges included, are checked by the counters alone and succeed
         assert tier.read(0, 5) == (bytearray(b"A" * 8 + b"B" * 8 + b"A" * 8), {"step": 5})
