@@ -49,7 +49,8 @@ def write_error_file(exc: BaseException) -> None:
             "message": f"{type(exc).__name__}: {exc}",
             "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(exc)),
-                "timestamp": str(int(time.time())),
+                # Sub-second: two ranks failing in one second must still be told apart (root cause).
+                "timestamp": f"{time.time():.6f}",
             },
         }
     }

@@ -32,3 +32,22 @@ def test_errors_no_collective_raises_exit_at_once() -> None:
     assert not _may_be_a_broken_collective(ValueError("bad batch at step 5"))
     assert not _may_be_a_broken_collective(KeyError("loss"))
     assert not _may_be_a_broken_collective(torch.OutOfMemoryError("CUDA out of memory"))
+
+
+def test_error_files_of_two_ranks_failing_in_one_second_order_them(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # The root cause is the earliest failure: whole seconds would tie two ranks failing together
+    import time
+
+    from resilrun.agent.failures import collect_failure, root_cause
+    from resilrun.worker._bootstrap import write_error_file
+
+    failures = []
+    for rank in (1, 0):  # rank 1 fails first, rank 0 (its peer) right after
+        path = tmp_path / f"rank_{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        write_error_file(RuntimeError(f"rank {rank}"))
+        time.sleep(0.01)
+        failures.append(collect_failure(global_rank=rank, local_rank=rank, node_rank=0, pid=rank, exit_code=1,
+                                        observed_at=0.0, error_file=path))  # fmt: skip
+    cause = root_cause(sorted(failures, key=lambda f: f.global_rank))
+    assert cause is not None and cause.global_rank == 1
