@@ -234,15 +234,28 @@ class Supervisor(InProcessRecovery, SpareNodes):
         workers: list[procs.WorkerProcess],
         spares: list[procs.WorkerProcess] = (),  # type: ignore[assignment]  # read-only default
     ) -> RoundEnd:
-        failed = [w for w in workers if w.poll() not in (None, 0)]
+        return self._open_next_round(state, self._stop_and_describe(workers, spares, node_rank))
+
+    def _stop_and_describe(
+        self, workers: list[procs.WorkerProcess], spares: list[procs.WorkerProcess], node_rank: int
+    ) -> list[ProcessFailure]:
+        """Stop every process and describe the failed workers, counting those caught mid-exit.
+
+        A worker that raised wrote its error file before its interpreter's teardown, which can
+        outlast the peer its failure broke: the agent then sees the peer die first. Such a worker is
+        a failure (the root cause, by its error file's time) even though the stop ended it.
+        """
+        failed = {w.pid for w in workers if w.poll() not in (None, 0)}
+        stopping_at = time.time()
         procs.stop([*workers, *spares], signal.SIGTERM, self.config.shutdown_timeout_s)
-        return self._open_next_round(state, [self._describe(w, node_rank) for w in failed])
+        # An error file written after the stop began is the stop's doing (a script that exits
+        # non-zero on SIGTERM), not a failure.
+        described = [self._describe(w, node_rank) for w in workers if w.pid in failed or w.spec.error_file.exists()]
+        return [f for f in described if f.pid in failed or f.timestamp < stopping_at]
 
     def _stop_state_lost(self, round_: Round) -> RoundEnd:
         """Workers found their state in no tier: a restart would find the same, so the job stops now."""
-        failed = [w for w in round_.workers if w.poll() not in (None, 0)]
-        procs.stop(round_.workers + round_.spares, signal.SIGTERM, self.config.shutdown_timeout_s)
-        failures = [self._describe(w, round_.node_rank) for w in failed]
+        failures = self._stop_and_describe(round_.workers, round_.spares, round_.node_rank)
         self._record_failures(round_.state.round, failures)
         cause = root_cause(failures)
         new = self.rdzv.next_round(round_.state.round, failure=cause.to_dict() if cause else None, max_restarts=0)

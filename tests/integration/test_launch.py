@@ -176,6 +176,50 @@ def test_failure_without_restarts_reports_the_root_cause_traceback(launcher, tmp
     assert "resilrun: error:" in err
 
 
+_LINGERING_ROOT_CAUSE = """
+import atexit, os, signal, sys, time
+from pathlib import Path
+import torch.distributed as dist
+
+rank = int(os.environ["RANK"])
+marker = Path(sys.argv[1])
+dist.init_process_group("gloo")
+if rank == 1:
+    # The root cause raises, then lingers in interpreter teardown (as a process group's native
+    # teardown can): it is still running when the peer its failure broke has already died.
+    atexit.register(lambda: (marker.write_text("raised"), time.sleep(60)))
+    raise RuntimeError("the root cause")
+while not marker.exists():
+    time.sleep(0.01)
+os.kill(os.getpid(), signal.SIGABRT)
+"""
+
+
+def test_the_root_cause_is_the_rank_that_raised_first_even_if_a_peer_died_before_it_exited(
+    launcher, tmp_path: Path
+) -> None:
+    # Given rank 1 raising and still in its teardown when rank 0, broken by it, aborts
+    script = tmp_path / "linger.py"
+    script.write_text(_LINGERING_ROOT_CAUSE)
+    run = launcher(
+        "resilrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--shutdown-timeout",
+        "5",
+        str(script),
+        str(tmp_path / "marker"),
+    )
+    # When the job fails
+    assert run.wait(120) == 1
+    err = run.stderr()
+    # Then the report names rank 1's error, which came first, not the abort the agent saw first
+    cause = err.split("Root cause", 1)[1]
+    assert "rank:       1" in cause.split("Other failures", 1)[0], err
+    assert "RuntimeError: the root cause" in cause
+
+
 def test_sigterm_to_agent_stops_workers_and_exits_143(launcher, tmp_path: Path) -> None:
     out = tmp_path / "out"
     run = launcher(
