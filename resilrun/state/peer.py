@@ -295,6 +295,11 @@ class Replicator:
 
         def on_socket(sock: socket.socket | None) -> None:
             target.sock = sock
+            # close() sets _closed before it looks at target.sock, so a socket registered after that
+            # look sees _closed here: one side or the other always cuts it.
+            if sock is not None and self._closed:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
         # The commit's crc32s, not the counter, prove the bytes sent (see state/memory.py).
         expected = crcs_at(committed, bounds)

@@ -346,6 +346,36 @@ def test_a_blackholed_peer_never_blocks_commits_and_close_cuts_it_off(
             conn.close()
 
 
+def test_a_push_that_connects_while_close_runs_is_cut_off_too(
+    memory: NodeMemoryTier, replicators: list[Replicator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A peer that accepts TCP connections and never answers, and a push held back until close()
+    # has begun: its socket exists only after close() looked for sockets to cut.
+    from resilrun.state import peer as peer_module
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    real_push_view = peer_module.push_view
+    closing = threading.Event()
+
+    def push_after_close_began(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a pass-through
+        closing.wait(10)
+        return real_push_view(*args, **kwargs)
+
+    monkeypatch.setattr(peer_module, "push_view", push_after_close_began)
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        replicator = Replicator(memory, SECRET, lambda: [address], timeout=timedelta(seconds=20))
+        commit(memory, 0, 1, snapshot(1))
+        time.sleep(0.2)  # the push is taken and waiting in push_after_close_began
+        started = time.monotonic()
+        threading.Timer(0.05, closing.set).start()  # during close()'s join
+        replicator.close(timeout=timedelta(seconds=5))
+        assert time.monotonic() - started < 2  # the late socket was cut as soon as it was registered
+    finally:
+        closing.set()
+        listener.close()
+
+
 def test_a_broken_targets_callable_keeps_the_current_targets(
     memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
 ) -> None:
