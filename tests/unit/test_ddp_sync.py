@@ -9,7 +9,6 @@ undone when the process leaves its generation) is checked in this process, on on
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,12 +21,6 @@ from torch import nn
 from resilrun.worker import _ddp_sync
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _model(rank: int) -> nn.Module:
     torch.manual_seed(rank)  # different weights per rank: only a broadcast makes them equal
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
@@ -38,9 +31,9 @@ def _model(rank: int) -> nn.Module:
 SCENARIOS = ("fresh", "partial", "forward", "restored", "explicit")
 
 
-def _scenarios(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _scenarios(rank: int, out: str) -> None:
+    # A file store, not a port: nothing another test holds can collide with it.
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2)
     try:
         assert _ddp_sync.install()
         results = {}
@@ -49,6 +42,9 @@ def _scenarios(rank: int, port: int, out: str) -> None:
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    # torch 2.13's gloo teardown at interpreter exit sometimes aborts ("terminate called without an
+    # active exception"); the results are saved, so leave without it (resilrun's bootstrap does too).
+    os._exit(0)
 
 
 def _scenario(rank: int, scenario: str) -> dict:
@@ -77,7 +73,7 @@ def _scenario(rank: int, scenario: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("ddp_sync")
-    mp.start_processes(_scenarios, args=(_free_port(), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_scenarios, args=(str(out),), nprocs=2, start_method="spawn")
     by_rank = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     return {scenario: [by_rank[0][scenario], by_rank[1][scenario]] for scenario in SCENARIOS}
 
