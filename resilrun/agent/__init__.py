@@ -46,6 +46,7 @@ from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.factory import open_backend
 from resilrun.rendezvous.protocol import NodeInfo
 from resilrun.state.memory import NodeMemoryTier
+from resilrun.state.slots import REPLICATED_SLOTS, SLOTS
 from resilrun.storage.api import Storage
 
 if TYPE_CHECKING:
@@ -124,7 +125,12 @@ def run(config: Config) -> None:
         )
         storage = _open_storage(config)
         # Only replicas and the persistent tier copy snapshots out of node memory (checked reads).
-        memory = NodeMemoryTier(config.rdzv_id, checksum_commits=config.replicas > 0 or bool(config.checkpoint_uri))
+        replicated = config.replicas > 0 and max_nodes > 1
+        memory = NodeMemoryTier(
+            config.rdzv_id,
+            checksum_commits=replicated or bool(config.checkpoint_uri),
+            slots=REPLICATED_SLOTS if replicated else SLOTS,
+        )
         control = WorkerControl()
         tiers = NodeTiers(memory, storage)
         events = EventLog(log_root / EVENTS_FILE, node_id=me.node_id, host=me.hostname)
@@ -141,7 +147,7 @@ def run(config: Config) -> None:
         )
         supervisor = Supervisor(config, setup, rdzv, signals, control, telemetry)
         peers = None
-        if config.replicas > 0 and max_nodes > 1:
+        if replicated:
             peers = PeerTier(
                 memory,
                 job_secret(backend, config.rdzv_id),

@@ -40,7 +40,6 @@ from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import ResilrunError
 from resilrun.state.dedup import parse_borrowed, parse_shared
 from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.slots import SLOTS
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +140,9 @@ class AgentChannel:
         if op == "attach":
             rank = int(request["rank"])
             memory = self.memory.rank(rank)
-            present = [i for i in range(SLOTS) if memory.slots[i] is not None]
+            present = [i for i, buffer in enumerate(memory.slots) if buffer is not None]
             fds = [memory.ctl.fd] + [memory.slots[i].fd for i in present]  # type: ignore[union-attr]
-            return {"ok": True, "present": present, **self.memory.describe(rank)}, fds
+            return {"ok": True, "slots": len(memory.slots), "present": present, **self.memory.describe(rank)}, fds
         if op == "alloc":
             buffer = self.memory.allocate(int(request["rank"]), int(request["slot"]), int(request["nbytes"]))
             return {"ok": True}, [buffer.fd]
@@ -162,6 +161,9 @@ class AgentChannel:
                 parse_shared(request.get("shared"), rank, nbytes),
                 int(request.get("round", -1)),
             )
+            # The answer waits for the replicas to catch up (peer.py's commit gate): the worker reads
+            # it only before its next snapshot, so this costs training time only when they lag.
+            self.memory.pass_gates(rank, step)
             copy_s = request.get("copy_s")
             copied = int(request.get("copied", nbytes))  # less than nbytes when the snapshot borrows
             self.telemetry.committed(rank, step, copied, None if copy_s is None else float(copy_s))

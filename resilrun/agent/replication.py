@@ -24,6 +24,22 @@ logger = logging.getLogger(__name__)
 
 # Fetching a multi-GB snapshot over a slow link takes a while; 50 MB/s is a pessimistic floor.
 _FETCH_FLOOR_BYTES_S = 50e6
+# A fault hook, as RESILRUN_FAULTS is for workers: every push of this agent waits this many seconds
+# before its bytes (a slow link), so that tests and benchmarks get a lagging replica on purpose.
+REPLICATION_DELAY_ENV = "RESILRUN_FAULT_REPLICATION_DELAY_S"
+
+
+def replication_delay_s() -> float:
+    """The fault hook's delay (0: none); a value that is not a number is refused, not ignored."""
+    raw = os.environ.get(REPLICATION_DELAY_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        delay = float(raw)
+    except ValueError:
+        raise ResilrunError(f"{REPLICATION_DELAY_ENV}={raw!r} is not a number of seconds") from None
+    logger.warning("fault hook: every replica push waits %.2f s before its bytes (%s)", delay, REPLICATION_DELAY_ENV)
+    return delay
 
 
 def job_secret(backend: RendezvousBackend, run_id: str) -> bytes:
@@ -53,7 +69,14 @@ class PeerTier:
         self.secret = secret
         self.store = ReplicaStore(run_id)
         self.server = ReplicaServer(secret, self.store, memory, host=_resolve(host))
-        self.replicator = Replicator(memory, secret, targets, world_size=world_size, on_replicated=on_replicated)
+        self.replicator = Replicator(
+            memory,
+            secret,
+            targets,
+            world_size=world_size,
+            on_replicated=on_replicated,
+            push_delay_s=replication_delay_s(),
+        )
         self._peers = peers
 
     @property

@@ -168,7 +168,9 @@ class StatusPublisher:
             status = self.replication()
             replicated = [status.get(rank, {}).get("replicated") for rank in ranks]
             step = None if not replicated or None in replicated else min(s for s in replicated if s is not None)
-            tiers["peer"] = {"step": step, "lag_steps": _lag(memory_step, step)}
+            # The longest any local rank's training waited for its replicas (the commit gate), in all.
+            held = max((float(status.get(rank, {}).get("held_s") or 0.0) for rank in ranks), default=0.0)
+            tiers["peer"] = {"step": step, "lag_steps": _lag(memory_step, step), "waited_s": round(held, 3)}
         if self.supervisor.config.checkpoint_uri:
             uploaded = [self.telemetry.uploaded.get(rank) for rank in ranks]
             step = None if not uploaded or None in uploaded else min(s for s in uploaded if s is not None)

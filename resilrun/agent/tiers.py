@@ -16,6 +16,7 @@ from resilrun.errors import CheckpointError, CheckpointNotFoundError
 from resilrun.state import durable
 from resilrun.state.dedup import Borrowed
 from resilrun.state.memory import NodeMemoryTier
+from resilrun.state.restore import PEER_STEPS
 from resilrun.state.shm import SharedBuffer
 from resilrun.storage.api import Storage
 
@@ -44,7 +45,7 @@ class NodeTiers:
         """Steps each tier can give ``rank`` in a job of ``world_size`` ranks."""
         committed = self.memory.describe(rank)["committed"].values()
         memory = sorted((int(v["step"]) for v in committed if v["complete"]), reverse=True)
-        peer = sorted(self.peer_held(rank), reverse=True)[:2] if self.peer_held else []
+        peer = sorted(self.peer_held(rank), reverse=True)[:PEER_STEPS] if self.peer_held else []
         return {"memory": memory, "peer": peer, "persisted": self._persisted(world_size)}
 
     def _persisted(self, world_size: int) -> int | None:

@@ -62,7 +62,9 @@ def _tier(info: dict[str, Any] | None) -> str:
         return "-"
     step = _num(info.get("step"))
     lag = info.get("lag_steps")
-    return step if not lag else f"{step} (-{lag})"
+    shown = step if not lag else f"{step} (-{lag})"
+    waited = info.get("waited_s") or 0.0
+    return shown if waited < 0.1 else f"{shown}, waited {waited:.1f} s"  # training held for its replicas
 
 
 # -- the pieces, as rows ---------------------------------------------------------------------------------

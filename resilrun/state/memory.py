@@ -1,8 +1,9 @@
 """Tier 1: each rank's newest snapshots in node memory, held by the agent.
 
-Every rank has two slots (double buffering): a worker writes a step into the slot that does not
-hold its newest committed step, so a crash mid-copy never destroys the last complete snapshot, and
-the previous step stays available for the one-step rollback a recovery may need. A step counts
+Every rank has a ring of slots (two, three with peer replicas: state/slots.py): a worker writes a
+step into the slot after its newest committed step's, so a crash mid-copy never destroys the last
+complete snapshot, and the previous step stays available for the one-step rollback a recovery may
+need. A step counts
 only after the worker's commit message; the slot's bytes are self-describing (a safetensors
 header written by the worker) and its JSON values travel with the commit.
 
@@ -58,17 +59,20 @@ _Source = tuple[RankMemory, Committed, SharedBuffer]
 class NodeMemoryTier:
     """All ranks' slots on this node; the agent channel and the replicator read it."""
 
-    def __init__(self, run_id: str, *, checksum_commits: bool = True) -> None:
+    def __init__(self, run_id: str, *, checksum_commits: bool = True, slots: int = SLOTS) -> None:
         """``checksum_commits``: hash every commit for the readers that copy slots out (replicator,
         persister, a peer's fetch). A job with neither replicas nor a persistent tier has no such
-        reader (a restore maps the slots while no rank commits), so it need not pay that pass."""
+        reader (a restore maps the slots while no rank commits), so it need not pay that pass.
+        ``slots``: per rank (``slots.REPLICATED_SLOTS`` with peer replicas)."""
         self.run_id = run_id
+        self.slots = slots
         self._checksum_commits = checksum_commits
         self._ranks: dict[int, RankMemory] = {}
         self._lock = threading.Lock()
         self._commits = threading.Condition(self._lock)  # notified on every commit
         self._listeners: list[Callable[[int, Committed], None]] = []
         self._guards: list[Callable[[int, int], None]] = []
+        self._gates: list[Callable[[int, int], float]] = []
         self._whole = False  # set once local ranks' layouts were seen to differ: no more borrowing
 
     def add_listener(self, listener: Callable[[int, Committed], None]) -> None:
@@ -82,13 +86,23 @@ class NodeMemoryTier:
     def add_overwrite_guard(self, guard: Callable[[int, int], None]) -> None:
         """Called with (step, round) before a slot holding that step may be rewritten.
 
-        That is at the commit that makes it the older of its rank's two slots (the worker writes its
-        next step there once it has read the commit's answer, which waits for the guards), and when
+        That is at the commit that makes it the oldest of its rank's slots (the worker writes its next
+        step there once it has read the commit's answer, which waits for the guards), and when
         a slot is reallocated or installed into. Whatever refers to those bytes in place (peers'
         replicas whose DDP segments are this node's own) must copy them out or let go meanwhile.
         Runs on the committing thread and may hold it for a fraction of a step.
         """
         self._guards.append(guard)
+
+    def add_commit_gate(self, gate: Callable[[int, int], float]) -> None:
+        """Called with (rank, step) by ``pass_gates``, after a commit and before its answer; returns
+        the seconds it held the worker. The replicator's: a worker reads the answer before it writes
+        its next step, so holding the answer bounds how far training runs ahead of its replicas."""
+        self._gates.append(gate)
+
+    def pass_gates(self, rank: int, step: int) -> float:
+        """Wait for every commit gate of ``rank``'s commit of ``step``; the seconds waited."""
+        return sum(gate(rank, step) for gate in self._gates)
 
     def _release(self, released: Committed | None) -> None:
         if released is not None:
@@ -98,16 +112,16 @@ class NodeMemoryTier:
     def rank(self, rank: int) -> RankMemory:
         with self._lock:
             if rank not in self._ranks:
-                self._ranks[rank] = RankMemory(rank, self.run_id)
+                self._ranks[rank] = RankMemory(rank, self.run_id, self.slots)
             return self._ranks[rank]
 
     def allocate(self, rank: int, slot: int, nbytes: int) -> SharedBuffer:
-        """(Re)allocate one slot; the other slot, and its committed step, are untouched.
+        """(Re)allocate one slot; the other slots, and their committed steps, are untouched.
 
         Raises:
             CheckpointError: node memory cannot hold the buffer (said before training goes on).
         """
-        if slot not in range(SLOTS):
+        if slot not in range(self.slots):
             raise CheckpointError(f"slot {slot} does not exist")
         memory = self.rank(rank)
         available = psutil.virtual_memory().available
@@ -115,8 +129,8 @@ class NodeMemoryTier:
             raise CheckpointError(
                 f"node memory cannot hold a {nbytes / 2**20:.0f} MiB snapshot of rank {rank} "
                 f"({available / 2**20:.0f} MiB available)",
-                hint="tier-1 snapshots need about 2x the tracked state per rank in host memory; "
-                "track less state, or use fewer ranks per node",
+                hint="tier-1 snapshots need about 2x the tracked state per rank in host memory (3x with "
+                "--replicas); track less state, or use fewer ranks per node",
             )
         with self._lock:
             old = memory.slots[slot]
@@ -136,7 +150,7 @@ class NodeMemoryTier:
                 f"node memory is full: could not allocate a {nbytes / 2**20:.1f} MiB snapshot buffer for "
                 f"rank {rank}: {exc.strerror or exc}",
                 hint="free host memory on this node (or raise its memory/file-size limits); tier-1 snapshots "
-                "need about 2x the tracked state per rank",
+                "need about 2x the tracked state per rank (3x with --replicas)",
             ) from exc
         with self._lock:
             memory.slots[slot] = buffer
@@ -179,7 +193,7 @@ class NodeMemoryTier:
             committed = Committed(step, slot, nbytes, values, seq, borrowed, layout, shared, round, crcs)
             first = not memory.committed
             memory.committed[slot] = committed
-            released = next((c for other, c in memory.committed.items() if other != slot), None)
+            released = memory.committed.get(memory.after(slot)) if memory.after(slot) != slot else None
             affected = self._affected(rank, committed)
             self._note_mismatch(rank, committed, affected)
             ready = [(r, c) for r, c in affected if not self._missing(r, c)]
@@ -406,7 +420,7 @@ class NodeMemoryTier:
         memory = self.rank(rank)
         with self._lock:
             newest = max(memory.committed.values(), key=lambda c: c.step, default=None)
-        slot = 0 if newest is None else (newest.slot + 1) % SLOTS
+        slot = 0 if newest is None else memory.after(newest.slot)
         buffer = memory.slots[slot]
         if buffer is None or buffer.nbytes < len(data):
             buffer = self.allocate(rank, slot, len(data))

@@ -6,9 +6,15 @@ and keeps what peers sent it in memory (``ReplicaStore``, in ``peer_store``). Th
 with mutual authentication on the job secret and per-tensor crc32s, is in ``peer_wire``; the client
 calls (``push``, ``fetch``, ``held``) are in ``peer_client``.
 
-Invariants: replication never makes a committing worker wait (the commit listener records
-"rank r has a new step" and returns); the Replicator sends only the newest commit of each rank,
-skipping the steps it fell behind on; the bytes it sends are exactly one committed step, checked
+Invariants: replication never delays a commit (the commit listener records "rank r has a new step"
+and returns), and it bounds how far training runs ahead of it: the answer to a worker's commit of
+step s waits (the commit gate) until s is on every target that keeps up, and a worker reads that
+answer before it writes step s+1, so a replica lags at most one step behind its rank's newest
+commit; the survivors of a node loss keep three steps (state/slots.py), which covers that lag.
+This costs training time only when a push takes longer than a step; a target that fails is not
+waited for until a push to it succeeds again (its lag shows in ``status``). The Replicator sends
+the newest commit of each rank, skipping steps only when it fell behind; the bytes it sends are
+exactly one committed step, checked
 against the crc32s the commit recorded (a slot rewritten meanwhile is aborted, never sent as
 complete; the sequence counter only ends such a push early) and leased so a reallocation cannot
 unmap them mid-stream;
@@ -54,6 +60,9 @@ _RETRY_MAX_S = 5.0
 _STAGED_PUSHES = 8
 # Idle waits wake this often anyway (close() notifies; this is a backstop, not a poll).
 _IDLE_WAIT_S = 1.0
+# The commit gate waits this long at most for a deduplicated snapshot to become complete: it borrows
+# bytes from local ranks that commit the same step within milliseconds unless they are failing.
+_COMPLETE_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +106,8 @@ class Replicator:
         timeout: timedelta = DEFAULT_TIMEOUT,
         refresh: timedelta = timedelta(seconds=1),
         on_replicated: Callable[[int, int, int, float], None] | None = None,
+        hold_commits: bool = True,
+        push_delay_s: float = 0.0,
     ) -> None:
         """Start replicating; commits before this call are not replicated until their rank commits again.
 
@@ -105,6 +116,8 @@ class Replicator:
             world_size: recorded with each replica; None sends "unknown".
             timeout: per push, on top of the transfer's allowance at 50 MB/s.
             on_replicated: ``(rank, step, bytes, seconds)`` after each confirmed push (metrics).
+            hold_commits: install the commit gate that bounds the replicas' lag (see the module).
+            push_delay_s: a fault hook for tests: each push waits this long before its bytes.
         """
         check_secret(secret)
         self._memory = memory
@@ -121,7 +134,11 @@ class Replicator:
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._targets_broken = False
+        self._push_delay_s = push_delay_s
+        self._held_s: dict[int, float] = {}  # rank -> seconds its commits waited at the gate
         memory.add_listener(self._on_commit)
+        if hold_commits:
+            memory.add_commit_gate(self._hold_commit)
         self._manager = threading.Thread(target=self._manage, name="resilrun-replicator", daemon=True)
         self._manager.start()
 
@@ -139,6 +156,41 @@ class Replicator:
             generation = 1 if previous is None else previous.generation + 1
             self._latest[rank] = _Source(rank, committed, seq, generation)
             self._cond.notify_all()
+
+    def _hold_commit(self, rank: int, step: int) -> float:
+        """The commit gate: wait until ``rank``'s ``step`` is on every target that keeps up.
+
+        Returns the seconds waited. Not waited for: a target failing (until a push to it succeeds),
+        stopped (the round moved on), or a step that did not become complete (a failing owner).
+        Bounded anyway by the time pushing every local rank's newest step may take.
+        """
+        started = time.monotonic()
+        with self._cond:
+            sources = list(self._latest.values())
+            budget = self._timeout + sum(s.committed.nbytes for s in sources) / _MIN_RATE_BYTES_S
+            end, complete_by = started + budget, started + _COMPLETE_WAIT_S
+            while not self._closed:
+                now = time.monotonic()
+                source = self._latest.get(rank)
+                if source is None or source.committed.step < step:
+                    wait_until = min(end, complete_by)
+                elif any(self._holds_back(t, source, now) for t in self._targets.values()):
+                    wait_until = end
+                else:
+                    break
+                if now >= wait_until:
+                    break
+                self._cond.wait(wait_until - now)
+            waited = time.monotonic() - started
+            self._held_s[rank] = self._held_s.get(rank, 0.0) + waited
+        return waited
+
+    @staticmethod
+    def _holds_back(target: _Target, source: _Source, now: float) -> bool:
+        """Whether ``target`` has yet to handle ``source`` and is one that training waits for (cond held)."""
+        if target.stopped or target.healthy is False or target.retry_at > now:
+            return False
+        return target.done.get(source.rank, 0) < source.generation
 
     # -- targets ------------------------------------------------------------------------------------
     def _manage(self) -> None:
@@ -213,6 +265,7 @@ class Replicator:
                 if target.healthy is False:
                     logger.info("replication to %s recovered", target.address)
                 target.healthy = True
+                self._cond.notify_all()  # the commit gate
 
     def _next_source(self, target: _Target) -> _Source | None:
         """The next rank (round robin) whose newest commit this target has not handled; None to wait."""
@@ -232,6 +285,7 @@ class Replicator:
             if target.healthy is not False and not self._closed:
                 logger.warning("replication to %s failing, replicas will lag: %s", target.address, why)
             target.healthy = False
+            self._cond.notify_all()  # the commit gate no longer waits for this target
 
     def _replicate(self, target: _Target, source: _Source) -> bool:
         """Push ``source`` to ``target``; False when it was overwritten first (nothing to retry).
@@ -303,7 +357,8 @@ class Replicator:
 
         # The commit's crc32s, not the counter, prove the bytes sent (see state/memory.py).
         expected = crcs_at(committed, bounds)
-        sent = push_view(target.address, self._secret, announce, view, deadline, check, on_socket, whole, expected)
+        address, delay = target.address, self._push_delay_s
+        sent = push_view(address, self._secret, announce, view, deadline, check, on_socket, whole, expected, delay)
         if not committed.borrowed:  # staging applies to plain slots only (a borrowed one has ``whole``)
             if check is None:
                 target.staged -= 1
@@ -312,21 +367,23 @@ class Replicator:
         return sent
 
     # -- status and shutdown ------------------------------------------------------------------------
-    def status(self) -> dict[int, dict[str, int | None]]:
-        """Per local rank: newest committed step, newest step every current target confirmed, the gap.
+    def status(self) -> dict[int, dict[str, int | float | None]]:
+        """Per local rank: newest committed step, newest step every current target confirmed, the gap,
+        and the seconds its commits waited at the commit gate in all (``held_s``).
 
         ``replicated`` and ``lag_steps`` are None while some target has confirmed nothing (or there is
         no target).
         """
         with self._cond:
             targets = list(self._targets.values())
-            result: dict[int, dict[str, int | None]] = {}
+            result: dict[int, dict[str, int | float | None]] = {}
             for rank, source in sorted(self._latest.items()):
                 acked = [t.acked.get(rank) for t in targets]
                 replicated = None if not acked or None in acked else min(a for a in acked if a is not None)
                 step = source.committed.step
                 lag = None if replicated is None else max(0, step - replicated)
-                result[rank] = {"committed": step, "replicated": replicated, "lag_steps": lag}
+                held = round(self._held_s.get(rank, 0.0), 3)
+                result[rank] = {"committed": step, "replicated": replicated, "lag_steps": lag, "held_s": held}
             return result
 
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -79,6 +80,7 @@ def push_view(
     on_socket: Callable[[socket.socket | None], None] | None = None,
     whole: Callable[[], memoryview | None] | None = None,
     expected_crcs: Sequence[int | None] | None = None,
+    delay_s: float = 0.0,
 ) -> bool:
     """Send one snapshot; False when ``is_intact`` or ``expected_crcs`` said the source changed (ABORT was sent).
 
@@ -87,6 +89,8 @@ def push_view(
             deduplicated slot), what to send instead if the peer does not fill them itself: a
             private complete copy, or None when the source is gone (ABORT).
         expected_crcs: the source commit's crc32 per segment (see ``send_snapshot``).
+        delay_s: a fault hook (``Replicator(push_delay_s=...)``): wait this long after the peer
+            accepted the announce, before the bytes, as a slow link would.
     """
     with connection(address, secret, deadline, on_socket) as sock:
         send_message(sock, {"op": "push", **announce.to_message()}, deadline)
@@ -94,6 +98,8 @@ def push_view(
         if reply.get("ok") is not True:
             raise ReplicationError(f"refused step {announce.step} of rank {announce.rank}: {reply.get('error')}")
         skip = announce.shared if reply.get("filled") is True else ()  # the peer holds those bytes itself
+        if delay_s > 0:
+            time.sleep(min(delay_s, max(0.0, deadline.left())))
         if not skip and whole is not None:
             complete = whole()
             view, is_intact = (complete, None) if complete is not None else (view, lambda: False)

@@ -11,6 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
+from resilrun.state.slots import REPLICATED_SLOTS
+
+# How many steps per rank each tier reports to the plan (every rank sends the same number, newest
+# first): node memory holds a step per slot; the peers a rank's replicas (two per holder) and the
+# holders' own steps.
+MEMORY_STEPS = REPLICATED_SLOTS
+PEER_STEPS = 3
+
 
 class Tier(IntEnum):
     """Lower is faster."""

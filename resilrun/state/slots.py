@@ -1,4 +1,9 @@
-"""One rank's two node-memory slots, and what its worker committed to each.
+"""One rank's node-memory slots (a ring: two, or three with peer replicas), and what its worker
+committed to each.
+
+Two slots are double buffering: a crash mid-copy never destroys the newest complete step. With
+replicas a third keeps one more step, so that the survivors of a node loss still hold the step the
+lost node's replicas have when those lag a step behind training (state/peer.py bounds that lag).
 
 A commit names the step, the slot, its sequence counter at commit time (a reader's copy of the
 slot may be of that step only if the counter has not moved since) and the crc32s of the bytes it
@@ -17,6 +22,7 @@ from resilrun.state.dedup import Borrowed
 from resilrun.state.shm import SeqCounters, SharedBuffer
 
 SLOTS = 2
+REPLICATED_SLOTS = 3
 _CTL_BYTES = 4096
 
 
@@ -50,16 +56,20 @@ class Committed:
 class RankMemory:
     """The slots of one global rank."""
 
-    def __init__(self, rank: int, run_id: str) -> None:
+    def __init__(self, rank: int, run_id: str, slots: int = SLOTS) -> None:
         self.rank = rank
         self.run_id = run_id
         self.ctl = SharedBuffer.create(_CTL_BYTES, f"resilrun-{run_id}-r{rank}-ctl")
         self.seq = SeqCounters(self.ctl)
-        self.slots: list[SharedBuffer | None] = [None] * SLOTS
+        self.slots: list[SharedBuffer | None] = [None] * slots
         self.committed: dict[int, Committed] = {}
 
     def newest(self) -> Committed | None:
         return max(self.committed.values(), key=lambda c: c.step, default=None)
+
+    def after(self, slot: int) -> int:
+        """The slot written after ``slot``: the ring's next, which holds the oldest step."""
+        return (slot + 1) % len(self.slots)
 
     def close(self) -> None:
         for buffer in self.slots:

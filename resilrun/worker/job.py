@@ -22,7 +22,7 @@ import torch.distributed as dist
 from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
 from resilrun.errors import CheckpointError, StateLostError
 from resilrun.log import rank_ranges
-from resilrun.state.restore import RestorePlan, Tier, plan_restore
+from resilrun.state.restore import MEMORY_STEPS, PEER_STEPS, RestorePlan, Tier, plan_restore
 from resilrun.state.tree import flatten, unflatten
 from resilrun.worker import _ddp_sync, _torch_compat
 from resilrun.worker._abort import GenerationWatchdog, shut_down, tcp_sockets
@@ -225,13 +225,14 @@ class Job:
     def _plan_restore(self, snapshotter: Snapshotter) -> RestorePlan | None:
         """Agree with every rank on the step to restore and where each rank gets it (None: fresh start)."""
         info = snapshotter.restore_info(self._world_size)
-        mine = _pad(info["memory"], 2) + _pad(info["peer"], 2) + _pad([info["persisted"]], 1)
+        mine = _pad(info["memory"], MEMORY_STEPS) + _pad(info["peer"], PEER_STEPS) + _pad([info["persisted"]], 1)
         gathered = _all_gather_ints(mine, self._world_size, self._device)
+        peer_end = MEMORY_STEPS + PEER_STEPS
         available = [
             {
-                Tier.MEMORY: frozenset(s for s in row[0:2] if s >= 0),
-                Tier.PEER: frozenset(s for s in row[2:4] if s >= 0),
-                Tier.PERSISTENT: frozenset(s for s in row[4:5] if s >= 0),
+                Tier.MEMORY: frozenset(s for s in row[:MEMORY_STEPS] if s >= 0),
+                Tier.PEER: frozenset(s for s in row[MEMORY_STEPS:peer_end] if s >= 0),
+                Tier.PERSISTENT: frozenset(s for s in row[peer_end : peer_end + 1] if s >= 0),
             }
             for row in gathered
         ]

@@ -3,7 +3,7 @@
 The training path pays one memcpy per step into pre-faulted, reused buffers, plus one small
 message; checksums, replication and persistence happen later, in the agent. A step is committed
 only after its bytes are complete (the commit message is the commit point), and it is always
-written into the slot that does not hold the newest committed step.
+written into the ring's slot after the newest committed step's (the oldest one).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from resilrun.errors import CheckpointError
 from resilrun.state.dedup import Borrowed, borrowed_ranges, plan_owners, shared_ranges
 from resilrun.state.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
 from resilrun.state.shm import SeqCounters, SharedBuffer
-from resilrun.state.slots import SLOTS
 from resilrun.worker import _torch_compat
 from resilrun.worker._channel import AgentClient
 
@@ -34,7 +33,7 @@ def dtype_code(tensor: torch.Tensor) -> str:
 
 
 class Snapshotter:
-    """This rank's two slots in node memory and what each of them holds."""
+    """This rank's slots in node memory (as many as the agent keeps) and what each of them holds."""
 
     def __init__(self, client: AgentClient, rank: int, group: Sequence[int] = (), round: int = -1) -> None:
         """``group``: the global ranks on this node, which may share replicated tensors (state/dedup.py);
@@ -43,7 +42,7 @@ class Snapshotter:
         self.rank = rank
         self.round = round
         self.group = tuple(group)
-        self.slots: list[SharedBuffer | None] = [None] * SLOTS
+        self.slots: list[SharedBuffer | None] = []
         self._layout: Layout | None = None
         self._layout_crc = 0
         self._plan: tuple[Layout, frozenset[str], frozenset[str], Borrowed, tuple[tuple[int, int], ...]] | None = None
@@ -61,7 +60,7 @@ class Snapshotter:
                 buffer.close()
         self.ctl = SharedBuffer.attach(fds[0])
         self.seq = SeqCounters(self.ctl)
-        self.slots = [None] * SLOTS
+        self.slots = [None] * int(response["slots"])
         for slot, fd in zip(response["present"], fds[1:], strict=True):
             self.slots[int(slot)] = SharedBuffer.attach(fd)
         # slot -> (step, values) of what is committed there
@@ -148,8 +147,10 @@ class Snapshotter:
         commit says where the others are.
         """
         started = time.perf_counter()
-        # The agent must have taken the previous commit before a slot is written again: the slot
-        # about to be overwritten is the one the agent may still count as the newest complete step.
+        # The agent must have taken the previous commit before a slot is written again (the slot
+        # about to be overwritten may still be counted as complete until then), and with replicas
+        # its answer comes once that step is on the peers: this is where replication's lag is
+        # bounded to one step (state/peer.py), at a cost only when a push outlasts a step.
         self._settle()
         layout = self._layout_for(tensors)
         skipped, borrowed, shared = self._borrowing(layout, replicated)
@@ -221,7 +222,7 @@ class Snapshotter:
         for buffer in [*self.slots, self.ctl]:
             if buffer is not None:
                 buffer.close()
-        self.slots = [None] * SLOTS
+        self.slots = [None] * len(self.slots)
         self.client.close()
 
     def _layout_for(self, tensors: dict[str, torch.Tensor]) -> Layout:
@@ -255,7 +256,7 @@ class Snapshotter:
         if not self.held:
             return 0
         newest = max(self.held, key=lambda s: self.held[s][0])
-        return (newest + 1) % SLOTS
+        return (newest + 1) % len(self.slots)
 
     def _allocate(self, slot: int, nbytes: int) -> SharedBuffer:
         _, fds = self._request({"op": "alloc", "rank": self.rank, "slot": slot, "nbytes": nbytes})

@@ -42,6 +42,11 @@ def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def lags(replicator: Replicator) -> dict[int, dict[str, object]]:
+    """``status()`` without the gate's waiting time (which the tests that commit directly never pass)."""
+    return {rank: {k: v for k, v in info.items() if k != "held_s"} for rank, info in replicator.status().items()}
+
+
 def write_slot(memory: NodeMemoryTier, rank: int, slot: int, data: bytes) -> None:
     buffer = memory.rank(rank).slots[slot]
     if buffer is None or buffer.nbytes < len(data):
@@ -130,7 +135,7 @@ def test_only_the_newest_of_several_quick_commits_is_replicated(
     assert peer.store.read(1, 5) == (snapshot(5), {"step": 5})
     replica = peer.store.replica(1, 5)
     assert replica is not None and replica.world_size == 2
-    assert replicator.status() == {1: {"committed": 5, "replicated": 5, "lag_steps": 0}}
+    assert lags(replicator) == {1: {"committed": 5, "replicated": 5, "lag_steps": 0}}
 
 
 def test_every_local_rank_reaches_every_target(
@@ -170,7 +175,7 @@ def test_a_dead_target_makes_replicas_lag_without_slowing_commits(
         eventually(lambda: live.store.steps(0)[:1] == [20])
 
     assert max(commit_seconds) < 0.05  # the listener only records; no I/O on the committing thread
-    assert replicator.status() == {0: {"committed": 20, "replicated": None, "lag_steps": None}}
+    assert lags(replicator) == {0: {"committed": 20, "replicated": None, "lag_steps": None}}
     failures = [r for r in caplog.records if dead in r.getMessage()]
     assert len(failures) == 1  # logged once when the peer started failing, not once per step or retry
 
@@ -190,11 +195,11 @@ def test_lag_grows_while_a_peer_is_down_and_closes_on_a_new_peer(
     commit(memory, 0, 3, snapshot(3))
     commit(memory, 0, 4, snapshot(4))
     time.sleep(0.2)
-    assert replicator.status() == {0: {"committed": 4, "replicated": 2, "lag_steps": 2}}
+    assert lags(replicator) == {0: {"committed": 4, "replicated": 2, "lag_steps": 2}}
 
     second = make_peer()
     address[:] = [second.server.address]  # the lead hands the next node's address instead
-    eventually(lambda: replicator.status()[0] == {"committed": 4, "replicated": 4, "lag_steps": 0})
+    eventually(lambda: lags(replicator)[0] == {"committed": 4, "replicated": 4, "lag_steps": 0})
     assert second.store.steps(0) == [4]
     assert first.store.steps(0) == [2, 1] or first.store.steps(0) == [2]
 
@@ -336,7 +341,7 @@ def test_a_blackholed_peer_never_blocks_commits_and_close_cuts_it_off(
         started = time.monotonic()
         replicator.close(timeout=timedelta(seconds=5))
         assert time.monotonic() - started < 2  # the in-flight handshake was cut, not waited out
-        assert replicator.status()[0] == {"committed": 10, "replicated": None, "lag_steps": None}
+        assert lags(replicator)[0] == {"committed": 10, "replicated": None, "lag_steps": None}
         commit(memory, 0, 11, snapshot(11))  # the listener stays registered and does nothing now
     finally:
         stop.set()
@@ -435,3 +440,78 @@ def test_a_torn_slot_whose_counter_reads_stable_is_never_replicated(
     assert watched.read_elsewhere.is_set()
     assert peer.store.steps(0) == []
     assert replicator.status()[0]["replicated"] is None
+
+
+# -- the commit gate: training waits for replicas that keep up, never for failing ones ------------------
+def test_the_gate_holds_a_commit_until_its_step_is_on_the_peer_so_replicas_lag_one_step_at_most(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    # Given a peer whose pushes take longer than the worker's steps
+    peer = make_peer()
+    replicator = Replicator(
+        memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH, push_delay_s=0.1
+    )
+    replicators.append(replicator)
+    eventually(lambda: peer.server.address in replicator._targets)  # the target's thread runs
+    held = []
+    for step in range(1, 6):
+        # When a worker commits each step and then waits for the answer as its next snapshot does
+        assert lags(replicator).get(0, {}).get("replicated") in (None, step - 1)  # the lag before this commit
+        commit(memory, 0, step, snapshot(step))
+        held.append(memory.pass_gates(0, step))
+        # Then the answer comes once the step is on the peer: the next commit finds no lag
+        assert lags(replicator)[0] == {"committed": step, "replicated": step, "lag_steps": 0}
+    assert min(held) >= 0.09  # each answer waited for its push (the hook's delay), ...
+    assert replicator.status()[0]["held_s"] == pytest.approx(sum(held), abs=0.01)  # ... and status says so
+    assert peer.store.steps(0)[0] == 5
+
+
+def test_the_gate_does_not_wait_for_a_peer_that_refuses_connections(
+    memory: NodeMemoryTier, replicators: list[Replicator]
+) -> None:
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    replicator = Replicator(memory, SECRET, lambda: [dead], timeout=TIMEOUT, refresh=REFRESH)
+    replicators.append(replicator)
+    eventually(lambda: dead in replicator._targets)
+    waits = []
+    for step in range(1, 5):
+        commit(memory, 0, step, snapshot(step))
+        waits.append(memory.pass_gates(0, step))
+    assert waits[0] < 1  # the first push failed at once: training does not wait for a dead peer ...
+    assert max(waits[1:]) < 0.05  # ... nor for one in backoff
+
+
+def test_the_gate_waits_out_a_blackholed_peer_once_then_no_longer(
+    memory: NodeMemoryTier, replicators: list[Replicator]
+) -> None:
+    # A peer that accepts TCP connections and never answers: its push fails at its deadline
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        replicator = Replicator(memory, SECRET, lambda: [address], timeout=timedelta(seconds=0.5), refresh=REFRESH)
+        replicators.append(replicator)
+        eventually(lambda: address in replicator._targets)
+        commit(memory, 0, 1, snapshot(1))
+        first = memory.pass_gates(0, 1)
+        later = []
+        for step in range(2, 6):
+            commit(memory, 0, step, snapshot(step))
+            later.append(memory.pass_gates(0, step))
+        assert 0.3 < first < 2  # the push's deadline, once
+        assert max(later) < 0.05  # a failing peer is not waited for: replicas lag, training goes on
+        assert lags(replicator)[0]["replicated"] is None
+    finally:
+        listener.close()
+
+
+def test_without_the_gate_commits_are_never_held(memory: NodeMemoryTier, replicators: list[Replicator]) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        replicator = Replicator(memory, SECRET, lambda: [address], timeout=timedelta(seconds=5), hold_commits=False)
+        replicators.append(replicator)
+        eventually(lambda: address in replicator._targets)
+        commit(memory, 0, 1, snapshot(1))
+        assert memory.pass_gates(0, 1) == 0
+    finally:
+        listener.close()

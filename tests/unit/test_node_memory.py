@@ -11,6 +11,7 @@ import pytest
 from resilrun.errors import CheckpointError
 from resilrun.state.memory import NodeMemoryTier
 from resilrun.state.shm import SeqCounters
+from resilrun.state.slots import REPLICATED_SLOTS
 
 
 @pytest.fixture
@@ -242,3 +243,37 @@ def test_a_tier_without_readers_that_copy_slots_out_hashes_nothing_and_still_rea
         assert bytes(into) == b"A" * 8 + b"B" * 8 + b"A" * 8
     finally:
         tier.close()
+
+
+# -- the three-slot ring of a job with peer replicas ----------------------------------------------------
+def test_with_replicas_a_rank_keeps_three_steps_and_the_guard_releases_the_one_written_next() -> None:
+    memory = NodeMemoryTier("ring", slots=REPLICATED_SLOTS)
+    released: list[int] = []
+    memory.add_overwrite_guard(lambda step, round: released.append(step))
+    try:
+        for step in range(1, 6):  # a worker writes each step into the slot after its newest step's
+            _write(memory, 0, step, (step - 1) % REPLICATED_SLOTS, bytes([step]) * 32)
+        # The three newest steps stay readable, so a survivor still holds the step a lagging replica has
+        assert sorted(int(c["step"]) for c in memory.describe(0)["committed"].values()) == [3, 4, 5]
+        assert [memory.read(0, step) is not None for step in (3, 4, 5)] == [True, True, True]
+        # and each commit released the step its worker overwrites next (the oldest), not the one before
+        assert released == [1, 2, 3]
+        # An install from another tier takes the ring's next slot too: the newest two stay
+        memory.install(0, 9, b"fetched!" * 4, {"step": 9})
+        assert sorted(int(c["step"]) for c in memory.describe(0)["committed"].values()) == [4, 5, 9]
+    finally:
+        memory.close()
+
+
+def test_commit_gates_run_after_the_commit_and_report_the_time_they_held_it(tier: NodeMemoryTier) -> None:
+    seen: list[tuple[int, int, bool]] = []
+
+    def gate(rank: int, step: int) -> float:
+        seen.append((rank, step, tier.read(rank, step) is not None))  # the commit is visible already
+        return 0.25
+
+    tier.add_commit_gate(gate)
+    _write(tier, 2, 7, 0, b"x" * 16)
+    assert seen == []  # commit() itself never waits
+    assert tier.pass_gates(2, 7) == 0.25
+    assert seen == [(2, 7, True)]

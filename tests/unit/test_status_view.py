@@ -49,7 +49,7 @@ def node_doc(node_id: str, node_rank: int, ranks: list[int], *, round: int = 1, 
         "spares": {"configured": 1, "alive": 1, "ready": 1, "pids": [2000 + node_rank]},
         "tiers": {
             "memory": {"step": step, "bytes": 1024},
-            "peer": {"step": step - 1, "lag_steps": 1},
+            "peer": {"step": step - 1, "lag_steps": 1, "waited_s": 0.5},
             "persistent": {"step": 19, "lag_steps": 1, "complete_step": 19 if node_rank == 0 else 9},
         },
         "peer_ages": {},
