@@ -99,11 +99,16 @@ def test_a_second_node_lost_while_the_first_ones_generation_forms_is_recovered_i
         "--heartbeat-timeout", "3", "--max-restarts", "0", "--checkpoint-uri", str(tmp_path / "ckpt"),
         "--persist-every", "5", *TRAIN, "--checksum-file", str(tmp_path / "out.sha"),
     ]  # fmt: skip
-    nodes = [launcher("resilrun", *flags) for _ in range(6)]
+    # The store host is node rank 0, started first: the nodes lost below never include it (losing
+    # the c10d store's host ends any job; whichever agent bound the port first used to host it).
+    host = launcher("resilrun", "--node-rank", "0", *flags)
+    wait_for(lambda: "hosting store" in host.stderr(), 60, "the store host")
+    nodes = [host, *(launcher("resilrun", *flags) for _ in range(5))]
     wait_for(lambda: sum("standing by as a spare node" in n.stderr() for n in nodes) == 2, 200, "two spare nodes")
     wait_for(lambda: any("step 10 loss" in n.stdout() for n in nodes), 200, "training to pass step 10")
     active = [n for n in nodes if "standing by as a spare node" not in n.stderr()]
     by_rank = {r: next(n for n in active if f"this node rank {r} runs" in n.stderr()) for r in range(4)}
+    assert by_rank[0] is host
     os.kill(by_rank[1].pid, signal.SIGKILL)
     time.sleep(1.5)
     os.kill(by_rank[2].pid, signal.SIGKILL)
