@@ -46,7 +46,7 @@ def start_agent() -> Any:
     from resilrun.agent.channel import AgentChannel, channel_env
     from resilrun.agent.control import WorkerControl
     from resilrun.agent.tiers import NodeTiers
-    from resilrun.state.memory import NodeMemoryTier
+    from resilrun.tiers.memory import NodeMemoryTier
 
     memory = NodeMemoryTier(f"bench-{uuid.uuid4().hex[:8]}")
     channel = AgentChannel(memory, NodeTiers(memory, None), WorkerControl())
@@ -103,7 +103,7 @@ def make_methods(
     next(steps)  # restore (nothing held) and the first yield: no commit yet
     source = torch.empty(nbytes, dtype=torch.uint8).random_()
     anon = torch.zeros(nbytes, dtype=torch.uint8)  # zeroed: every page faulted in before timing
-    from resilrun.state.shm import SharedBuffer
+    from resilrun.snapshot.shm import SharedBuffer
 
     memfd = SharedBuffer.create(nbytes, "bench-memfd")  # pre-faulted by create(), as the agent does
 

@@ -6,7 +6,7 @@ Why this shape: the plain copy is the ceiling (one sendall into one recv_into a 
 no framing, no checksums), and both sides of every path run in this one process, as two agents
 on one machine would, so the two cores are shared the same way. Paths:
 
-- ``push``: ``resilrun.state.peer.push`` of the snapshot's bytes to a ReplicaServer (mutual HMAC
+- ``push``: ``resilrun.tiers.peer.push`` of the snapshot's bytes to a ReplicaServer (mutual HMAC
   handshake, framing, per-tensor crc32 on both ends, written straight into the replica slot);
 - ``replicator``: a commit into node memory until ``Replicator.status()`` reports it replicated,
   streamed from the memfd slot under its seqlock (what the agent does every step).
@@ -32,9 +32,9 @@ from datetime import timedelta
 
 import torch
 
-from resilrun.state.layout import build_layout
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.peer import ReplicaServer, ReplicaStore, Replicator, push
+from resilrun.snapshot.layout import build_layout
+from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator, push
 
 SECRET = os.urandom(32)
 TENSORS = 4  # a few large tensors, so that per-tensor segments are exercised as in a real model

@@ -123,7 +123,7 @@ class WorkerVariables:
     attempt: int = 0
     recovery_wait_s: float = 10.0
     heartbeat_interval_s: float = 1.0
-    dedup: bool = True  # local ranks split the copy of DDP-replicated state (state/dedup.py)
+    dedup: bool = True  # local ranks split the copy of DDP-replicated state (snapshot/dedup.py)
 
 
 def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVariables:

@@ -49,10 +49,10 @@ def port() -> int:
 
 # -- snapshots -------------------------------------------------------------------------------------
 def make_snapshot(tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> bytes:
-    """A snapshot buffer (a safetensors file) laid out by resilrun.state.layout, as a worker makes one."""
+    """A snapshot buffer (a safetensors file) laid out by resilrun.snapshot.layout, as a worker makes one."""
     import torch
 
-    from resilrun.state.layout import TORCH_TO_CODE, build_layout
+    from resilrun.snapshot.layout import TORCH_TO_CODE, build_layout
 
     specs = [(name, TORCH_TO_CODE[str(t.dtype).removeprefix("torch.")], tuple(t.shape)) for name, t in tensors.items()]
     layout = build_layout(specs, metadata)

@@ -45,9 +45,9 @@ from resilrun.errors import (
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.factory import open_backend
 from resilrun.rendezvous.protocol import NodeInfo
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.slots import REPLICATED_SLOTS, SLOTS
 from resilrun.storage.api import Storage
+from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.slots import REPLICATED_SLOTS, SLOTS
 
 if TYPE_CHECKING:
     from resilrun.agent.metrics import AgentMetrics

@@ -38,8 +38,8 @@ from resilrun.agent.control import WorkerControl
 from resilrun.agent.telemetry import Telemetry
 from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import ResilrunError
-from resilrun.state.dedup import parse_borrowed, parse_shared
-from resilrun.state.memory import NodeMemoryTier
+from resilrun.snapshot.dedup import parse_borrowed, parse_shared
+from resilrun.tiers.memory import NodeMemoryTier
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 from resilrun.errors import CheckpointError, CheckpointNotFoundError, ResilrunError
-from resilrun.state import durable
-from resilrun.state._priority import yield_to_training
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.slots import Committed
 from resilrun.storage.api import Storage
+from resilrun.tiers import durable
+from resilrun.tiers._priority import yield_to_training
+from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.slots import Committed
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Wiring of tier 2 (peer replicas) into the agent: the job secret, server, replicator, lookups.
 
-The mechanism lives in ``resilrun.state.peer``; this module decides who talks to whom: each node
+The mechanism lives in ``resilrun.tiers.peer``; this module decides who talks to whom: each node
 replicates to the next ``--replicas`` nodes of the current round, and a restore asks every other
 node of the round what it holds.
 """
@@ -17,8 +17,8 @@ from typing import Any
 from resilrun import keys
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError, ResilrunError
 from resilrun.rendezvous.api import RendezvousBackend
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.peer import ReplicaServer, ReplicaStore, Replicator, fetch, held
+from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator, fetch, held
 
 logger = logging.getLogger(__name__)
 

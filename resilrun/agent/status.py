@@ -29,8 +29,8 @@ from resilrun.agent.control import WorkerControl
 from resilrun.agent.heartbeat import StalenessJudge
 from resilrun.agent.telemetry import AgentTelemetry
 from resilrun.errors import ResilrunError
-from resilrun.state.memory import NodeMemoryTier
 from resilrun.status import records as history
+from resilrun.tiers.memory import NodeMemoryTier
 
 if TYPE_CHECKING:
     from resilrun.agent.procs import WorkerSnapshot

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from resilrun.errors import CheckpointError, CheckpointNotFoundError
-from resilrun.state import durable
-from resilrun.state.dedup import Borrowed
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.restore import PEER_STEPS
-from resilrun.state.shm import SharedBuffer
+from resilrun.snapshot.dedup import Borrowed
+from resilrun.snapshot.restore import PEER_STEPS
+from resilrun.snapshot.shm import SharedBuffer
 from resilrun.storage.api import Storage
+from resilrun.tiers import durable
+from resilrun.tiers.memory import NodeMemoryTier
 
 logger = logging.getLogger(__name__)
 

@@ -80,8 +80,8 @@ def inspect_checkpoint(
 def _inspect(
     uri: str, step: int | None, verify: bool, endpoint_url: str | None, expected_owner: str | None
 ) -> dict[str, Any]:
-    from resilrun.state import durable
     from resilrun.storage import create_storage
+    from resilrun.tiers import durable
 
     storage = create_storage(uri, s3_endpoint_url=endpoint_url, s3_expected_owner=expected_owner)
     steps = durable.list_steps(storage)
@@ -115,7 +115,7 @@ def _inspect(
 
 
 def _describe(storage: Any, info: Any, verify: bool) -> dict[str, Any]:
-    from resilrun.state import durable
+    from resilrun.tiers import durable
 
     complete = durable.read_complete(storage, info.step) if info.complete else None
     ranks = list(range(complete["world_size"])) if complete else list(info.ranks)

@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Collection, Sequence
 
 from resilrun.errors import CheckpointError
-from resilrun.state.layout import Layout
+from resilrun.snapshot.layout import Layout
 
 # (owner rank, begin, end): bytes [begin, end) of a slot that the owner's slot of the same step holds.
 Borrowed = tuple[tuple[int, int, int], ...]

@@ -11,12 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-from resilrun.state.slots import REPLICATED_SLOTS
-
 # How many steps per rank each tier reports to the plan (every rank sends the same number, newest
 # first): node memory holds a step per slot; the peers a rank's replicas (two per holder) and the
 # holders' own steps.
-MEMORY_STEPS = REPLICATED_SLOTS
+MEMORY_STEPS = 3  # the longest ring of node-memory slots a rank has (tiers/slots.py, with replicas)
 PEER_STEPS = 3
 
 

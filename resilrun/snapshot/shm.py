@@ -110,7 +110,7 @@ class SeqCounters:
     fences (none are reachable from Python), a weakly ordered CPU (aarch64) may make the copy's
     stores visible before ``begin``'s, or satisfy the reader's second counter load before its data
     loads, so equal even reads do not prove a clean copy. The counter is a cheap early exit; what
-    proves a copy is the commit's crc32s (``resilrun.state.memory``).
+    proves a copy is the commit's crc32s (``resilrun.tiers.memory``).
     """
 
     def __init__(self, buffer: SharedBuffer) -> None:

@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 from resilrun.errors import CheckpointCorruptError
-from resilrun.state._crc import crc32
-from resilrun.state.layout import DTYPES, FORMAT, MAX_HEADER_BYTES, Layout
+from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.layout import DTYPES, FORMAT, MAX_HEADER_BYTES, Layout
 
 COMPLETE_NAME = "COMPLETE.json"
 # A manifest holds one entry per tensor (as the header does) plus the tracked values: twice the
@@ -69,7 +69,7 @@ def parse_key(key: str) -> tuple[int, str, int | None] | None:
 def is_safe_tensor_name(name: str) -> bool:
     """Whether a tensor name is a relative path that cannot climb out of a directory.
 
-    Names are '/'-joined paths (``resilrun.state.tree`` joins tracked names and state-dict keys with
+    Names are '/'-joined paths (``resilrun.snapshot.tree`` joins tracked names and state-dict keys with
     '/'), so '/' itself is allowed; an absolute name, a '.' or '..' segment, a backslash or a
     control character is not, so no tool that maps names to files can be steered elsewhere.
     """

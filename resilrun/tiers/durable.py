@@ -2,7 +2,7 @@
 
 On storage (keys relative to the Storage root)::
 
-    step_{step:012d}/rank_{rank:05d}.safetensors   the snapshot bytes exactly as resilrun.state.layout lays them out
+    step_{step:012d}/rank_{rank:05d}.safetensors   the snapshot bytes exactly as resilrun.snapshot.layout lays them out
     step_{step:012d}/rank_{rank:05d}.json          the rank's manifest, written after its .safetensors
     step_{step:012d}/COMPLETE.json                 the commit point, written once every manifest exists
 
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, StorageNotFoundError
-from resilrun.state import _manifest as m
-from resilrun.state._crc import crc32
-from resilrun.state._manifest import COMPLETE_NAME, complete_key, data_key, manifest_key, step_prefix
-from resilrun.state.layout import FORMAT, MAX_HEADER_BYTES, Layout, parse_header
+from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.layout import FORMAT, MAX_HEADER_BYTES, Layout, parse_header
 from resilrun.storage.api import Storage
+from resilrun.tiers import _manifest as m
+from resilrun.tiers._manifest import COMPLETE_NAME, complete_key, data_key, manifest_key, step_prefix
 
 __all__ = [
     "FORMAT",
@@ -77,7 +77,7 @@ def write_rank(
     Args:
         storage: where the checkpoint lives.
         step, rank, world_size: identify the snapshot; ``0 <= rank < world_size``.
-        snapshot: a safetensors buffer laid out by ``resilrun.state.layout``; bytes after the last
+        snapshot: a safetensors buffer laid out by ``resilrun.snapshot.layout``; bytes after the last
             tensor (the unused tail of a reused, larger slot) are not written.
         values: the tracked non-tensor values, any JSON document (NaN and infinities allowed).
 

@@ -1,13 +1,13 @@
 """Tier 1: each rank's newest snapshots in node memory, held by the agent.
 
-Every rank has a ring of slots (two, three with peer replicas: state/slots.py): a worker writes a
+Every rank has a ring of slots (two, three with peer replicas: tiers/slots.py): a worker writes a
 step into the slot after its newest committed step's, so a crash mid-copy never destroys the last
 complete snapshot, and the previous step stays available for the one-step rollback a recovery may
 need. A step counts
 only after the worker's commit message; the slot's bytes are self-describing (a safetensors
 header written by the worker) and its JSON values travel with the commit.
 
-A deduplicated snapshot (state/dedup.py) borrows byte ranges from other local ranks' snapshots of
+A deduplicated snapshot (snapshot/dedup.py) borrows byte ranges from other local ranks' snapshots of
 the same step. It is *complete* once every owner has committed that step with the same layout;
 only complete snapshots are announced to listeners (replication, persistence), offered for
 restore, and read out, assembled from the owners' slots.
@@ -45,11 +45,11 @@ import psutil
 import torch
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError
-from resilrun.state._crc import crc32
-from resilrun.state.dedup import Borrowed, layout_hash, owners_of
-from resilrun.state.layout import parse_header
-from resilrun.state.shm import SharedBuffer
-from resilrun.state.slots import SLOTS, Committed, RankMemory, at_step, lender
+from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.dedup import Borrowed, layout_hash, owners_of
+from resilrun.snapshot.layout import parse_header
+from resilrun.snapshot.shm import SharedBuffer
+from resilrun.tiers.slots import SLOTS, Committed, RankMemory, at_step, lender
 
 logger = logging.getLogger(__name__)
 

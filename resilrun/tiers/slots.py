@@ -3,12 +3,12 @@ committed to each.
 
 Two slots are double buffering: a crash mid-copy never destroys the newest complete step. With
 replicas a third keeps one more step, so that the survivors of a node loss still hold the step the
-lost node's replicas have when those lag a step behind training (state/peer.py bounds that lag).
+lost node's replicas have when those lag a step behind training (tiers/peer/replicator.py bounds that lag).
 
 A commit names the step, the slot, its sequence counter at commit time (a reader's copy of the
 slot may be of that step only if the counter has not moved since) and the crc32s of the bytes it
 wrote (the copy is of that step only if it has them), and, for a deduplicated snapshot
-(state/dedup.py), the byte ranges it borrows from other local ranks' commits of the same step:
+(snapshot/dedup.py), the byte ranges it borrows from other local ranks' commits of the same step:
 those lend bytes only within one layout and one generation (``same_timeline``).
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from resilrun.state.dedup import Borrowed
-from resilrun.state.shm import SeqCounters, SharedBuffer
+from resilrun.snapshot.dedup import Borrowed
+from resilrun.snapshot.shm import SeqCounters, SharedBuffer
 
 SLOTS = 2
 REPLICATED_SLOTS = 3
@@ -37,7 +37,7 @@ class Committed:
     # The slot's sequence counter when the commit arrived: a reader's copy is of this step only if
     # the counter still has this value after the copy (the worker may have rewritten the slot since).
     seq: int = 0
-    # Ranges the worker left to other local ranks' snapshots of the same step (state/dedup.py), and
+    # Ranges the worker left to other local ranks' snapshots of the same step (snapshot/dedup.py), and
     # the crc32 of its header: a range is borrowed only from an owner whose layout is the same.
     borrowed: Borrowed = ()
     layout: int = 0
@@ -49,7 +49,7 @@ class Committed:
     round: int = -1
     # (begin, end, crc32) of every segment the commit wrote itself (the header, each tensor, and
     # whatever lies between borrowed ranges), hashed by the agent while the bytes cannot change: a
-    # reader's copy is of this step only if it has these crc32s (see state/memory.py).
+    # reader's copy is of this step only if it has these crc32s (see tiers/memory.py).
     crcs: tuple[tuple[int, int, int], ...] = ()
 
 

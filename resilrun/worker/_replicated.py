@@ -1,6 +1,6 @@
 """Which tracked tensors DDP keeps equal on every rank: its parameters and their optimizer state.
 
-Why: only those may be deduplicated across a node's ranks (state/dedup.py). Buffers are not
+Why: only those may be deduplicated across a node's ranks (snapshot/dedup.py). Buffers are not
 among them (DDP broadcasts them before a forward that then updates them per rank), nor is the
 state of an optimizer outside ``torch.optim`` (ZeRO and friends shard it). A tensor counts by its
 storage, so a model tracked as the DDP wrapper, or as the module inside it, is found either way.

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
 from resilrun.errors import CheckpointError, StateLostError
 from resilrun.log import rank_ranges
-from resilrun.state.restore import MEMORY_STEPS, PEER_STEPS, RestorePlan, Tier, plan_restore
-from resilrun.state.tree import flatten, unflatten
+from resilrun.snapshot.restore import MEMORY_STEPS, PEER_STEPS, RestorePlan, Tier, plan_restore
+from resilrun.snapshot.tree import flatten, unflatten
 from resilrun.worker import _ddp_sync, _torch_compat
 from resilrun.worker._abort import GenerationWatchdog, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from resilrun.errors import CheckpointError
-from resilrun.state.dedup import Borrowed, borrowed_ranges, plan_owners, shared_ranges
-from resilrun.state.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
-from resilrun.state.shm import SeqCounters, SharedBuffer
+from resilrun.snapshot.dedup import Borrowed, borrowed_ranges, plan_owners, shared_ranges
+from resilrun.snapshot.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
+from resilrun.snapshot.shm import SeqCounters, SharedBuffer
 from resilrun.worker import _torch_compat
 from resilrun.worker._channel import AgentClient
 
@@ -36,7 +36,7 @@ class Snapshotter:
     """This rank's slots in node memory (as many as the agent keeps) and what each of them holds."""
 
     def __init__(self, client: AgentClient, rank: int, group: Sequence[int] = (), round: int = -1) -> None:
-        """``group``: the global ranks on this node, which may share replicated tensors (state/dedup.py);
+        """``group``: the global ranks on this node, which may share replicated tensors (snapshot/dedup.py);
         ``round``: this generation (bytes are shared only between commits of one generation)."""
         self.client = client
         self.rank = rank
@@ -150,7 +150,7 @@ class Snapshotter:
         # The agent must have taken the previous commit before a slot is written again (the slot
         # about to be overwritten may still be counted as complete until then), and with replicas
         # its answer comes once that step is on the peers: this is where replication's lag is
-        # bounded to one step (state/peer.py), at a cost only when a push outlasts a step.
+        # bounded to one step (tiers/peer/replicator.py), at a cost only when a push outlasts a step.
         self._settle()
         layout = self._layout_for(tensors)
         skipped, borrowed, shared = self._borrowing(layout, replicated)

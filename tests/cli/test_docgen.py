@@ -124,7 +124,7 @@ def test_exit_status_lists_the_exit_codes_from_the_enum(page: Path) -> None:
 
 
 def test_files_section_names_the_checkpoint_layout_the_code_writes() -> None:
-    from resilrun.state import _manifest
+    from resilrun.tiers import _manifest
 
     text = (ROOT / "man" / "resilrun-inspect-checkpoint.1").read_text()
     for documented, key in [

@@ -14,9 +14,9 @@ import torch
 
 from resilrun.cli import main
 from resilrun.errors import ExitCode
-from resilrun.state import _manifest as m
-from resilrun.state import durable
 from resilrun.storage import LocalStorage, Storage
+from resilrun.tiers import _manifest as m
+from resilrun.tiers import durable
 from tests.conftest import FAKE_ACCESS_KEY_ID, FAKE_SECRET_ACCESS_KEY, S3Server, make_snapshot
 
 

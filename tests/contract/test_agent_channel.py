@@ -19,7 +19,7 @@ from resilrun.agent.channel import TOKEN_ENV, AgentChannel, channel_env
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import CheckpointError
-from resilrun.state.memory import NodeMemoryTier
+from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.worker._channel import AgentClient
 
 

@@ -23,8 +23,8 @@ from resilrun.agent.channel import AgentChannel, channel_env
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.telemetry import Telemetry
 from resilrun.agent.tiers import NodeTiers
-from resilrun.state.layout import DTYPES, parse_header
-from resilrun.state.memory import NodeMemoryTier
+from resilrun.snapshot.layout import DTYPES, parse_header
+from resilrun.tiers.memory import NodeMemoryTier
 
 STEPS = 3
 

@@ -15,7 +15,7 @@ import pytest
 
 from resilrun.agent.replication import PeerTier
 from resilrun.rendezvous.c10d import connect_store, host_store, open_store
-from resilrun.state.memory import NodeMemoryTier
+from resilrun.tiers.memory import NodeMemoryTier
 
 
 def _listening(port: int) -> set[str]:

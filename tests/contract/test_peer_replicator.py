@@ -19,8 +19,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.peer import ReplicaServer, ReplicaStore, Replicator
+from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator
 from tests.conftest import free_port, make_snapshot
 
 pytestmark = pytest.mark.timeout(30)
@@ -167,7 +167,7 @@ def test_a_dead_target_makes_replicas_lag_without_slowing_commits(
     replicator = Replicator(memory, SECRET, lambda: [dead, live.server.address], timeout=TIMEOUT, refresh=REFRESH)
     replicators.append(replicator)
 
-    with caplog.at_level(logging.WARNING, logger="resilrun.state.peer"):
+    with caplog.at_level(logging.WARNING, logger="resilrun.tiers.peer.replicator"):
         commit_seconds = []
         for step in range(1, 21):
             commit_seconds.append(commit(memory, 0, step, snapshot(step)))
@@ -356,7 +356,7 @@ def test_a_push_that_connects_while_close_runs_is_cut_off_too(
 ) -> None:
     # A peer that accepts TCP connections and never answers, and a push held back until close()
     # has begun: its socket exists only after close() looked for sockets to cut.
-    from resilrun.state import peer as peer_module
+    from resilrun.tiers.peer import replicator as peer_module
 
     listener = socket.create_server(("127.0.0.1", 0))
     real_push_view = peer_module.push_view

@@ -1,7 +1,7 @@
 """Tier 2 transfers over real loopback sockets: push, fetch, held, authentication and hostile peers.
 
 Every test runs a real ReplicaServer on 127.0.0.1, port 0; hostile peers are raw sockets speaking
-just enough of the protocol (``resilrun.state.peer_wire``) to get to the part under test.
+just enough of the protocol (``resilrun.tiers.peer.wire``) to get to the part under test.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from resilrun.state import peer_server
-from resilrun.state.dedup import layout_hash
-from resilrun.state.layout import parse_header
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.peer import ReplicaServer, ReplicaStore, ReplicationError, fetch, held, push
-from resilrun.state.peer_client import connection, push_view
-from resilrun.state.peer_refs import LocalReferences
-from resilrun.state.peer_wire import (
+from resilrun.snapshot.dedup import layout_hash
+from resilrun.snapshot.layout import parse_header
+from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.peer import ReplicaServer, ReplicaStore, ReplicationError, fetch, held, push
+from resilrun.tiers.peer import server as peer_server
+from resilrun.tiers.peer.client import connection, push_view
+from resilrun.tiers.peer.refs import LocalReferences
+from resilrun.tiers.peer.wire import (
     CHUNK_BYTES,
     MAGIC,
     NONCE_BYTES,
@@ -704,7 +704,7 @@ def test_a_peer_behind_the_pushed_step_waits_once_for_it_then_takes_every_byte(
     sent = _ddp_snapshot(weight + 1, own=7)
     started = time.monotonic()
     assert push_view(server.address, SECRET, _shared_announce(sent, 0, 5), memoryview(sent), Deadline.total(5))
-    # One wait for this node's own step 5 (peer_server._SHARED_WAIT_S), not one per way of holding it
+    # One wait for this node's own step 5 (server._SHARED_WAIT_S), not one per way of holding it
     assert time.monotonic() - started < 1.8
     assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == sent
 

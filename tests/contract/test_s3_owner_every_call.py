@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from resilrun.errors import StorageAuthError, StorageError
-from resilrun.state import durable
 from resilrun.storage.s3 import RetryPolicy, S3Storage
+from resilrun.tiers import durable
 from tests.conftest import FaultProxy, S3Server, make_snapshot
 
 MIB = 1024 * 1024

@@ -231,7 +231,7 @@ def test_s3_storage_module_imports_boto3_only_when_used() -> None:
     import subprocess
     import sys
 
-    code = "import sys, resilrun.storage, resilrun.state.durable; print('boto3' in sys.modules)"
+    code = "import sys, resilrun.storage, resilrun.tiers.durable; print('boto3' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "False"
 

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 from resilrun.errors import CheckpointError
-from resilrun.state.dedup import borrowed_ranges, layout_hash, parse_borrowed, plan_owners
-from resilrun.state.layout import build_layout
-from resilrun.state.memory import NodeMemoryTier
+from resilrun.snapshot.dedup import borrowed_ranges, layout_hash, parse_borrowed, plan_owners
+from resilrun.snapshot.layout import build_layout
+from resilrun.tiers.memory import NodeMemoryTier
 
 SPECS = [("w1", "F32", (64,)), ("w2", "F32", (32,)), ("w3", "F32", (16,)), ("w4", "F32", (16,)), ("bn", "F32", (8,))]
 LAYOUT = build_layout(SPECS)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError, StorageError
-from resilrun.state import durable
-from resilrun.state.durable import StepInfo
 from resilrun.storage import LocalStorage, MemoryStorage, Storage
+from resilrun.tiers import durable
+from resilrun.tiers.durable import StepInfo
 from tests.conftest import make_snapshot
 
 
@@ -230,7 +230,7 @@ def test_the_fast_crc32_is_zlibs_crc32() -> None:
     import os
     import zlib
 
-    from resilrun.state._crc import crc32
+    from resilrun.snapshot._crc import crc32
 
     data = os.urandom(1 << 20)
     assert crc32(data) == zlib.crc32(data)

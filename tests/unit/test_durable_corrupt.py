@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError
-from resilrun.state import _manifest as m
-from resilrun.state import durable
-from resilrun.state.layout import parse_header
+from resilrun.snapshot.layout import parse_header
 from resilrun.storage import MemoryStorage
+from resilrun.tiers import _manifest as m
+from resilrun.tiers import durable
 from tests.conftest import make_snapshot
 
 STEP = 1

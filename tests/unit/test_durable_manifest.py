@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from resilrun.errors import CheckpointCorruptError
-from resilrun.state import _manifest as m
-from resilrun.state.durable import StepInfo, steps_to_delete, summarize_keys
+from resilrun.tiers import _manifest as m
+from resilrun.tiers.durable import StepInfo, steps_to_delete, summarize_keys
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from resilrun.errors import CheckpointError
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.shm import SeqCounters
-from resilrun.state.slots import REPLICATED_SLOTS
+from resilrun.snapshot.shm import SeqCounters
+from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.slots import REPLICATED_SLOTS
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_background_threads_yield_the_cpu_to_training_and_never_raise_their_prio
     import os
     import threading
 
-    from resilrun.state._priority import BACKGROUND_NICE, yield_to_training
+    from resilrun.tiers._priority import BACKGROUND_NICE, yield_to_training
 
     seen: list[int] = []
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # (pytest may itself run niced)
@@ -277,3 +277,11 @@ def test_commit_gates_run_after_the_commit_and_report_the_time_they_held_it(tier
     assert seen == []  # commit() itself never waits
     assert tier.pass_gates(2, 7) == 0.25
     assert seen == [(2, 7, True)]
+
+
+def test_the_restore_plan_hears_of_every_step_a_rank_keeps_in_node_memory() -> None:
+    # The worker side reports a fixed number of steps per tier; a longer ring would hide its oldest.
+    from resilrun.snapshot.restore import MEMORY_STEPS
+    from resilrun.tiers.slots import SLOTS
+
+    assert max(SLOTS, REPLICATED_SLOTS) <= MEMORY_STEPS

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from resilrun.agent.persister import Persister
-from resilrun.state import durable
-from resilrun.state.memory import NodeMemoryTier
 from resilrun.storage import MemoryStorage
+from resilrun.tiers import durable
+from resilrun.tiers.memory import NodeMemoryTier
 from tests.conftest import make_snapshot
 
 

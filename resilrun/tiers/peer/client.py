@@ -2,7 +2,7 @@
 
 Each call opens one connection, authenticates both ways on the job secret (a client never sends
 state to a peer that cannot prove the secret), makes one request under one total deadline, and
-verifies every crc32 of what it receives. Protocol: ``resilrun.state.peer_wire``.
+verifies every crc32 of what it receives. Protocol: ``resilrun.tiers.peer.wire``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import psutil
 
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError
-from resilrun.state.peer_stream import receive_snapshot, send_snapshot
-from resilrun.state.peer_wire import (
+from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot
+from resilrun.tiers.peer.wire import (
     Announce,
     Deadline,
     ReplicationError,
@@ -126,7 +126,7 @@ def push(
 
     Args:
         world_size: recorded with the replica (None: unknown), so a restore can refuse a mismatch.
-        data: a snapshot (safetensors bytes, as ``resilrun.state.layout`` lays them out).
+        data: a snapshot (safetensors bytes, as ``resilrun.snapshot.layout`` lays them out).
         values: any JSON; travels with the replica.
         timeout: the whole transfer's deadline.
 

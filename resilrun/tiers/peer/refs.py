@@ -3,7 +3,7 @@
 Under DDP every rank holds the same parameters and optimizer state after a step, so a peer's
 replica of step S shares most of its bytes with this node's own snapshot of S. The replica server
 then takes only the sender's own bytes over the network and leaves the shared ranges where they
-already are (``peer_store.LocalRef``): no copy, no crc32 pass on the receiving node per step.
+already are (``store.LocalRef``): no copy, no crc32 pass on the receiving node per step.
 
 A reference lives as long as the slot it points into holds step S. Node memory tells us before a
 slot may be rewritten (``NodeMemoryTier.add_overwrite_guard``: a worker writes its next step into
@@ -31,8 +31,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.peer_store import LocalRef, ReplicaStore
+from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.peer.store import LocalRef, ReplicaStore
 
 logger = logging.getLogger(__name__)
 

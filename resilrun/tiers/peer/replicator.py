@@ -1,16 +1,10 @@
-"""Tier 2, peer replicas: the agent's background Replicator, and the one import for everything tier 2.
-
-The agent replicates each local rank's newest committed snapshot to the agents of the next k
-nodes (``Replicator``, here), serves what it holds to peers (``ReplicaServer``, in ``peer_server``),
-and keeps what peers sent it in memory (``ReplicaStore``, in ``peer_store``). The wire protocol,
-with mutual authentication on the job secret and per-tensor crc32s, is in ``peer_wire``; the client
-calls (``push``, ``fetch``, ``held``) are in ``peer_client``.
+"""The agent's Replicator: each local rank's newest committed snapshot, to the next k nodes.
 
 Invariants: replication never delays a commit (the commit listener records "rank r has a new step"
 and returns), and it bounds how far training runs ahead of it: the answer to a worker's commit of
 step s waits (the commit gate) until s is on every target that keeps up, and a worker reads that
 answer before it writes step s+1, so a replica lags at most one step behind its rank's newest
-commit; the survivors of a node loss keep three steps (state/slots.py), which covers that lag.
+commit; the survivors of a node loss keep three steps (tiers/slots.py), which covers that lag.
 This costs training time only when a push takes longer than a step; a target that fails is not
 waited for until a push to it succeeds again (its lag shows in ``status``). The Replicator sends
 the newest commit of each rank, skipping steps only when it fell behind; the bytes it sends are
@@ -33,16 +27,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from resilrun.errors import CheckpointCorruptError
-from resilrun.state._priority import yield_to_training
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.peer_client import DEFAULT_TIMEOUT, fetch, held, push, push_view
-from resilrun.state.peer_server import ReplicaServer
-from resilrun.state.peer_store import Replica, ReplicaStore
-from resilrun.state.peer_wire import Announce, Deadline, ReplicationError, check_secret, parse_address, snapshot_bounds
-from resilrun.state.shm import SharedBuffer
-from resilrun.state.slots import Committed, RankMemory, crcs_at
-
-__all__ = ["Replica", "ReplicaServer", "ReplicaStore", "ReplicationError", "Replicator", "fetch", "held", "push"]
+from resilrun.snapshot.shm import SharedBuffer
+from resilrun.tiers._priority import yield_to_training
+from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.peer.client import DEFAULT_TIMEOUT, push_view
+from resilrun.tiers.peer.wire import Announce, Deadline, ReplicationError, check_secret, parse_address, snapshot_bounds
+from resilrun.tiers.slots import Committed, RankMemory, crcs_at
 
 logger = logging.getLogger(__name__)
 
@@ -355,7 +345,7 @@ class Replicator:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
-        # The commit's crc32s, not the counter, prove the bytes sent (see state/memory.py).
+        # The commit's crc32s, not the counter, prove the bytes sent (see tiers/memory.py).
         expected = crcs_at(committed, bounds)
         address, delay = target.address, self._push_delay_s
         sent = push_view(address, self._secret, announce, view, deadline, check, on_socket, whole, expected, delay)

@@ -1,7 +1,7 @@
 """The agent's replica server: receives peers' snapshots and serves this node's to restoring peers.
 
 A TCP listener on the address the job needs (loopback by default), one thread per connection,
-one request per connection (protocol in ``resilrun.state.peer_wire``). Requests:
+one request per connection (protocol in ``resilrun.tiers.peer.wire``). Requests:
 
     | op    | does                                                                 | reply                  |
     |-------|----------------------------------------------------------------------|------------------------|
@@ -27,12 +27,12 @@ from datetime import timedelta
 from typing import Any
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError
-from resilrun.state._priority import yield_to_training
-from resilrun.state.memory import NodeMemoryTier
-from resilrun.state.peer_refs import LocalReferences
-from resilrun.state.peer_store import LocalRef, Replica, ReplicaStore, Reservation
-from resilrun.state.peer_stream import receive_snapshot, send_snapshot
-from resilrun.state.peer_wire import (
+from resilrun.tiers._priority import yield_to_training
+from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.peer.refs import LocalReferences
+from resilrun.tiers.peer.store import LocalRef, Replica, ReplicaStore, Reservation
+from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot
+from resilrun.tiers.peer.wire import (
     Announce,
     Deadline,
     ReplicationError,
@@ -77,7 +77,7 @@ class ReplicaServer:
         """Bind and start serving.
 
         Raises:
-            ValueError: the secret is shorter than ``peer_wire.MIN_SECRET_BYTES``.
+            ValueError: the secret is shorter than ``wire.MIN_SECRET_BYTES``.
             OSError: ``host`` cannot be bound.
         """
         check_secret(secret)
@@ -207,7 +207,7 @@ class ReplicaServer:
 
     def _shared_here(self, announce: Announce, token: int | None, into: memoryview) -> LocalRef | bool:
         """Whether this node holds the announce's shared segments itself: by reference (a LocalRef,
-        with a token: see peer_refs), copied into ``into`` (True), or not (False).
+        with a token: see ``refs``), copied into ``into`` (True), or not (False).
 
         Under DDP this node's ranks hold the same parameters and optimizer state at the same step,
         so those bytes need not cross the network: only each rank's own bytes do. Waits a little

@@ -32,9 +32,9 @@ from typing import Any
 
 import psutil
 
-from resilrun.state._crc import crc32
-from resilrun.state.peer_wire import ReplicationError
-from resilrun.state.shm import SharedBuffer
+from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.shm import SharedBuffer
+from resilrun.tiers.peer.wire import ReplicationError
 
 SLOTS = 2
 # Never let peers' replicas take a node's last free memory: the workers and the agent need it more.

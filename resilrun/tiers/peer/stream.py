@@ -1,4 +1,4 @@
-"""Checksummed snapshot streams between peers (after ``peer_wire``'s handshake and announce).
+"""Checksummed snapshot streams between peers (after ``wire``'s handshake and announce).
 
 A snapshot travels as an announce message (rank, step, world size, nbytes, values, segment bounds),
 then data frames (u32 length + bytes; a zero length ends the data), then a trailer message:
@@ -11,7 +11,7 @@ ride in the trailer rather than the announce so that each end reads the bytes on
 An announce may name *shared* segments (DDP's parameters and optimizer state, equal on every rank)
 with the snapshot's layout and generation. A receiver whose own ranks hold the same step of the
 same generation in the same layout answers ``filled``: it has them itself (by reference, see
-``peer_store``, or copied from its node memory); the sender then leaves those segments out of the
+``store``, or copied from its node memory); the sender then leaves those segments out of the
 stream (null crc32s in the trailer). The receiver keeps null crc32s for them too, as nothing crossed
 the network: a reader streaming the replica later hashes them as it sends them.
 """
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from resilrun.errors import CheckpointCorruptError
-from resilrun.state._crc import crc32
-from resilrun.state.layout import parse_header
-from resilrun.state.peer_wire import (
+from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.layout import parse_header
+from resilrun.tiers.peer.wire import (
     CHUNK_BYTES,
     LEN,
     Deadline,

@@ -8,7 +8,7 @@ One request per TCP connection, after a mutual challenge-response on the job's s
     client -> server   request: a JSON message {"op": "push" | "fetch" | "held", ...}
 
 A snapshot travels as an announce message (rank, step, world size, nbytes, values, segment bounds,
-and optionally shared segments), then a checksummed stream (``resilrun.state.peer_stream``).
+and optionally shared segments), then a checksummed stream (``resilrun.tiers.peer.stream``).
 
 Invariants: nothing but fixed-size reads happens before the peer proved the secret; every socket
 operation runs under a deadline; every size a peer announces is checked before anything is
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from resilrun.errors import CheckpointError
-from resilrun.state.layout import parse_header
+from resilrun.snapshot.layout import parse_header
 
 MAGIC = b"RSLRPR01"
 NONCE_BYTES = 32
