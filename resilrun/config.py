@@ -37,7 +37,45 @@ class Std(IntEnum):
 def _meta(flag: str, panel: str, help: str, *, pet: bool = True) -> dict[str, Any]:
     name = flag.lstrip("-").replace("-", "_").upper()
     envs = [f"RESILRUN_{name}"] + ([f"PET_{name}"] if pet else [])
-    return {"flag": flag, "env": envs, "panel": panel, "help": help}
+    return {"flag": flag, "env": envs, "panel": panel, "help": help, "value": _VALUES.get(flag)}
+
+
+# What each option takes, as ``--help`` and the man page show it (flags that take no value: none).
+_VALUES = {
+    "--nnodes": "N|MIN:MAX",
+    "--nproc-per-node": "N|auto|cpu|gpu",
+    "--node-rank": "INTEGER",
+    "--rdzv-backend": "c10d|etcd|static",
+    "--rdzv-endpoint": "HOST[:PORT][,...]",
+    "--rdzv-id": "TEXT",
+    "--rdzv-conf": "KEY=VALUE,...",
+    "--master-addr": "HOST",
+    "--master-port": "PORT",
+    "--local-addr": "HOST",
+    "--max-restarts": "INTEGER",
+    "--monitor-interval": "SECONDS",
+    "--role": "TEXT",
+    "--start-method": "spawn|fork|forkserver",
+    "--log-dir": "DIR",
+    "--redirects": "0-3|RANK:0-3,...",
+    "--tee": "0-3|RANK:0-3,...",
+    "--local-ranks-filter": "RANKS",
+    "--spares": "INTEGER",
+    "--heartbeat-interval": "SECONDS",
+    "--heartbeat-timeout": "SECONDS",
+    "--hang-timeout": "SECONDS",
+    "--first-step-timeout": "SECONDS",
+    "--shutdown-timeout": "SECONDS",
+    "--exit-barrier-timeout": "SECONDS",
+    "--replicas": "INTEGER",
+    "--checkpoint-uri": "s3://BUCKET/PREFIX|DIR",
+    "--persist-every": "STEPS",
+    "--keep-last": "INTEGER",
+    "--s3-endpoint-url": "URL",
+    "--s3-expected-owner": "ACCOUNT",
+    "--metrics-port": "PORT",
+    "--metrics-addr": "HOST",
+}
 
 
 R, P, H, C, OBS = "Rendezvous", "Processes", "Health", "Checkpoints", "Observability"

@@ -31,6 +31,7 @@ def option(name: str, *short: str, **kwargs: Any) -> Any:
         envvar=list(meta["env"]),
         help=meta["help"],
         rich_help_panel=meta["panel"],
+        metavar=meta["value"] or "",  # a flag takes no value: show none (typer would say <bool>)
         show_default=True,
         **kwargs,
     )

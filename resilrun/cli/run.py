@@ -34,8 +34,12 @@ def _float(flag: str, value: str) -> float:
 
 
 def run(
-    script: Annotated[str, typer.Argument(help="Training script (or module with -m, program with --no-python).")],
-    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script untouched.")] = None,
+    script: Annotated[
+        str, typer.Argument(metavar="SCRIPT", help="Training script (or module with -m, program with --no-python).")
+    ],
+    script_args: Annotated[
+        list[str] | None, typer.Argument(metavar="ARGS", help="Arguments passed to the script untouched.")
+    ] = None,
     nnodes: o.Nnodes = "1:1",
     nproc_per_node: o.NprocPerNode = "1",
     node_rank: o.NodeRank = None,

@@ -6,6 +6,7 @@ Nothing here starts an agent: ``resilrun.agent.run`` is replaced by a recorder.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -89,6 +90,26 @@ def test_run_help_lists_torchrun_flags_and_exits_zero(capsys: pytest.CaptureFixt
     assert result.code == 0
     for flag in ("--nnodes", "--nproc-per-node", "--rdzv-endpoint", "--max-restarts", "--standalone"):
         assert flag in result.out
+
+
+def test_run_help_names_what_each_option_takes_and_flags_take_nothing() -> None:
+    # Every option that takes a value says which kind (INTEGER, SECONDS, a choice, ...), as man does
+    for spec in CONFIG_FIELDS:
+        meta = spec.metadata
+        takes_value = spec.type not in (bool, "bool")
+        assert bool(meta["value"]) == takes_value, meta["flag"]
+    wide = subprocess.run(
+        [sys.executable, "-m", "resilrun", "run", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        check=True,
+    ).stdout
+    options = wide.split("Rendezvous", 1)[1]
+    assert "<str>" not in options and "<bool>" not in options and "<int>" not in options
+    for flag, value in (("--replicas", "INTEGER"), ("--heartbeat-timeout", "SECONDS"), ("--log-dir", "DIR")):
+        line = next(line for line in options.splitlines() if flag in line)
+        assert value in line, line
 
 
 def test_short_h_prints_help_like_torchrun(capsys: pytest.CaptureFixture[str]) -> None:
