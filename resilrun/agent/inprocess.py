@@ -1,7 +1,8 @@
-"""In-process recovery on one node: hung workers killed, hot spares kept warm and given failed ranks.
+"""In-process recovery on one node: hung workers killed, failed ranks given hot spares.
 
 A mixin of :class:`resilrun.agent.supervisor.Supervisor` (split out to keep modules small): the
 survivors keep their processes and move to the next generation; only the failed ranks change process.
+The spares themselves come from the composed ``SparePool`` (spare_pool.py).
 """
 
 from __future__ import annotations
@@ -17,42 +18,17 @@ from typing import TYPE_CHECKING, Any
 from resilrun import keys
 from resilrun.agent import procs
 from resilrun.agent.control import WorkerControl
-from resilrun.agent.failures import ProcessFailure, collect_failure, root_cause
+from resilrun.agent.failures import ProcessFailure, root_cause
 from resilrun.agent.heartbeat import read_counters
 from resilrun.agent.rounds import Round, SignalFlag
-from resilrun.agent.specs import NodeSetup, spare_spec, worker_specs
+from resilrun.agent.spare_pool import SparePool
+from resilrun.agent.specs import NodeSetup, worker_specs
 from resilrun.agent.telemetry import Telemetry
 from resilrun.config import Config
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import MAX_RECOVERIES_WITHOUT_PROGRESS, RdzvState, recovery_budget_spent
 
 logger = logging.getLogger("resilrun.agent.supervisor")
-
-# A failure in the first seconds finds the spare still importing torch: waiting for it (still far
-# quicker than a restart) beats giving up on in-process recovery. Survivors wait longer than this.
-SPARE_READY_TIMEOUT_S = 30.0
-# While waiting for spares to become ready, how often to look for one that died meanwhile.
-SPARE_EXIT_RECHECK_S = 0.25
-# A spare that dies while waiting is started again after this, doubling while spares keep dying
-# before they are ready: a one-off (the OOM killer) costs a second, a crash loop does not eat a core.
-SPARE_BACKOFF_FIRST_S = 1.0
-SPARE_BACKOFF_MAX_S = 60.0
-
-
-class SpareBackoff:
-    """How long to wait before starting a spare in place of one that died while waiting."""
-
-    def __init__(self) -> None:
-        self.exits_in_a_row = 0
-
-    def next_delay(self) -> float:
-        delay = min(SPARE_BACKOFF_MAX_S, SPARE_BACKOFF_FIRST_S * 2**self.exits_in_a_row)
-        self.exits_in_a_row += 1
-        return delay
-
-    def spare_ready(self) -> None:
-        self.exits_in_a_row = 0
-
 
 def _log_budget_spent(state: RdzvState, newest: int) -> None:
     if not state.closed and recovery_budget_spent(state, newest):
@@ -91,7 +67,7 @@ class InProcessRecovery:
     telemetry: Telemetry
     run_id: str
     last_state: RdzvState | None
-    spare_backoff: SpareBackoff
+    spare_pool: SparePool
     raised_probe: _RaisedProbe | None
 
     if TYPE_CHECKING:
@@ -173,60 +149,6 @@ class InProcessRecovery:
                 self.control.dismiss(pid)
         self.raised_probe = None
 
-    def _check_spares(self, round_: Round) -> None:
-        """Notice spares that died while waiting for a rank: say why, and start others after a backoff.
-
-        Why it matters: a node whose spares are gone still trains, but its next failure costs a new
-        process (seconds) or a restart; the user should learn that from the log before it happens.
-        """
-        waiting = set(self.control.waiting_spares())
-        if any(s.pid in waiting for s in round_.spares):
-            self.spare_backoff.spare_ready()
-        exited = [s for s in round_.spares if s.poll() is not None]
-        if not exited:
-            return
-        round_.spares = [s for s in round_.spares if s not in exited]
-        delay = 0.0
-        for spare in exited:
-            spare.finish_output()
-            failure = collect_failure(
-                global_rank=-1,
-                local_rank=-1,
-                node_rank=round_.node_rank,
-                pid=spare.pid,
-                exit_code=spare.popen.returncode,
-                observed_at=spare.exit_observed_at or time.time(),
-                error_file=spare.spec.error_file,
-            )
-            delay = self.spare_backoff.next_delay()
-            summary = failure.message.splitlines()[0] if failure.message else f"exit code {failure.exit_code}"
-            logger.error(
-                "hot spare (pid %d) exited while waiting for a rank: %s; starting another in %.0f s (logs: %s)",
-                spare.pid,
-                summary,
-                delay,
-                spare.spec.log_dir,
-            )
-            if failure.traceback:
-                logger.error("the spare's traceback:\n%s", failure.traceback.rstrip())
-            self.telemetry.spare_exited(spare.pid, spare.popen.returncode, summary, len(round_.spares), delay)
-        start_at = time.monotonic() + delay
-        round_.respawn_at = start_at if round_.respawn_at is None else max(round_.respawn_at, start_at)
-        if not round_.spares:
-            logger.warning(
-                "no hot spare left on this node (%d configured): until one is back, a failed rank waits for a "
-                "new worker process to start",
-                max(self.config.spares, len(exited)),
-            )
-
-    def _top_up_spares(self, round_: Round, want: int | None = None) -> None:
-        round_.spares = [s for s in round_.spares if s.poll() is None]
-        while len(round_.spares) < (self.config.spares if want is None else want):
-            round_.spare_index += 1
-            spec = spare_spec(self.config, self.setup, round_.state.round, round_.spare_index)
-            round_.spares.append(procs.spawn(spec))
-        round_.respawn_at = None
-
     def _recover_in_process(self, round_: Round) -> bool:
         """Replace failed workers with hot spares and move everyone to a new generation.
 
@@ -254,7 +176,7 @@ class InProcessRecovery:
             # failing during a recovery is an independent failure and is recovered in-process.)
             logger.warning("no progress since the last in-process recovery (step %s): not recovering again", newest)
             return False
-        ready = self._ready_spares(round_, len(failed))
+        ready = self.spare_pool.ready(round_, len(failed))
         if len(failed) > len(ready):
             return False
         cause = root_cause(failures)
@@ -277,36 +199,6 @@ class InProcessRecovery:
         self._enter_generation(round_, new, replacements)
         logger.info("recovery decided in %.3f s", time.monotonic() - started)
         return True
-
-    def _ready_spares(self, round_: Round, needed: int) -> list[procs.WorkerProcess]:
-        """Spares waiting for a rank; a spare still warming up is worth waiting for (bounded).
-
-        With fewer spares alive than failed ranks (``--spares 0``, or all used up), new processes
-        are started for the missing places and waited for the same way: the survivors keep their
-        processes and memory through the few seconds a new process needs to import, which beats
-        restarting every worker (the fallback when even that does not come up in time).
-        """
-        alive = [s for s in round_.spares if s.poll() is None]
-        if len(alive) < needed:
-            missing = needed - len(alive)
-            logger.warning(
-                "no warm spare for %d failed rank(s): starting %s; the survivors wait for it (at most %.0f s)",
-                missing,
-                "a new worker process" if missing == 1 else f"{missing} new worker processes",
-                SPARE_READY_TIMEOUT_S,
-            )
-            self._top_up_spares(round_, want=needed)
-        deadline = time.monotonic() + SPARE_READY_TIMEOUT_S
-        while True:
-            alive = [s for s in round_.spares if s.poll() is None]
-            ready = [s for s in alive if s.pid in self.control.waiting_spares()]
-            if len(ready) >= needed or len(alive) < needed or time.monotonic() >= deadline:
-                return ready
-            self.signals.raise_if_set()
-            # Woken the moment a spare starts waiting; the timeout re-checks spares that died meanwhile.
-            self.control.wait_for_waiting_spares(
-                [s.pid for s in alive], needed, min(SPARE_EXIT_RECHECK_S, max(0.0, deadline - time.monotonic()))
-            )
 
     def _enter_generation(self, round_: Round, new: RdzvState, replacements: dict[int, procs.WorkerProcess]) -> bool:
         """Move this node's workers to generation ``new.round``: survivors keep their processes,

@@ -20,6 +20,7 @@ from resilrun.agent.failures import ProcessFailure, root_cause
 from resilrun.agent.heartbeat import StalenessJudge, watched_nodes
 from resilrun.agent.heartbeat import read_counters as heartbeat_reader
 from resilrun.agent.rounds import Round, RoundEnd, SignalFlag
+from resilrun.agent.spare_pool import SparePool
 from resilrun.agent.specs import NodeSetup
 from resilrun.agent.telemetry import Telemetry
 from resilrun.config import Config
@@ -47,15 +48,13 @@ class SpareNodes:
     last_state: RdzvState | None
     current: Round | None
     _standby: list[procs.WorkerProcess]
+    spare_pool: SparePool
 
     if TYPE_CHECKING:
 
         def _follow_close(self, state: RdzvState) -> RoundEnd: ...
         def _open_next_round(self, state: RdzvState, failures: list[ProcessFailure]) -> RoundEnd: ...
         def _record_failures(self, round: int, failures: list[ProcessFailure]) -> None: ...
-        def _top_up_spares(self, round_: Round, want: int | None = None) -> None: ...
-        def _check_spares(self, round_: Round) -> None: ...
-        def _ready_spares(self, round_: Round, needed: int) -> list[procs.WorkerProcess]: ...
         def _enter_generation(
             self, round_: Round, new: RdzvState, replacements: dict[int, procs.WorkerProcess]
         ) -> bool: ...
@@ -74,7 +73,7 @@ class SpareNodes:
         # Warm workers wait in the Python bootstrap; a program run directly (--no-python) cannot wait
         # without running, so such a spare node starts its workers only when it takes a place.
         want = 0 if self.config.no_python else max(self.setup.nproc, self.config.spares)
-        self._top_up_spares(round_, want)
+        self.spare_pool.top_up(round_, want)
         logger.info(
             "all %d node(s) of the job are running: standing by as a spare node with %d warm worker(s)",
             len(state.participants),
@@ -102,9 +101,9 @@ class SpareNodes:
                     # node, keeping the warm workers for whatever role this node gets.
                     self._standby, round_.spares = [s for s in round_.spares if s.poll() is None], []
                     return RoundEnd.REJOIN
-                self._check_spares(round_)
-                if round_.respawn_at is not None and time.monotonic() >= round_.respawn_at:
-                    self._top_up_spares(round_, want)
+                self.spare_pool.check(round_)
+                if self.spare_pool.due(round_):
+                    self.spare_pool.top_up(round_, want)
         finally:
             if not handed_over:
                 everyone = round_.workers + round_.spares
@@ -117,7 +116,7 @@ class SpareNodes:
         started = time.monotonic()
         round_.node_rank = node_rank
         self.rdzv.me = replace(self.rdzv.me, preferred_rank=node_rank)
-        ready = [] if self.config.no_python else self._ready_spares(round_, self.setup.nproc)
+        ready = [] if self.config.no_python else self.spare_pool.ready(round_, self.setup.nproc)
         if len(ready) < self.setup.nproc or not self._enter_generation(round_, new, dict(enumerate(ready))):
             why = " (--no-python: no warm workers)" if self.config.no_python else ""
             logger.error("this spare node could not take node rank %d%s: restarting the job", node_rank, why)

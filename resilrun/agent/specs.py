@@ -71,7 +71,7 @@ def worker_specs(
             agent_socket=setup.agent_socket,
             attempt=state.restarts + state.recoveries,
             # Long enough for another node's agent to notice its failure (or a node loss) and for
-            # a warming spare to become ready (supervisor._SPARE_READY_TIMEOUT_S).
+            # a warming spare to become ready (spare_pool.SPARE_READY_TIMEOUT_S).
             recovery_wait_s=config.heartbeat_timeout_s + 40.0,
             heartbeat_interval_s=config.heartbeat_interval_s,
             snapshot_dedup=not config.no_snapshot_dedup,

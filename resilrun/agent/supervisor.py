@@ -24,10 +24,11 @@ from resilrun.agent import procs
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.failures import ProcessFailure, collect_failure, format_report, root_cause
 from resilrun.agent.heartbeat import StalenessJudge
-from resilrun.agent.inprocess import InProcessRecovery, SpareBackoff
+from resilrun.agent.inprocess import InProcessRecovery
 from resilrun.agent.policy import Action, AgentView, decide
 from resilrun.agent.rounds import Round, RoundEnd, SignalFlag
 from resilrun.agent.spare_nodes import WATCH_FANOUT, SpareNodes
+from resilrun.agent.spare_pool import SparePool
 from resilrun.agent.specs import NodeSetup, worker_specs
 from resilrun.agent.telemetry import Telemetry
 from resilrun.config import Config
@@ -70,7 +71,7 @@ class Supervisor(InProcessRecovery, SpareNodes):
         # A spare node's warm workers, kept across rounds it does not take part in.
         self._standby: list[procs.WorkerProcess] = []
         self.current: Round | None = None  # what this node runs now (read by the status publisher)
-        self.spare_backoff = SpareBackoff()
+        self.spare_pool = SparePool(config, setup, control, self.telemetry, signals)
         self.raised_probe = None
         self._recorded: set[tuple[int, int, int]] = set()  # (round, rank, pid) of failures in the store
 
@@ -123,7 +124,7 @@ class Supervisor(InProcessRecovery, SpareNodes):
         self.control.begin_generation([w.pid for w in round_.workers])
         self.current = round_
         self.telemetry.round_started(state, node_rank, round_.workers)
-        self._top_up_spares(round_)
+        self.spare_pool.top_up(round_)
         return self._supervise(round_)
 
     def _supervise(self, round_: Round) -> RoundEnd:
@@ -161,13 +162,13 @@ class Supervisor(InProcessRecovery, SpareNodes):
                 and len(current.participants) == len(state.participants)
             )
             self._kill_hung_workers(round_)
-            self._check_spares(round_)
+            self.spare_pool.check(round_)
             self._judge_raised(round_, codes, current)
             action = decide(AgentView(state.round, codes, current, self.signals.signum, lost, follow))
             everyone = round_.workers + round_.spares
             if action is Action.WAIT:
-                if round_.respawn_at is not None and time.monotonic() >= round_.respawn_at:
-                    self._top_up_spares(round_)
+                if self.spare_pool.due(round_):
+                    self.spare_pool.top_up(round_)
                 continue
             if action is Action.SHUTDOWN:
                 signum = self.signals.signum or signal.SIGTERM
