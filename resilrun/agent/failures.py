@@ -1,7 +1,8 @@
-"""Worker failures: what each failed process tells us, and the job's root-cause report.
+"""Worker failures: what each failed process tells us, the job's record of them, the root-cause report.
 
-A failure record is a small JSON dict so it can travel through the rendezvous store to every node;
-the root cause is the earliest failure (by the time the worker raised, or the agent saw it die).
+A failure record is a small JSON dict so it can travel through the rendezvous store to every node
+(``FailureLedger``); the root cause is the earliest failure (by the time the worker raised, or the
+agent saw it die).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from resilrun import keys
+from resilrun.rendezvous.api import RendezvousBackend
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,43 @@ class ProcessFailure:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProcessFailure:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+class FailureLedger:
+    """A round's failures in the rendezvous store, as every agent of the job sees them.
+
+    Why in the store: the root-cause report names the earliest failure on any node, and an agent
+    judging a worker that raised (``worker_verdicts.RaisedVerdict``) asks whether any agent recorded
+    a failure in the round first. Each failure is recorded once per agent, however many paths
+    describe it (an in-process attempt, then the restart it fell back to).
+    """
+
+    def __init__(self, backend: RendezvousBackend, run_id: str) -> None:
+        self.backend = backend
+        self.run_id = run_id
+        self._recorded: set[tuple[int, int, int]] = set()  # (round, rank, pid)
+
+    def record(self, round: int, failures: list[ProcessFailure]) -> list[ProcessFailure]:
+        """Store the failures not recorded yet; returns those."""
+        new = [f for f in failures if (round, f.global_rank, f.pid) not in self._recorded]
+        self._recorded.update((round, f.global_rank, f.pid) for f in new)
+        for failure in new:
+            index = self.backend.add(keys.round_failure_count(self.run_id, round), 1)
+            self.backend.set(keys.round_failure(self.run_id, round, index), json.dumps(failure.to_dict()).encode())
+        return new
+
+    def count(self, round: int) -> int:
+        """How many failures any agent recorded in ``round`` (one store read)."""
+        return self.backend.add(keys.round_failure_count(self.run_id, round), 0)
+
+    def read(self, round: int) -> list[ProcessFailure]:
+        """Every failure any agent recorded in ``round``, in the order they were recorded."""
+        failures = []
+        for index in range(1, self.count(round) + 1):
+            raw = self.backend.get(keys.round_failure(self.run_id, round, index))
+            if raw is not None:
+                failures.append(ProcessFailure.from_dict(json.loads(raw)))
+        return failures
 
 
 def collect_failure(

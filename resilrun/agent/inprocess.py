@@ -1,4 +1,4 @@
-"""In-process recovery on one node: hung workers killed, failed ranks given hot spares.
+"""In-process recovery on one node: failed ranks given hot spares, survivors moved to a new generation.
 
 A mixin of :class:`resilrun.agent.supervisor.Supervisor` (split out to keep modules small): the
 survivors keep their processes and move to the next generation; only the failed ranks change process.
@@ -7,19 +7,13 @@ The spares themselves come from the composed ``SparePool`` (spare_pool.py).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import subprocess
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from resilrun import keys
 from resilrun.agent import procs
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.failures import ProcessFailure, root_cause
-from resilrun.agent.heartbeat import read_counters
 from resilrun.agent.rounds import Round, SignalFlag
 from resilrun.agent.spare_pool import SparePool
 from resilrun.agent.specs import NodeSetup, worker_specs
@@ -41,21 +35,6 @@ def _log_budget_spent(state: RdzvState, newest: int) -> None:
         )
 
 
-# A worker that raised waits at least this long for evidence that a peer failed before it (a failure
-# record, which a peer's agent writes within milliseconds of seeing the exit), plus 1.5 heartbeat
-# intervals on a multi-node job (a node whose counter did not move in that time may be lost: then the
-# worker keeps waiting for the watchers' verdict, which takes --heartbeat-timeout).
-RAISED_GRACE_S = 0.3
-
-
-@dataclass
-class _RaisedProbe:
-    """Since when workers of this node wait after raising, and the other nodes' heartbeats then."""
-
-    started: float
-    counters: dict[str, int]
-
-
 class InProcessRecovery:
     """Hot spares and generations of this node's workers (see the module docstring)."""
 
@@ -68,86 +47,12 @@ class InProcessRecovery:
     run_id: str
     last_state: RdzvState | None
     spare_pool: SparePool
-    raised_probe: _RaisedProbe | None
 
     if TYPE_CHECKING:
 
         def _round_master(self, state: RdzvState, node_rank: int) -> tuple[Any, str | None]: ...
         def _record_failures(self, round: int, failures: list[ProcessFailure]) -> None: ...
         def _describe(self, worker: procs.WorkerProcess, node_rank: int) -> ProcessFailure: ...
-
-    def _kill_hung_workers(self, round_: Round) -> None:
-        """A worker frozen (no heartbeat) or stuck (no committed step) for too long is killed, so the
-        ordinary failure path (a spare, or a restart) takes over."""
-        killed = []
-        for worker in round_.workers:
-            if worker.poll() is not None or worker.pid in round_.killed:
-                continue
-            silent = self.control.silent_for(worker.pid)
-            stalled = self.control.stalled_for(worker.pid)
-            pending = self.control.first_step_pending_for(worker.pid)
-            reason = None
-            if silent is not None and silent > self.config.heartbeat_timeout_s:
-                reason = f"no heartbeat for {silent:.1f} s (frozen?)"
-            elif stalled is not None and stalled > self.config.hang_timeout_s:
-                reason = f"no step committed for {stalled:.0f} s (--hang-timeout {self.config.hang_timeout_s:g})"
-            elif pending is not None and pending > self.config.first_step_timeout_s:
-                reason = (
-                    f"no first step after {pending:.0f} s (--first-step-timeout {self.config.first_step_timeout_s:g})"
-                )
-            if reason is not None:
-                logger.error("rank %d hung: %s; killing it", worker.spec.global_rank, reason)
-                self.telemetry.hung(worker.spec.global_rank, worker.pid, reason)
-                round_.killed.add(worker.pid)
-                worker.signal_group(signal.SIGKILL)
-                killed.append(worker)
-        # Wait for them to be gone, so that workers killed together are recovered together (one
-        # generation) rather than one by one as each exit is seen.
-        deadline = time.monotonic() + 2.0
-        for worker in killed:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.popen.wait(max(0.0, deadline - time.monotonic()))
-
-    def _judge_raised(self, round_: Round, codes: tuple[int | None, ...], current: RdzvState) -> None:
-        """Decide for the workers whose script raised whether they are survivors or the failure.
-
-        Survivors (a peer failed first and broke their collective) wait for the next generation; the
-        failure itself (its own error: a bug, an NCCL or CUDA error of its own) is told to exit, so the
-        ordinary path replaces it. Decided from what the agents know, never from the error's text: a
-        local worker that exited, a failure recorded by any agent in this round, or a round that moved
-        on mean a peer failed; a node whose heartbeat stopped may be lost (wait for the verdict). None
-        of these within the grace: nothing failed before it.
-        """
-        pending = [pid for pid, (round, _) in self.control.raised_workers().items() if round == round_.state.round]
-        if not pending:
-            self.raised_probe = None
-            return
-        state = round_.state
-        if any(code not in (None, 0) for code in codes) or current.closed or current.round != state.round:
-            return
-        if self.rdzv.backend.add(keys.round_failure_count(self.run_id, state.round), 0) > 0:
-            return
-        me = self.rdzv.me.node_id
-        others = [p.node_id for p in state.participants if p.node_id != me]
-        counters = read_counters(self.rdzv.backend, self.run_id, others)() if others else {}
-        now = time.monotonic()
-        if self.raised_probe is None:
-            self.raised_probe = _RaisedProbe(now, counters)
-            return
-        grace = RAISED_GRACE_S + (1.5 * self.config.heartbeat_interval_s if others else 0.0)
-        if now - self.raised_probe.started < grace:
-            return
-        if any(counters.get(node) == self.raised_probe.counters.get(node) for node in others):
-            return  # a node may be lost: its watchers decide within --heartbeat-timeout
-        ranks = {w.pid: w.spec.global_rank for w in round_.workers}
-        for pid in pending:
-            if pid in ranks:
-                logger.warning(
-                    "rank %d raised with no failure before it anywhere in the job: its own error is the failure",
-                    ranks[pid],
-                )
-                self.control.dismiss(pid)
-        self.raised_probe = None
 
     def _recover_in_process(self, round_: Round) -> bool:
         """Replace failed workers with hot spares and move everyone to a new generation.

@@ -11,7 +11,6 @@ decision wins and every node follows it.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
@@ -22,7 +21,7 @@ from typing import Any
 from resilrun import keys
 from resilrun.agent import procs
 from resilrun.agent.control import WorkerControl
-from resilrun.agent.failures import ProcessFailure, collect_failure, format_report, root_cause
+from resilrun.agent.failures import FailureLedger, ProcessFailure, collect_failure, format_report, root_cause
 from resilrun.agent.heartbeat import StalenessJudge
 from resilrun.agent.inprocess import InProcessRecovery
 from resilrun.agent.policy import Action, AgentView, decide
@@ -31,6 +30,7 @@ from resilrun.agent.spare_nodes import WATCH_FANOUT, SpareNodes
 from resilrun.agent.spare_pool import SparePool
 from resilrun.agent.specs import NodeSetup, worker_specs
 from resilrun.agent.telemetry import Telemetry
+from resilrun.agent.worker_verdicts import HungWorkers, RaisedVerdict
 from resilrun.config import Config
 from resilrun.env import STATE_LOST_EXIT_CODE
 from resilrun.errors import (
@@ -72,8 +72,11 @@ class Supervisor(InProcessRecovery, SpareNodes):
         self._standby: list[procs.WorkerProcess] = []
         self.current: Round | None = None  # what this node runs now (read by the status publisher)
         self.spare_pool = SparePool(config, setup, control, self.telemetry, signals)
-        self.raised_probe = None
-        self._recorded: set[tuple[int, int, int]] = set()  # (round, rank, pid) of failures in the store
+        self.hung_workers = HungWorkers(config, control, self.telemetry)
+        self.failure_ledger = FailureLedger(rdzv.backend, rdzv.run_id)
+        self.raised_verdict = RaisedVerdict(
+            control, self.failure_ledger, rdzv.backend, rdzv.me.node_id, config.heartbeat_interval_s
+        )
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -161,9 +164,9 @@ class Supervisor(InProcessRecovery, SpareNodes):
                 and current.node_rank(self.rdzv.me.node_id) == round_.node_rank
                 and len(current.participants) == len(state.participants)
             )
-            self._kill_hung_workers(round_)
+            self.hung_workers.kill(round_)
             self.spare_pool.check(round_)
-            self._judge_raised(round_, codes, current)
+            self.raised_verdict.judge(round_, codes, current)
             action = decide(AgentView(state.round, codes, current, self.signals.signum, lost, follow))
             everyone = round_.workers + round_.spares
             if action is Action.WAIT:
@@ -286,7 +289,7 @@ class Supervisor(InProcessRecovery, SpareNodes):
         if state.outcome == "succeeded":
             return RoundEnd.DONE
         if state.outcome == "failed":
-            failures = self._read_failures(state.round)
+            failures = self.failure_ledger.read(state.round)
             if not failures and state.failure:
                 failures = [ProcessFailure.from_dict(state.failure)]
             report = format_report("resilrun: the job failed", failures)
@@ -486,19 +489,6 @@ class Supervisor(InProcessRecovery, SpareNodes):
         return self.config.rdzv.read_timeout_s
 
     def _record_failures(self, round: int, failures: list[ProcessFailure]) -> None:
-        """Each failure once: the restart path describes again what an in-process attempt recorded."""
-        failures = [f for f in failures if (round, f.global_rank, f.pid) not in self._recorded]
-        self._recorded.update((round, f.global_rank, f.pid) for f in failures)
-        self.telemetry.failures(round, failures)
-        for failure in failures:
-            index = self.rdzv.backend.add(keys.round_failure_count(self.run_id, round), 1)
-            self.rdzv.backend.set(keys.round_failure(self.run_id, round, index), json.dumps(failure.to_dict()).encode())
-
-    def _read_failures(self, round: int) -> list[ProcessFailure]:
-        count = self.rdzv.backend.add(keys.round_failure_count(self.run_id, round), 0)
-        failures = []
-        for index in range(1, count + 1):
-            raw = self.rdzv.backend.get(keys.round_failure(self.run_id, round, index))
-            if raw is not None:
-                failures.append(ProcessFailure.from_dict(json.loads(raw)))
-        return failures
+        """Each failure once, in the store and the telemetry (the restart path describes again what
+        an in-process attempt recorded)."""
+        self.telemetry.failures(round, self.failure_ledger.record(round, failures))

@@ -481,16 +481,27 @@ def test_the_gate_does_not_wait_for_a_peer_that_refuses_connections(
     assert max(waits[1:]) < 0.05  # ... nor for one in backoff
 
 
-def test_the_gate_waits_out_a_blackholed_peer_once_then_no_longer(
-    memory: NodeMemoryTier, replicators: list[Replicator]
-) -> None:
-    # A peer that accepts TCP connections and never answers: its push fails at its deadline
+@contextlib.contextmanager
+def replicating_to_a_silent_peer(
+    memory: NodeMemoryTier, replicators: list[Replicator], **options: object
+) -> Iterator[Replicator]:
+    """A Replicator whose one target accepts TCP connections and never answers (each push fails at
+    its deadline), running once its target's thread does."""
     listener = socket.create_server(("127.0.0.1", 0))
     try:
         address = f"127.0.0.1:{listener.getsockname()[1]}"
-        replicator = Replicator(memory, SECRET, lambda: [address], timeout=timedelta(seconds=0.5), refresh=REFRESH)
+        replicator = Replicator(memory, SECRET, lambda: [address], refresh=REFRESH, **options)  # type: ignore[arg-type]
         replicators.append(replicator)
         eventually(lambda: address in replicator._targets)
+        yield replicator
+    finally:
+        listener.close()
+
+
+def test_the_gate_waits_out_a_blackholed_peer_once_then_no_longer(
+    memory: NodeMemoryTier, replicators: list[Replicator]
+) -> None:
+    with replicating_to_a_silent_peer(memory, replicators, timeout=timedelta(seconds=0.5)) as replicator:
         commit(memory, 0, 1, snapshot(1))
         first = memory.pass_gates(0, 1)
         later = []
@@ -500,18 +511,9 @@ def test_the_gate_waits_out_a_blackholed_peer_once_then_no_longer(
         assert 0.3 < first < 2  # the push's deadline, once
         assert max(later) < 0.05  # a failing peer is not waited for: replicas lag, training goes on
         assert lags(replicator)[0]["replicated"] is None
-    finally:
-        listener.close()
 
 
 def test_without_the_gate_commits_are_never_held(memory: NodeMemoryTier, replicators: list[Replicator]) -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
-    try:
-        address = f"127.0.0.1:{listener.getsockname()[1]}"
-        replicator = Replicator(memory, SECRET, lambda: [address], timeout=timedelta(seconds=5), hold_commits=False)
-        replicators.append(replicator)
-        eventually(lambda: address in replicator._targets)
+    with replicating_to_a_silent_peer(memory, replicators, timeout=timedelta(seconds=5), hold_commits=False):
         commit(memory, 0, 1, snapshot(1))
         assert memory.pass_gates(0, 1) == 0
-    finally:
-        listener.close()

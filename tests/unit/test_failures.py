@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from resilrun.agent.failures import ProcessFailure, collect_failure, format_report, root_cause
+from resilrun.agent.failures import FailureLedger, ProcessFailure, collect_failure, format_report, root_cause
+from resilrun.rendezvous.memory import MemoryBackend
 
 
 def torchrun_error_file(path: Path, message: str, callstack: str, timestamp: str) -> Path:
@@ -180,3 +181,14 @@ def test_format_report_with_one_failure_has_no_other_failures_section() -> None:
     assert "  exit code:  4 (pid 1000)" in report
     assert "traceback" not in report
     assert "error file" not in report
+
+
+def test_the_ledger_records_each_failure_once_and_every_agent_reads_them_in_order() -> None:
+    backend = MemoryBackend()
+    here, there = FailureLedger(backend, "job"), FailureLedger(backend, "job")  # two agents, one store
+    first, second = failure(1, 10.0, pid=11), failure(2, 11.0, pid=12)
+    assert here.record(3, [first]) == [first]
+    assert here.record(3, [first, second]) == [second]  # the restart path describes rank 1 again
+    assert there.count(3) == 2 and there.read(3) == [first, second]
+    assert there.count(4) == 0 and there.read(4) == []  # per round
+    assert there.record(3, [first]) == [first]  # each agent dedups what it recorded itself
