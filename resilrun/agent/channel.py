@@ -144,7 +144,10 @@ class AgentChannel:
             fds = [memory.ctl.fd] + [memory.slots[i].fd for i in present]  # type: ignore[union-attr]
             return {"ok": True, "slots": len(memory.slots), "present": present, **self.memory.describe(rank)}, fds
         if op == "alloc":
-            buffer = self.memory.allocate(int(request["rank"]), int(request["slot"]), int(request["nbytes"]))
+            rank = int(request["rank"])
+            buffer = self.memory.allocate(rank, int(request["slot"]), int(request["nbytes"]))
+            if buffer is None:  # no room for the ring's extra slot: the worker uses the smaller ring
+                return {"ok": True, "slots": len(self.memory.rank(rank).slots)}, []
             return {"ok": True}, [buffer.fd]
         if op == "commit":
             if "pid" in request:

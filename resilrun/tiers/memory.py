@@ -115,15 +115,48 @@ class NodeMemoryTier:
                 self._ranks[rank] = RankMemory(rank, self.run_id, self.slots)
             return self._ranks[rank]
 
-    def allocate(self, rank: int, slot: int, nbytes: int) -> SharedBuffer:
+    def allocate(self, rank: int, slot: int, nbytes: int) -> SharedBuffer | None:
         """(Re)allocate one slot; the other slots, and their committed steps, are untouched.
+
+        Returns None when ``slot`` is a ring's extra slot (beyond double buffering) that node memory
+        cannot hold: the rank's ring shrinks to two slots (logged), and the caller writes into the
+        smaller ring instead. Training goes on; only a lagging replica's cover is gone.
 
         Raises:
             CheckpointError: node memory cannot hold the buffer (said before training goes on).
         """
-        if slot not in range(self.slots):
-            raise CheckpointError(f"slot {slot} does not exist")
         memory = self.rank(rank)
+        if slot not in range(len(memory.slots)):
+            raise CheckpointError(f"slot {slot} does not exist")
+        try:
+            return self._allocate(memory, slot, nbytes)
+        except CheckpointError as exc:
+            if slot < SLOTS:
+                raise
+            self._shrink(memory, exc)
+            return None
+
+    def _shrink(self, memory: RankMemory, why: CheckpointError) -> None:
+        """Give up ``memory``'s extra slots: the ring is double buffering again."""
+        with self._lock:
+            dropped = memory.slots[SLOTS:]
+            extra = range(SLOTS, len(memory.slots))
+            released = [memory.committed.pop(slot) for slot in extra if slot in memory.committed]
+            memory.slots = memory.slots[:SLOTS]
+        for committed in released:
+            self._release(committed)
+        for buffer in dropped:
+            if buffer is not None:
+                buffer.close()
+        logger.warning(
+            "rank %d keeps two snapshots in node memory, not three (%s): a node loss while its replicas lag "
+            "a step may now resume from an older step",
+            memory.rank,
+            why.message,
+        )
+
+    def _allocate(self, memory: RankMemory, slot: int, nbytes: int) -> SharedBuffer:
+        rank = memory.rank
         available = psutil.virtual_memory().available
         if nbytes > available:
             raise CheckpointError(
@@ -418,12 +451,15 @@ class NodeMemoryTier:
     def install(self, rank: int, step: int, data: bytes | memoryview, values: Any) -> None:
         """Place a snapshot fetched from another tier into a free slot, as if the worker committed it."""
         memory = self.rank(rank)
-        with self._lock:
-            newest = max(memory.committed.values(), key=lambda c: c.step, default=None)
-        slot = 0 if newest is None else memory.after(newest.slot)
-        buffer = memory.slots[slot]
-        if buffer is None or buffer.nbytes < len(data):
-            buffer = self.allocate(rank, slot, len(data))
+        while True:
+            with self._lock:
+                newest = max(memory.committed.values(), key=lambda c: c.step, default=None)
+            slot = 0 if newest is None else memory.after(newest.slot)
+            buffer = memory.slots[slot]
+            if buffer is None or buffer.nbytes < len(data):
+                buffer = self.allocate(rank, slot, len(data))
+            if buffer is not None:
+                break  # else the ring shrank (no room for its extra slot): choose again
         with self._lock:
             released = memory.committed.pop(slot, None)
         self._release(released)

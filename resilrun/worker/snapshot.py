@@ -154,10 +154,7 @@ class Snapshotter:
         self._settle()
         layout = self._layout_for(tensors)
         skipped, borrowed, shared = self._borrowing(layout, replicated)
-        slot = self._free_slot()
-        buffer = self.slots[slot]
-        if buffer is None or buffer.nbytes < layout.total_bytes:
-            buffer = self._allocate(slot, layout.total_bytes)
+        slot, buffer = self._slot_for(layout.total_bytes)
         self.held.pop(slot, None)
         self.seq.begin(slot)
         header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
@@ -252,14 +249,38 @@ class Snapshotter:
             return frozenset(), (), plan[4]
         return plan[2], plan[3], plan[4]
 
+    def _shrink(self, slots: int) -> None:
+        """The agent keeps fewer slots for this rank now: forget the others."""
+        for slot in range(slots, len(self.slots)):
+            buffer = self.slots[slot]
+            if buffer is not None:
+                buffer.close()
+            self.held.pop(slot, None)
+        self.slots = self.slots[:slots]
+
     def _free_slot(self) -> int:
         if not self.held:
             return 0
         newest = max(self.held, key=lambda s: self.held[s][0])
         return (newest + 1) % len(self.slots)
 
-    def _allocate(self, slot: int, nbytes: int) -> SharedBuffer:
-        _, fds = self._request({"op": "alloc", "rank": self.rank, "slot": slot, "nbytes": nbytes})
+    def _slot_for(self, nbytes: int) -> tuple[int, SharedBuffer]:
+        """The slot the next step goes to, (re)allocated to hold ``nbytes``."""
+        while True:
+            slot = self._free_slot()
+            buffer = self.slots[slot]
+            if buffer is not None and buffer.nbytes >= nbytes:
+                return slot, buffer
+            buffer = self._allocate(slot, nbytes)
+            if buffer is not None:
+                return slot, buffer
+            # else the agent could not hold the ring's extra slot and shrank the ring: choose again
+
+    def _allocate(self, slot: int, nbytes: int) -> SharedBuffer | None:
+        response, fds = self._request({"op": "alloc", "rank": self.rank, "slot": slot, "nbytes": nbytes})
+        if not fds:
+            self._shrink(int(response["slots"]))
+            return None
         old = self.slots[slot]
         self.slots[slot] = SharedBuffer.attach(fds[0])
         if old is not None:

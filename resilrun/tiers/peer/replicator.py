@@ -53,6 +53,9 @@ _IDLE_WAIT_S = 1.0
 # The commit gate waits this long at most for a deduplicated snapshot to become complete: it borrows
 # bytes from local ranks that commit the same step within milliseconds unless they are failing.
 _COMPLETE_WAIT_S = 1.0
+# and this long at most in all: well inside the worker's channel timeout (worker/_channel.py), so a
+# push slower than this lets the replica fall behind by more than a step instead of failing the worker.
+GATE_MAX_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +161,7 @@ class Replicator:
         with self._cond:
             sources = list(self._latest.values())
             budget = self._timeout + sum(s.committed.nbytes for s in sources) / _MIN_RATE_BYTES_S
+            budget = min(budget, GATE_MAX_S)
             end, complete_by = started + budget, started + _COMPLETE_WAIT_S
             while not self._closed:
                 now = time.monotonic()
