@@ -1,76 +1,81 @@
 """In-process recovery on one node: failed ranks given hot spares, survivors moved to a new generation.
 
-A mixin of :class:`resilrun.agent.supervisor.Supervisor` (split out to keep modules small): the
-survivors keep their processes and move to the next generation; only the failed ranks change process.
-The spares themselves come from the composed ``SparePool`` (spare_pool.py).
+The survivors keep their processes (and their memory) and move to the next generation; only the
+failed ranks change process, taking a hot spare from the ``SparePool``. The decision refuses when a
+spare is missing, a worker is not on the resilrun API, the same rank failed again without progress,
+or the job-wide recovery budget is spent (``protocol.recovery_budget_spent``): the caller then
+restarts the job the torchrun way (bounded by ``--max-restarts``).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING, Any
 
-from resilrun.agent import procs
 from resilrun.agent.control import WorkerControl
-from resilrun.agent.failures import ProcessFailure, root_cause
-from resilrun.agent.rounds import Round, SignalFlag
+from resilrun.agent.failures import root_cause
+from resilrun.agent.procs import WorkerProcess
+from resilrun.agent.restarts import Restarts
+from resilrun.agent.round_master import RoundMaster
+from resilrun.agent.rounds import Membership, Round
 from resilrun.agent.spare_pool import SparePool
 from resilrun.agent.specs import NodeSetup, worker_specs
 from resilrun.agent.telemetry import Telemetry
+from resilrun.clock import Clock
 from resilrun.config import Config
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import MAX_RECOVERIES_WITHOUT_PROGRESS, RdzvState, recovery_budget_spent
 
 logger = logging.getLogger("resilrun.agent.supervisor")
 
-def _log_budget_spent(state: RdzvState, newest: int) -> None:
-    if not state.closed and recovery_budget_spent(state, newest):
-        logger.warning(
-            "in-process recovery budget spent: %d recoveries in a row without a newer step than %d "
-            "(at most %d): restarting instead (bounded by --max-restarts)",
-            state.stalled_recoveries,
-            state.progress_step,
-            MAX_RECOVERIES_WITHOUT_PROGRESS,
-        )
+# Replacement spares start this long after a recovery, past its busiest seconds (they compete with
+# it for the cores).
+RESPAWN_DELAY_S = 5.0
 
 
 class InProcessRecovery:
-    """Hot spares and generations of this node's workers (see the module docstring)."""
+    """Decides an in-process recovery and moves this node's workers between generations."""
 
-    config: Config
-    setup: NodeSetup
-    rdzv: RendezvousClient
-    control: WorkerControl
-    signals: SignalFlag
-    telemetry: Telemetry
-    run_id: str
-    last_state: RdzvState | None
-    spare_pool: SparePool
+    def __init__(
+        self,
+        config: Config,
+        setup: NodeSetup,
+        rdzv: RendezvousClient,
+        control: WorkerControl,
+        telemetry: Telemetry,
+        spare_pool: SparePool,
+        round_master: RoundMaster,
+        restarts: Restarts,
+        membership: Membership,
+        clock: Clock,
+    ) -> None:
+        self._config = config
+        self._setup = setup
+        self._rdzv = rdzv
+        self._control = control
+        self._telemetry = telemetry
+        self._spare_pool = spare_pool
+        self._round_master = round_master
+        self._restarts = restarts
+        self._membership = membership
+        self._clock = clock
 
-    if TYPE_CHECKING:
-
-        def _round_master(self, state: RdzvState, node_rank: int) -> tuple[Any, str | None]: ...
-        def _record_failures(self, round: int, failures: list[ProcessFailure]) -> None: ...
-        def _describe(self, worker: procs.WorkerProcess, node_rank: int) -> ProcessFailure: ...
-
-    def _recover_in_process(self, round_: Round) -> bool:
+    def recover(self, round_: Round) -> bool:
         """Replace failed workers with hot spares and move everyone to a new generation.
 
-        Returns False when that is impossible (no ready spare, a worker not on the resilrun API,
-        or the job moved on otherwise); the caller then restarts the job the torchrun way.
+        Returns False when that is impossible (see the module docstring) or the job moved on
+        otherwise; the caller then restarts the job.
         """
-        started = time.monotonic()
+        started = self._clock.monotonic()
         failed = [w for w in round_.workers if w.poll() not in (None, 0)]
         if not failed:
             return False
         # Recorded at once, before anything waits (a spare still warming): other nodes' workers whose
-        # collectives broke learn from this record that a peer failed first (``_judge_raised``).
-        failures = [self._describe(w, round_.node_rank) for w in failed]
-        self._record_failures(round_.state.round, failures)
-        if not self.control.uses_api([w.pid for w in round_.workers]):
+        # collectives broke learn from this record that a peer failed first (``RaisedVerdict``).
+        failures = [self._restarts.describe(w, round_.node_rank) for w in failed]
+        self._restarts.record(round_.state.round, failures)
+        if not self._control.uses_api([w.pid for w in round_.workers]):
             return False
-        newest = self.control.newest_step([w.pid for w in round_.workers])
+        newest = self._control.newest_step([w.pid for w in round_.workers])
         newest = -1 if newest is None else newest
         ranks = frozenset(w.spec.global_rank for w in failed)
         no_progress = round_.recovered_at_step is not None and newest <= round_.recovered_at_step
@@ -81,15 +86,22 @@ class InProcessRecovery:
             # failing during a recovery is an independent failure and is recovered in-process.)
             logger.warning("no progress since the last in-process recovery (step %s): not recovering again", newest)
             return False
-        ready = self.spare_pool.ready(round_, len(failed))
+        ready = self._spare_pool.ready(round_, len(failed))
         if len(failed) > len(ready):
             return False
         cause = root_cause(failures)
-        new = self.rdzv.recover(round_.state.round, failure=cause.to_dict() if cause else None, newest_step=newest)
+        new = self._rdzv.recover(round_.state.round, failure=cause.to_dict() if cause else None, newest_step=newest)
         if new.closed or not (new.recovering and new.complete and new.round > round_.state.round):
-            _log_budget_spent(new, newest)
+            if not new.closed and recovery_budget_spent(new, newest):
+                logger.warning(
+                    "in-process recovery budget spent: %d recoveries in a row without a newer step than %d "
+                    "(at most %d): restarting instead (bounded by --max-restarts)",
+                    new.stalled_recoveries,
+                    new.progress_step,
+                    MAX_RECOVERIES_WITHOUT_PROGRESS,
+                )
             return False
-        if new.node_rank(self.rdzv.me.node_id) != round_.node_rank:
+        if new.node_rank(self._rdzv.me.node_id) != round_.node_rank:
             return False
         logger.warning(
             "rank %s failed (%s): hot spare takes over, generation %d (no restart)",
@@ -100,18 +112,22 @@ class InProcessRecovery:
         round_.recovered_at_step = newest
         round_.recovered_ranks = ranks
         replacements = dict(zip([w.spec.local_rank for w in failed], ready, strict=False))
-        self.telemetry.recovery_decided(new, failed, replacements, time.monotonic() - started)
-        self._enter_generation(round_, new, replacements)
-        logger.info("recovery decided in %.3f s", time.monotonic() - started)
+        self._telemetry.recovery_decided(new, failed, replacements, self._clock.monotonic() - started)
+        self.enter_generation(round_, new, replacements)
+        logger.info("recovery decided in %.3f s", self._clock.monotonic() - started)
         return True
 
-    def _enter_generation(self, round_: Round, new: RdzvState, replacements: dict[int, procs.WorkerProcess]) -> bool:
+    def enter_generation(self, round_: Round, new: RdzvState, replacements: dict[int, WorkerProcess]) -> bool:
         """Move this node's workers to generation ``new.round``: survivors keep their processes,
-        spares named in ``replacements`` (by local rank) take the other places."""
-        store, master = self._round_master(new, round_.node_rank)
+        spares named in ``replacements`` (by local rank) take the other places.
+
+        Returns False when the generation ended before its worker store was found (the caller's
+        next tick sees the newer round).
+        """
+        store, master = self._round_master.resolve(new, round_.node_rank)
         if master is None:
             return False
-        specs = worker_specs(self.config, self.setup, self.run_id, new, round_.node_rank, master)
+        specs = worker_specs(self._config, self._setup, self._rdzv.run_id, new, round_.node_rank, master)
         envs: dict[int, dict[str, str]] = {}
         workers = []
         with round_.updating():  # a status read sees the promoted spare in one list, never in none
@@ -120,7 +136,7 @@ class InProcessRecovery:
                 if spare is not None:
                     round_.spares.remove(spare)
                     spare.spec = spec
-                    self.control.assign(spare.pid, spec.env)
+                    self._control.assign(spare.pid, spec.env)
                     workers.append(spare)
                 else:
                     worker = round_.workers[spec.local_rank]
@@ -128,14 +144,12 @@ class InProcessRecovery:
                     envs[worker.pid] = spec.env
                     workers.append(worker)
             round_.workers = workers
-            self.control.begin_generation([w.pid for w in workers])
-            self.control.publish_generation(new.round, envs)
+            self._control.begin_generation([w.pid for w in workers])
+            self._control.publish_generation(new.round, envs)
             round_.state = new
         round_.store = store  # the previous generation's store goes; its clients have moved on
-        self.last_state = new
-        self.telemetry.generation_entered(new, round_.node_rank, round_.workers)
+        self._membership.enter(new)
+        self._telemetry.generation_entered(new, round_.node_rank, round_.workers)
         if replacements:
-            # Start replacement spares once the recovery is past its busiest seconds (they compete
-            # with it for the cores).
-            round_.respawn_at = time.monotonic() + 5.0
+            round_.respawn_at = self._clock.monotonic() + RESPAWN_DELAY_S
         return True

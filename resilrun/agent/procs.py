@@ -297,3 +297,20 @@ def stop(workers: Iterable[WorkerProcess], signum: int, grace_s: float) -> None:
             worker.popen.wait(5.0)
         worker.poll()
         worker.finish_output()
+
+
+class Processes:
+    """Starting, waiting on and stopping workers, as one object the supervisor's parts are given.
+
+    Why an object: the recovery decisions are unit-tested against fake processes and a fake clock
+    (tests/unit/test_recovery_paths.py); the real ones are the module's functions above.
+    """
+
+    def spawn(self, spec: WorkerSpec) -> WorkerProcess:
+        return spawn(spec)
+
+    def wait_any_exit(self, workers: Iterable[WorkerProcess], timeout_s: float) -> None:
+        wait_any_exit(workers, timeout_s)
+
+    def stop(self, workers: Iterable[WorkerProcess], signum: int, grace_s: float) -> None:
+        stop(workers, signum, grace_s)

@@ -1,4 +1,8 @@
-"""What one node runs in a round, shared by the supervisor and its recovery mixins."""
+"""What one node runs in a round and where it stands in the job, shared by the supervisor's parts.
+
+The supervisor thread is the only writer of a :class:`Round` and of the :class:`Membership`; other
+threads (status, replication targets) read them through snapshots and plain attribute reads.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +38,36 @@ class RoundEnd(Enum):
 
     DONE = "done"
     REJOIN = "rejoin"
+
+
+class NodePhase(Enum):
+    """Where this node's agent is, set by the supervisor as it moves (the status document's
+    ``nodes[].state`` while the agent runs; docs/status.md)."""
+
+    JOINING = "joining"  # in the rendezvous, or between rounds
+    ACTIVE = "active"  # runs ranks of the current round
+    SPARE = "spare"  # a spare node: warm workers, no node rank
+
+
+class Membership:
+    """This node's place in the job: the newest generation it follows, the round it runs, its phase.
+
+    One object given to every part that moves the node (the round loop, in-process recovery, the
+    spare-node standby), so none of them reaches into another for it. Written by the supervisor
+    thread; each field is one reference, so a reader (status, replication) sees a whole value.
+    """
+
+    def __init__(self) -> None:
+        self.state: RdzvState | None = None
+        self.current: Round | None = None
+        self.phase = NodePhase.JOINING
+
+    def enter(self, state: RdzvState) -> None:
+        self.state = state
+
+    def run(self, round_: Round, phase: NodePhase) -> None:
+        self.current = round_
+        self.phase = phase
 
 
 @dataclass(frozen=True, slots=True)

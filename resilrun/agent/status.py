@@ -65,7 +65,7 @@ class StatusPublisher:
         self.backend = supervisor.rdzv.backend
         self.run_id = supervisor.run_id
         self.node_id = supervisor.rdzv.me.node_id
-        self.state = "joining"
+        self.outcome: str | None = None  # set once the agent left (succeeded, failed, stopped, error)
         self.started = time.monotonic()
         self.latest: dict[str, Any] | None = None
         self.bytes_written = 0
@@ -87,18 +87,17 @@ class StatusPublisher:
     def build(self) -> dict[str, Any]:
         """This node's document (schema in docs/status.md); pure reads of the agent's state."""
         sup = self.supervisor
-        current = getattr(sup, "current", None)
-        state = sup.last_state
+        membership = sup.membership
+        current = membership.current
+        state = membership.state
         node_rank = state.node_rank(self.node_id) if state is not None else None
         view = current.snapshot() if current is not None else None
         workers = list(view.workers) if view is not None else []
         spares = list(view.spares) if view is not None else []
         waiting = set(self.control.waiting_spares())
         ranks = [self._rank(w) for w in workers]
-        node_state = self.state
-        if node_state in ("joining", "active"):
-            # A spare node runs warm workers without a node rank until it takes a lost node's place.
-            node_state = "joining" if current is None else "active" if node_rank is not None else "spare"
+        # While the agent runs, the phase its supervisor set; once it left, the outcome (close()).
+        node_state = self.outcome or membership.phase.value
         alive_spares = [s for s in spares if s.exit_code is None]
         return {
             "schema": history.SCHEMA,
@@ -183,7 +182,7 @@ class StatusPublisher:
 
     def _peer_ages(self) -> dict[str, float | None]:
         """Heartbeat ages of the next ``_WATCHED`` nodes, judged on this agent's clock."""
-        state = self.supervisor.last_state
+        state = self.supervisor.membership.state
         if state is None or len(state.participants) < 2:
             return {}
         rank = state.node_rank(self.node_id)
@@ -225,7 +224,7 @@ class StatusPublisher:
         self._wake.set()
         self._thread.join(self.interval_s + 5)
         if final_state is not None:
-            self.state = final_state
+            self.outcome = final_state
             self.publish()
 
 

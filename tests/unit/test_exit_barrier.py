@@ -127,7 +127,7 @@ def finish_and_die(backend: MemoryBackend, me: str, state: RdzvState, tmp_path: 
     dying.signum = signal.SIGKILL  # the barrier's first poll stops it, right after it counted itself
     node_ = supervisor(backend, me, FakeClock(), make_config(), dying, tmp_path)
     with pytest.raises(ShutdownRequested):
-        node_._exit_barrier(state)
+        node_.exit_barrier.wait(state)
 
 
 def current(backend: MemoryBackend) -> RdzvState:
@@ -139,7 +139,7 @@ def test_all_nodes_finished_closes_the_job_as_succeeded(tmp_path: Path) -> None:
     state = start_round(backend, ["a", "b"])
     finish_and_die(backend, "b", state, tmp_path)
     a = supervisor(backend, "a", FakeClock(), make_config(), PollBudget(1000), tmp_path)
-    assert a._exit_barrier(state) is RoundEnd.DONE
+    assert a.exit_barrier.wait(state) is RoundEnd.DONE
     assert (current(backend).closed, current(backend).outcome) == (True, "succeeded")
 
 
@@ -150,7 +150,7 @@ def test_a_node_lost_after_its_workers_finished_does_not_fail_the_job(tmp_path: 
     finish_and_die(backend, "b", state, tmp_path)
     finish_and_die(backend, "c", state, tmp_path)
     a = supervisor(backend, "a", FakeClock(), make_config(), PollBudget(1000), tmp_path)
-    assert a._exit_barrier(state) is RoundEnd.DONE
+    assert a.exit_barrier.wait(state) is RoundEnd.DONE
     assert current(backend).outcome == "succeeded"
 
 
@@ -159,7 +159,7 @@ def test_a_node_lost_before_its_workers_finished_restarts_the_job(tmp_path: Path
     backend = MemoryBackend()
     state = start_round(backend, ["a", "b"])
     a = supervisor(backend, "a", FakeClock(), make_config(), PollBudget(1000), tmp_path)
-    assert a._exit_barrier(state) is RoundEnd.REJOIN
+    assert a.exit_barrier.wait(state) is RoundEnd.REJOIN
     after = current(backend)
     assert (after.closed, after.round, after.restarts) == (False, ROUND + 1, 1)
     assert after.failure is not None and "node lost" in after.failure["message"]
@@ -173,7 +173,7 @@ def test_a_node_lost_before_its_workers_finished_fails_the_job_without_a_restart
     state = start_round(backend, ["a", "b"])
     a = supervisor(backend, "a", FakeClock(), make_config(max_restarts=0), PollBudget(1000), tmp_path)
     with pytest.raises(WorkerGroupFailed, match="node 1 .*node lost"):
-        a._exit_barrier(state)
+        a.exit_barrier.wait(state)
     assert (current(backend).closed, current(backend).outcome) == (True, "failed")
 
 
@@ -186,7 +186,7 @@ def test_the_barrier_gives_up_at_its_deadline_and_stops_the_job(tmp_path: Path) 
     a = supervisor(backend, "a", clock, config, PollBudget(1000), tmp_path)
     start = clock.now
     with pytest.raises(RendezvousTimeoutError, match=r"node 1 \(b\)") as info:
-        a._exit_barrier(state)
+        a.exit_barrier.wait(state)
     assert 0.1 <= clock.now - start < 0.2
     assert info.value.hint is not None and "--exit-barrier-timeout" in info.value.hint
     after = current(backend)
@@ -194,7 +194,7 @@ def test_the_barrier_gives_up_at_its_deadline_and_stops_the_job(tmp_path: Path) 
     # b's agent follows the close (stops its workers) and says why.
     b = supervisor(backend, "b", FakeClock(), make_config(), PollBudget(10), tmp_path)
     with pytest.raises(RendezvousClosedError, match="exit barrier"):
-        b._follow_close(after)
+        b.restarts.follow_close(after)
 
 
 def test_a_twice_applied_counter_update_does_not_count_a_node_twice(tmp_path: Path) -> None:
@@ -205,11 +205,11 @@ def test_a_twice_applied_counter_update_does_not_count_a_node_twice(tmp_path: Pa
     clock = FakeClock(on_sleep=beat(backend, "b"))
     a = supervisor(backend, "a", clock, make_config(), PollBudget(50), tmp_path)
     with pytest.raises(StillWaiting):
-        a._exit_barrier(state)
+        a.exit_barrier.wait(state)
     assert not current(backend).closed
     finish_and_die(backend, "b", state, tmp_path)
     a = supervisor(backend, "a", clock, make_config(), PollBudget(50), tmp_path)
-    assert a._exit_barrier(state) is RoundEnd.DONE
+    assert a.exit_barrier.wait(state) is RoundEnd.DONE
     assert current(backend).outcome == "succeeded"
 
 
@@ -222,7 +222,7 @@ def test_a_node_entering_the_barrier_twice_is_counted_once(tmp_path: Path) -> No
     clock = FakeClock(on_sleep=beat(backend, "c"))
     a = supervisor(backend, "a", clock, make_config(), PollBudget(50), tmp_path)
     with pytest.raises(StillWaiting):
-        a._exit_barrier(state)
+        a.exit_barrier.wait(state)
     assert not current(backend).closed
 
 

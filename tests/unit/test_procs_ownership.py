@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from resilrun.agent import procs
-from resilrun.agent.rounds import Round
+from resilrun.agent.rounds import Membership, NodePhase, Round
 from resilrun.agent.status import StatusPublisher
 from resilrun.config import Std
 from resilrun.rendezvous.memory import MemoryBackend
@@ -37,6 +37,13 @@ def _spec(tmp_path: Path, rank: int, code: str = _SLEEPER) -> procs.WorkerSpec:
     )
 
 
+def _membership(current: Round | None) -> Membership:
+    membership = Membership()
+    if current is not None:
+        membership.run(current, NodePhase.ACTIVE)
+    return membership
+
+
 def _publisher(current: Round | None) -> StatusPublisher:
     """A StatusPublisher over fakes of the agent's parts; its thread publishes once, then idles."""
     telemetry = SimpleNamespace(
@@ -52,8 +59,7 @@ def _publisher(current: Round | None) -> StatusPublisher:
         rdzv=SimpleNamespace(backend=MemoryBackend(), me=SimpleNamespace(node_id="n0", addr="127.0.0.1")),
         run_id="job",
         config=SimpleNamespace(heartbeat_timeout_s=30.0, heartbeat_interval_s=1.0, spares=1, checkpoint_uri=None),
-        last_state=None,
-        current=current,
+        membership=_membership(current),
     )
     return StatusPublisher(supervisor, control, memory, telemetry, interval_s=3600.0)  # type: ignore[arg-type]
 
@@ -179,7 +185,7 @@ def test_a_round_read_during_a_promotion_sees_it_whole_or_not_at_all(
             return [(r["rank"], r["pid"], r["state"]) for r in doc["ranks"]], doc["spares"]
 
         before = ([(0, survivor.pid, "starting"), (1, failed.pid, "failed")], {"alive": 1, "pids": [spare.pid]})
-        with round_.updating():  # the promotion, step by step as inprocess._enter_generation does it
+        with round_.updating():  # the promotion, step by step as InProcessRecovery.enter_generation does it
             round_.spares.remove(spare)
             spare.spec = before_spec
             thread, result = _in_thread(read)  # the status thread, in the middle of it
