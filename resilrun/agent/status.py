@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from resilrun import keys
@@ -37,6 +38,25 @@ if TYPE_CHECKING:
     from resilrun.agent.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
+
+
+class RankState(Enum):
+    """A rank's state in the status document (``ranks[].state``, docs/status.md)."""
+
+    STARTING = "starting"  # no heartbeat and no step yet (importing, restoring)
+    RUNNING = "running"
+    UNRESPONSIVE = "unresponsive"  # no worker heartbeat for --heartbeat-timeout: about to be killed
+    FINISHED = "finished"  # exit 0
+    FAILED = "failed"  # non-zero exit or a signal
+
+    @classmethod
+    def of(cls, exit_code: int | None, silent_s: float | None, timeout_s: float, stepped: bool) -> RankState:
+        """From what the agent knows of the worker: its exit, its heartbeat's age, whether it stepped."""
+        if exit_code is not None:
+            return cls.FINISHED if exit_code == 0 else cls.FAILED
+        if silent_s is None:
+            return cls.RUNNING if stepped else cls.STARTING
+        return cls.RUNNING if silent_s <= timeout_s else cls.UNRESPONSIVE
 
 _WATCHED = 2
 # Event-triggered publishes closer together than this are merged (a burst of reports in a recovery).
@@ -130,18 +150,12 @@ class StatusPublisher:
         stalled = self.control.stalled_for(worker.pid)
         progress = self.telemetry.progress.get(rank, {})
         step_time = progress.get("step_time_s")
-        if code is None:
-            timeout = self.supervisor.config.heartbeat_timeout_s
-            state = "running" if silent is None or silent <= timeout else "unresponsive"
-            if silent is None and "step" not in progress:
-                state = "starting"
-        else:
-            state = "finished" if code == 0 else "failed"
+        state = RankState.of(code, silent, self.supervisor.config.heartbeat_timeout_s, "step" in progress)
         return {
             "rank": rank,
             "local_rank": worker.local_rank,
             "pid": worker.pid,
-            "state": state,
+            "state": state.value,
             "exit_code": code,
             "step": int(progress["step"]) if "step" in progress else None,
             "step_time_s": round(step_time, 6) if step_time else None,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,6 +108,26 @@ def assert_nothing_left(launch: Launch, grace_s: float = 10.0) -> None:
     assert not alive(launch.descendants), f"orphans: {sorted(alive(launch.descendants))}"
     holders = {pid: names for pid, names in memfd_holders().items() if pid in launch.descendants | {launch.pid}}
     assert not holders, f"node memory still held: {holders}"
+
+
+def events(*launches: Launch, kind: str | None = None, **match: object) -> list[dict]:
+    """The records of the agents' events.jsonl (docs/status.md), oldest first, optionally only those
+    of one ``kind`` whose fields equal ``match``: what a recovery did, asserted without log wording."""
+    records = []
+    for launch in launches:
+        for root in dict.fromkeys(re.findall(r"logs in (\S+)", launch.stderr())):
+            path = Path(root) / "events.jsonl"
+            if path.exists():
+                records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records.sort(key=lambda r: r["wall"])
+    return [
+        r for r in records if (kind is None or r["event"] == kind) and all(r.get(k) == v for k, v in match.items())
+    ]
+
+
+def resumed(*launches: Launch) -> dict[int, tuple[int, str]]:
+    """rank -> (step, tier) its state was last restored from (``state_transferred`` events)."""
+    return {r["rank"]: (r["step"], r["tier"]) for r in events(*launches, kind="state_transferred")}
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - any callable
