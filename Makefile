@@ -14,16 +14,18 @@ install: $(PY)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[test]'
 
 # What the man-page lint and shell-completion tests run (tests/cli/test_docgen.py, test_completions.py),
-# and the etcd server the etcd backend's tests start on loopback (Debian's etcd-server: binary etcd).
+# the etcd server the etcd backend's tests start on loopback (Debian's etcd-server: binary etcd), and
+# iproute2's ip and util-linux's unshare for the multi-host tests' network namespaces (as root).
 # On a fresh Debian/Ubuntu machine as root, missing ones are installed with apt-get; elsewhere those
-# tests skip (and fail under CI=true), so install them yourself: groff-base or mandoc, zsh, fish, etcd.
-TEST_TOOLS := groff mandoc zsh fish etcd
+# tests skip (and fail under CI=true), so install them yourself: groff-base or mandoc, zsh, fish, etcd,
+# iproute2, util-linux.
+TEST_TOOLS := groff mandoc zsh fish etcd ip unshare
 
 test-tools:
 	@missing=""; for tool in $(TEST_TOOLS); do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "installing$$missing with apt-get"; \
-		packages=$$(echo $$missing | sed 's/groff/groff-base/; s/etcd/etcd-server/'); \
+		packages=$$(echo $$missing | sed 's/groff/groff-base/; s/etcd/etcd-server/; s/\bip\b/iproute2/; s/unshare/util-linux/'); \
 		{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$packages >/dev/null; } \
 		|| echo "could not install$$missing: those tests will skip (and fail under CI=true)"; \

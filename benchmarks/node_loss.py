@@ -3,6 +3,7 @@
     python benchmarks/node_loss.py [--timeouts 2,5] [--runs 2] [--mib 16] [--json out.json]
     python benchmarks/node_loss.py --quick        # smoke check: one run per launcher
     python benchmarks/node_loss.py --tiers none,persistent    # with and without a persistent tier
+    python benchmarks/node_loss.py --netns        # hosts in network namespaces, the link cut (root)
 
 Three agents on loopback, ``--nnodes 2 --nproc-per-node 2``: two run the job, the third finds it
 full and waits (resilrun: a spare node with warm workers; torchrun: an agent waiting for the next
@@ -23,6 +24,13 @@ parameters equal a failure-free run of the same launcher, leftover processes.
 in the run's directory, ``--persist-every 5``), one row each: a lost node's replicas lagging
 behind training make the resume fall back to an older step (the persistent one, when there is
 one), the case issue 14 item 1 is about; ``--launchers`` picks resilrun, torchrun or both.
+
+``--netns`` runs each launch on three "hosts" in network namespaces (tests/helpers/netns_cluster.py,
+root only): their own addresses, hostnames that mean 127.0.1.1 in their /etc/hosts, the endpoint
+named by host name; the doomed host's link goes down just before its processes are killed, so the
+others see silence (no refused connections), as when a machine loses power. resilrun starts
+unassisted; torchrun cannot start there at all without ``--local-addr`` and ``GLOO_SOCKET_IFNAME``,
+which it is given (what its users must add by hand).
 """
 
 from __future__ import annotations
@@ -46,7 +54,10 @@ from launch_overhead import clean_env, fmt
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 from recovery import parse_events  # noqa: E402 - benchmarks/ is not a package
+
+from tests.helpers.netns_cluster import Cluster, available  # noqa: E402 - the test suite's fixture
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]
 LOST_MARK = {"resilrun": "node lost: no heartbeat", "torchrun": "failed (exitcode"}
@@ -55,7 +66,8 @@ LOST_MARK = {"resilrun": "node lost: no heartbeat", "torchrun": "failed (exitcod
 class Agent:
     """One launcher process; stderr lines stamped with their arrival time."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, host: str | None = None) -> None:
+        self.host = host  # its network namespace host (--netns)
         self.lines: list[tuple[float, str]] = []
         self._sink = log.open("w", encoding="utf-8")
         self.proc = subprocess.Popen(
@@ -125,9 +137,10 @@ def run_one(
     run_dir = args.out_dir / tag
     run_dir.mkdir(parents=True)
     events, ckpt = run_dir / "events.log", Path(tempfile.mkdtemp(prefix="dcp-"))
-    port = free_port()
+    cluster = Cluster(3).__enter__() if args.netns else None
+    port = 29400 if cluster is not None else free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
-    common += ["--rdzv-endpoint", f"127.0.0.1:{port}"]
+    common += ["--rdzv-endpoint", f"h0:{port}" if cluster is not None else f"127.0.0.1:{port}"]
     script_args = ["--mib", str(args.mib), "--steps", str(args.steps), "--events", str(events), "--ckpt-dir", str(ckpt)]
     if launcher == "resilrun":
         cmd = [sys.executable, "-m", "resilrun", *common, "--replicas", "1", "--heartbeat-timeout", str(timeout_s)]
@@ -138,7 +151,16 @@ def run_one(
     else:
         cmd = [*TORCHRUN, *common, str(HERE / "_recovery_torchrun.py"), *script_args]
         env = clean_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    agents = [Agent(cmd, env, run_dir / f"agent{i}.err") for i in range(3)]
+    if cluster is None:
+        agents = [Agent(cmd, env, run_dir / f"agent{i}.err") for i in range(3)]
+    else:
+        agents = []
+        for i, host in enumerate(cluster.hosts):
+            argv, host_env = cmd, env
+            if launcher == "torchrun":  # it cannot start on these hosts without both
+                argv = [*cmd[: len(TORCHRUN)], "--local-addr", host.addr, *cmd[len(TORCHRUN) :]]
+                host_env = {**env, "GLOO_SOCKET_IFNAME": "eth0"}
+            agents.append(Agent(cluster.command(host, argv), host_env, run_dir / f"agent{i}.err", host.name))
     res: dict[str, Any] = {
         "launcher": launcher, "timeout": timeout_s, "killed": killed, "tag": tag, "status": "ok", "tier": tier,
     }  # fmt: skip
@@ -151,7 +173,7 @@ def run_one(
             parsed = parse_events(events)
             done = [n for n, _ in parsed["steps"]]
             if killed and kill_at is None and done and max(done) + 1 >= args.kill_at:
-                res["doomed"], kill_at = _kill_a_worker_node(agents, port)
+                res["doomed"], kill_at = _kill_a_worker_node(agents, port, cluster)
                 res["kill"] = kill_at
             if all(a.proc.poll() is not None for a in agents if a is not res.get("doomed")):
                 break
@@ -166,6 +188,8 @@ def run_one(
     finally:
         res["leftovers"] = sum(a.stop() for a in agents)
         shutil.rmtree(ckpt, ignore_errors=True)
+        if cluster is not None:
+            cluster.close()
     parsed = parse_events(events)
     res.update(steps=parsed["steps"], checksum=parsed["checksum"], state_mib=parsed["state_mib"])
     res["phases"] = parsed["phases"]
@@ -178,13 +202,16 @@ def run_one(
     return res
 
 
-def _kill_a_worker_node(agents: list[Agent], port: int) -> tuple[Agent, float]:
-    """The node to kill: one running workers that does not host the store (that would end any c10d job)."""
-    hosts = [a for a in agents if a.listens_on(port)]
+def _kill_a_worker_node(agents: list[Agent], port: int, cluster: Cluster | None) -> tuple[Agent, float]:
+    """The node to kill: one running workers that does not host the store (that would end any c10d job).
+    On ``--netns`` its link goes down first: the others see silence, not a refused connection."""
+    hosts = [a for a in agents if a.listens_on(port) or (cluster is not None and a.host == "h0")]
     with_workers = [a for a in agents if len([p for p in a.track() if p.is_running()]) >= 2 and a not in hosts]
     resilrun_spares = [a for a in agents if "standing by as a spare node" in a.text()]
     candidates = [a for a in with_workers if a not in resilrun_spares] or with_workers
     doomed = candidates[0]
+    if cluster is not None and doomed.host is not None:
+        cluster.cut(doomed.host)
     return doomed, doomed.kill_node()
 
 
@@ -271,7 +298,10 @@ def main() -> int:
     parser.add_argument("--launchers", default="resilrun,torchrun", help="which launchers to run")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--netns", action="store_true", help="three hosts in network namespaces (root)")
     args = parser.parse_args()
+    if args.netns and (why := available()) is not None:
+        parser.error(f"--netns: {why}")
     timeouts = [float(t) for t in args.timeouts.split(",")]
     if args.quick:
         args.runs, timeouts = 1, timeouts[:1]
@@ -289,6 +319,8 @@ def main() -> int:
             runs.append(run_one(launcher, timeout, True, args, f"{index:03d}-{launcher}-{timeout}-{tier}", tier))
             index += 1
     text = report(runs)
+    if args.netns:
+        text = "Three hosts in network namespaces, endpoint by host name, the doomed host's link cut:\n\n" + text
     print(text)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1, default=str), encoding="utf-8")

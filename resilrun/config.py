@@ -248,7 +248,15 @@ class Config:
         default="127.0.0.1", metadata=_meta("--master-addr", R, "Store host for --rdzv-backend static.")
     )
     master_port: int = field(default=29500, metadata=_meta("--master-port", R, "Store port for --rdzv-backend static."))
-    local_addr: str | None = field(default=None, metadata=_meta("--local-addr", R, "Address this node advertises."))
+    local_addr: str | None = field(
+        default=None,
+        metadata=_meta(
+            "--local-addr",
+            R,
+            "Address this node advertises (default: the FQDN; where it means loopback in a multi-host job, "
+            "the address that routes to the endpoint).",
+        ),
+    )
     # Processes
     max_restarts: int = field(default=0, metadata=_meta("--max-restarts", P, "Whole-job restarts before giving up."))
     monitor_interval_s: float = field(

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from resilrun import keys
+from resilrun.agent.addressing import choose_address, worker_network_env
 from resilrun.agent.channel import AgentChannel, channel_env
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.events import EVENTS_FILE, EventLog
@@ -93,8 +94,19 @@ def run(config: Config) -> None:
     try:
         opened = open_backend(config)
         backend, endpoint, hosting = opened.backend, opened.endpoint, opened.hosting
-        # As torchrun: the FQDN unless --local-addr says otherwise (workers reach rank 0 there).
-        addr = config.local_addr or socket.getfqdn()
+        # As torchrun: the FQDN unless --local-addr says otherwise (workers reach rank 0 there),
+        # except where the host name means loopback in a multi-host job (addressing.py).
+        advertised = choose_address(
+            config.local_addr, [host for host, _ in config.endpoints], max_nodes > 1, os.environ
+        )
+        addr = advertised.addr
+        if advertised.chosen:
+            logger.info(
+                "this node's address: %s (%s)%s",
+                addr,
+                advertised.chosen,
+                f"; workers use interface {advertised.ifname}" if advertised.ifname else "",
+            )
         me = NodeInfo(
             node_id=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}",
             addr=addr,
@@ -142,7 +154,8 @@ def run(config: Config) -> None:
             nproc=nproc,
             addr=addr,
             log_root=log_root,
-            base_env={**agent_environ(), **channel_env(channel)},  # the token reaches only our workers
+            # The channel token reaches only our workers; *_SOCKET_IFNAME only where the user set none.
+            base_env={**agent_environ(), **worker_network_env(advertised, os.environ), **channel_env(channel)},
             agent_socket=channel.path,
         )
         supervisor = Supervisor(config, setup, rdzv, signals, control, telemetry)

@@ -242,9 +242,13 @@ class Job:
             if newest < 0:
                 return None  # a fresh job
             bare = [rank for rank, tiers in enumerate(available) if not any(tiers.values())]
+            what = (
+                f"rank(s) {rank_ranges(bare, ', ')} have none in node memory, peer replicas or persistent storage"
+                if bare
+                else f"the ranks hold steps no other rank holds ({_holdings(available)})"
+            )
             raise StateLostError(
-                f"no snapshot step is held by every rank: rank(s) {rank_ranges(bare, ', ') or '?'} have none in node "
-                f"memory, peer replicas or persistent storage, while others reached step {newest}",
+                f"no snapshot step is held by every rank: {what}, while others reached step {newest}",
                 hint="the nodes holding them and their replicas were lost together; use --replicas 2 or a "
                 "--checkpoint-uri to survive that; to start over from step 0 on purpose, use a new --rdzv-id",
             )
@@ -300,6 +304,15 @@ _RESTORE_TRIES = 4
 
 _TIER_NAMES = {Tier.MEMORY: "node memory", Tier.PEER: "peer replica", Tier.PERSISTENT: "persistent storage"}
 _TIER_KEYS = {Tier.MEMORY: "memory", Tier.PEER: "peer", Tier.PERSISTENT: "persistent"}
+
+
+def _holdings(available: list[dict[Tier, frozenset[int]]]) -> str:
+    """``"ranks 0-1: memory 14-16; ranks 2-3: peer 12-13"``: who holds what, ranks with equal holdings merged."""
+    groups: dict[str, list[int]] = {}
+    for rank, tiers in enumerate(available):
+        held = ", ".join(f"{_TIER_KEYS[t]} {rank_ranges(sorted(steps))}" for t, steps in tiers.items() if steps)
+        groups.setdefault(held, []).append(rank)
+    return "; ".join(f"rank(s) {rank_ranges(ranks)}: {held}" for held, ranks in groups.items())
 
 
 def _pad(steps: list[int | None], count: int) -> list[int]:

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from resilrun.worker.job import Job
+from resilrun.snapshot.restore import Tier
+from resilrun.worker.job import Job, _holdings
 
 
 class _NodeMemory:
@@ -89,3 +90,9 @@ def test_reentry_after_a_failed_group_setup_names_the_next_group_as_a_fresh_proc
     finally:
         distributed_c10d._world.group_count = 0
         job_module._TOOK_PART = False
+
+
+def test_a_state_lost_error_says_what_each_rank_holds_when_no_step_is_common() -> None:
+    memory = {Tier.MEMORY: frozenset({14, 15}), Tier.PEER: frozenset(), Tier.PERSISTENT: frozenset()}
+    peer = {Tier.MEMORY: frozenset(), Tier.PEER: frozenset({16}), Tier.PERSISTENT: frozenset()}
+    assert _holdings([memory, memory, peer, peer]) == "rank(s) 0-1: memory 14-15; rank(s) 2-3: peer 16"

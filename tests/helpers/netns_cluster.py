@@ -1,0 +1,125 @@
+"""A cluster of "hosts" on one machine: each a network namespace with its own hostname and /etc/hosts.
+
+Shared by the tests (``tests/integration/test_multi_host.py``) and the benchmarks. Needs root
+(CAP_NET_ADMIN, CAP_SYS_ADMIN), iproute2's ``ip`` and util-linux's ``unshare``.
+
+Layout: a switch namespace holds one bridge; every host namespace has an ``eth0`` (one end of a
+veth pair, the other end on the bridge) with an address in 198.18.0.0/24 (RFC 2544's benchmarking
+range: only ever inside these namespaces, never routed anywhere), loopback up, and an /etc/hosts
+the way Debian and Ubuntu write it: its own name on 127.0.1.1, the other hosts by their addresses
+(the cluster's DNS). Nothing is added to the machine's own namespace. A process runs on a host
+through ``command()``: ``ip netns exec`` (which bind-mounts /etc/netns/NS/hosts over /etc/hosts)
+and a new UTS namespace carrying the host's name.
+
+Faults: ``cut(host)`` takes the host off the network (its link down: every peer sees silence, as
+on a lost node or a pulled cable); ``heal(host)`` puts it back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SUBNET = "198.18.0"
+_ids = itertools.count()
+
+
+def available() -> str | None:
+    """None when a cluster can be built here, else why not (the tests skip, or fail in CI)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2's ip is not installed"
+    probe = f"rrprobe{os.getpid()}"
+    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"cannot create a network namespace: {done.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if shutil.which("unshare") is None:
+        return "util-linux's unshare is not installed"
+    return None
+
+
+def _run(*argv: str) -> None:
+    done = subprocess.run(list(argv), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # its hostname
+    ns: str  # its network namespace
+    addr: str  # its eth0 address
+
+
+class Cluster:
+    """``Cluster(3)`` builds hosts h0, h1, h2; use as a context manager (it removes everything)."""
+
+    def __init__(self, count: int, prefix: str = "h") -> None:
+        tag = f"rr{os.getpid() % 100000}x{next(_ids)}"
+        self.tag = tag
+        self.switch = f"{tag}sw"
+        self.hosts = [Host(f"{prefix}{i}", f"{tag}{prefix}{i}", f"{SUBNET}.{i + 1}") for i in range(count)]
+        self._made: list[str] = []
+
+    def __enter__(self) -> Cluster:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        _run("ip", "netns", "add", self.switch)
+        self._made.append(self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for index, host in enumerate(self.hosts):
+            _run("ip", "netns", "add", host.ns)
+            self._made.append(host.ns)
+            outside = f"p{index}"
+            # Created inside the host's namespace, so no interface ever appears in the machine's own.
+            _run("ip", "-n", host.ns, "link", "add", "eth0", "type", "veth", "peer", "name", outside)
+            _run("ip", "-n", host.ns, "link", "set", outside, "netns", self.switch)
+            _run("ip", "-n", self.switch, "link", "set", outside, "master", "br0", "up")
+            _run("ip", "-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", "eth0")
+            _run("ip", "-n", host.ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", host.ns, "link", "set", "lo", "up")
+            etc = Path("/etc/netns") / host.ns
+            etc.mkdir(parents=True, exist_ok=True)
+            others = "".join(f"{h.addr}\t{h.name}\n" for h in self.hosts if h != host)
+            (etc / "hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{host.name}\n{others}")
+
+    def host(self, name: str) -> Host:
+        return next(h for h in self.hosts if h.name == name)
+
+    def command(self, host: Host | str, argv: Sequence[str]) -> list[str]:
+        """``argv`` as run on ``host``: its network, its /etc/hosts, its hostname."""
+        h = self.host(host) if isinstance(host, str) else host
+        script = 'hostname "$0" && exec "$@"'
+        return ["ip", "netns", "exec", h.ns, "unshare", "--uts", "--", "sh", "-c", script, h.name, *argv]
+
+    # -- faults ----------------------------------------------------------------------------------
+    def cut(self, host: Host | str) -> None:
+        h = self.host(host) if isinstance(host, str) else host
+        _run("ip", "-n", h.ns, "link", "set", "eth0", "down")
+
+    def heal(self, host: Host | str) -> None:
+        h = self.host(host) if isinstance(host, str) else host
+        _run("ip", "-n", h.ns, "link", "set", "eth0", "up")
+
+    def close(self) -> None:
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        self._made = []
