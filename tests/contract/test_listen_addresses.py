@@ -40,6 +40,11 @@ def test_a_store_hosted_on_a_wildcard_or_a_name_keeps_torchruns_binding() -> Non
 
 
 def test_hosting_a_store_leaks_no_descriptor() -> None:
+    # The first store of a process sets up what every later one shares (two descriptors that stay,
+    # torch 2.13): not a leak, so it is made before counting. Whether this test is the first to host
+    # a store in its worker depends on how xdist deals the tests out.
+    first = host_store("127.0.0.1", 0, timedelta(seconds=10))
+    del first
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         store = host_store("127.0.0.1", 0, timedelta(seconds=10))
