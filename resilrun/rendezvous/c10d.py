@@ -1,9 +1,13 @@
 """The TCPStore rendezvous backend and the store's lifecycle (host or connect).
 
 All torch store errors are translated in one place (``_call``) into StoreConnectionError, so a dead
-or unreachable store host reads the same everywhere. The store host is chosen as torchrun does: the
-node whose address matches the endpoint binds it; if binding fails (another local agent won the
-race) it connects as a client.
+or unreachable store host reads the same everywhere. Every operation also has a deadline
+(``_StoreCalls``): a TCPStore client's set/get/add carry no timeout of their own, so when the store
+host drops off the network without closing its connections (a cut link, a powered-off machine: no
+FIN, no RST), they would block until TCP gives up, hours later, and the node would hang there.
+
+The store host is chosen as torchrun does: the node whose address matches the endpoint binds it; if
+binding fails (another local agent won the race) it connects as a client.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
+import queue
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
@@ -40,6 +46,69 @@ def _call(endpoint: str, fn: Callable[[], T]) -> T:
         ) from exc
 
 
+class _Pending:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: object = None
+        self.error: BaseException | None = None
+
+
+class _StoreCalls:
+    """Runs one store client's operations on a daemon thread, each waited for at most ``timeout_s``.
+
+    Why a thread: the blocking call cannot be interrupted, so the caller stops waiting instead and
+    fails with StoreConnectionError (the agent then stops its workers and exits, as for a store that
+    refused). While a call is stuck, later ones fail at once rather than queue behind it; if the
+    link heals and the stuck call returns, calls go through again. A daemon thread, so a call stuck
+    for good never holds up the interpreter's exit.
+    """
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self._endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], _Pending]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stuck = False
+
+    def call(self, fn: Callable[[], T]) -> T:
+        with self._lock:
+            if self._stuck:
+                raise self._unanswered()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="resilrun-store-calls", daemon=True)
+                self._thread.start()
+        pending = _Pending()
+        self._calls.put((fn, pending))
+        if not pending.done.wait(self._timeout_s):
+            with self._lock:
+                self._stuck = not pending.done.is_set()
+            if not pending.done.is_set():
+                raise self._unanswered()
+        if pending.error is not None:
+            raise pending.error
+        return pending.value  # type: ignore[return-value]
+
+    def _run(self) -> None:
+        while True:
+            fn, pending = self._calls.get()
+            try:
+                pending.value = fn()
+            except BaseException as exc:  # handed to the caller, raised in its thread
+                pending.error = exc
+            with self._lock:
+                self._stuck = False
+            pending.done.set()
+
+    def _unanswered(self) -> StoreConnectionError:
+        return StoreConnectionError(
+            f"rendezvous store at {self._endpoint} failed: no answer within {self._timeout_s:g} s",
+            hint="the node hosting the store is down or cut off the network (a single point of failure on "
+            "the c10d backend, as with torchrun; --rdzv-backend etcd removes it); --rdzv-conf read_timeout=SECONDS "
+            "sets the wait",
+        )
+
+
 def _unframe(raw: bytes) -> bytes:
     """A value as it was set (counters written by ``add`` carry no frame)."""
     return raw[1:] if raw.startswith(_FRAME) else raw
@@ -48,9 +117,14 @@ def _unframe(raw: bytes) -> bytes:
 class C10dBackend(RendezvousBackend):
     """See base class. Wraps a connected ``torch.distributed.TCPStore``."""
 
-    def __init__(self, store: TCPStore, endpoint: str) -> None:
+    def __init__(self, store: TCPStore, endpoint: str, timeout: timedelta = timedelta(seconds=60)) -> None:
+        """``timeout``: the most any one operation may take (``--rdzv-conf read_timeout``)."""
         self.store = store
         self.endpoint = endpoint
+        self._calls = _StoreCalls(endpoint, timeout.total_seconds())
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        return self._calls.call(lambda: _call(self.endpoint, fn))
 
     def get(self, key: str) -> bytes | None:
         def read() -> bytes | None:
@@ -58,7 +132,7 @@ class C10dBackend(RendezvousBackend):
                 return None
             return _unframe(self.store.get(key))
 
-        return _call(self.endpoint, read)
+        return self._call(read)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Two requests when every key exists (a check, a multi_get); else one check per key.
@@ -74,21 +148,21 @@ class C10dBackend(RendezvousBackend):
             found = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
             return [_unframe(found[k]) if k in found else None for k in keys]
 
-        return _call(self.endpoint, read)
+        return self._call(read)
 
     def set(self, key: str, value: bytes) -> None:
-        _call(self.endpoint, lambda: self.store.set(key, _FRAME + value))
+        self._call(lambda: self.store.set(key, _FRAME + value))
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
         if expected is not None and expected == desired:  # nothing to write; TCPStore would echo it
             return self.get(key) == desired
         want = b"" if expected is None else _FRAME + expected
         new = _FRAME + desired
-        result = _call(self.endpoint, lambda: self.store.compare_set(key, want, new))
+        result = self._call(lambda: self.store.compare_set(key, want, new))
         return bytes(result) == new
 
     def add(self, key: str, amount: int) -> int:
-        return int(_call(self.endpoint, lambda: self.store.add(key, amount)))
+        return int(self._call(lambda: self.store.add(key, amount)))
 
 
 def is_local_address(host: str) -> bool:

@@ -42,4 +42,4 @@ def open_backend(config: Config) -> OpenedBackend:
     host, port = config.endpoint
     store, hosting = open_store(host, port, is_host=config.rdzv.is_host, timeout=timeout)
     endpoint = f"{host}:{store.port if hosting else port}"
-    return OpenedBackend(C10dBackend(store, endpoint), endpoint, hosting)
+    return OpenedBackend(C10dBackend(store, endpoint, timeout), endpoint, hosting)

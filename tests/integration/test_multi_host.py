@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,3 +118,30 @@ def test_a_host_that_drops_off_the_network_is_replaced_by_a_spare_host(cluster_o
     assert steps == {0: (steps[0][0], "memory"), 1: (steps[0][0], "peer")}, steps
     assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
     assert not alive(doomed_tree)
+
+
+@pytest.mark.timeout(300)
+def test_the_store_hosts_partition_stops_both_sides_cleanly(cluster_of, tmp_path: Path) -> None:
+    # Given two hosts on the c10d backend, whose store lives in h0's agent (a single point of
+    # failure, as with torchrun), and no restart allowed
+    cluster, start = cluster_of(2)
+    train = [str(EXAMPLE), "--steps", "400", "--hidden", "64", "--sleep", "0.1"]
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--heartbeat-timeout", "3",
+        "--max-restarts", "0", "--rdzv-conf", "read_timeout=10",
+    ]  # fmt: skip
+    store_host, other = (start(name, *flags, *train) for name in ("h0", "h1"))
+    wait_for(lambda: "step 10 loss" in store_host.stdout() + other.stdout(), 150, "training to pass step 10")
+    # When h0 is cut off the network (its processes go on, alone)
+    cluster.cut("h0")
+    cut_at = time.monotonic()
+    # Then h1 stops within the store's read timeout with a clear error (exit 3), leaving nothing,
+    assert other.wait(120) == 3, other.stderr()[-3000:]
+    assert time.monotonic() - cut_at < 60
+    assert "rendezvous store at h0:29400 failed" in other.stderr()
+    assert_nothing_left(other)
+    # and h0 judges h1 lost: no restart left, so the job fails there too, cleanly
+    assert store_host.wait(120) == 1, store_host.stderr()[-3000:]
+    assert_nothing_left(store_host)
+    lost = events(store_host, kind="node_lost")
+    assert lost and {e["host"] for e in lost} == {"h1"}
