@@ -3,9 +3,8 @@
 Every rank has a ring of slots (two, three with peer replicas: tiers/slots.py): a worker writes a
 step into the slot after its newest committed step's, so a crash mid-copy never destroys the last
 complete snapshot, and the previous step stays available for the one-step rollback a recovery may
-need. A step counts
-only after the worker's commit message; the slot's bytes are self-describing (a safetensors
-header written by the worker) and its JSON values travel with the commit.
+need. A step counts only after the worker's commit message; the slot's bytes are self-describing
+(a safetensors header written by the worker) and its JSON values travel with the commit.
 
 A deduplicated snapshot (snapshot/dedup.py) borrows byte ranges from other local ranks' snapshots of
 the same step. It is *complete* once every owner has committed that step with the same layout;

@@ -8,11 +8,10 @@ commit; the survivors of a node loss keep three steps (tiers/slots.py), which co
 This costs training time only when a push takes longer than a step; a target that fails is not
 waited for until a push to it succeeds again (its lag shows in ``status``). The Replicator sends
 the newest commit of each rank, skipping steps only when it fell behind; the bytes it sends are
-exactly one committed step, checked
-against the crc32s the commit recorded (a slot rewritten meanwhile is aborted, never sent as
-complete; the sequence counter only ends such a push early) and leased so a reallocation cannot
-unmap them mid-stream;
-a slow or dead peer makes replicas lag, each peer on its own thread, and is logged once per change.
+exactly one committed step, checked against the crc32s the commit recorded (a slot rewritten
+meanwhile is aborted, never sent as complete; the sequence counter only ends such a push early) and
+leased so a reallocation cannot unmap them mid-stream; a slow or dead peer makes replicas lag, each
+peer on its own thread, and is logged once per change.
 """
 
 from __future__ import annotations
