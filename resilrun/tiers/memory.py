@@ -37,7 +37,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import psutil
@@ -108,6 +108,16 @@ class NodeMemoryTier:
             for guard in self._guards:
                 guard(released.step, released.round)
 
+    def _release_before_rewrite(self, memory: RankMemory, slots: Iterable[int]) -> None:
+        """Run the guards for what ``slots`` hold while it is still held: a peer's replica referring
+        to those bytes copies them out now, which it cannot once the commit is forgotten. Only the
+        rank's own worker commits to its slots, and it is the one giving them up, so nothing lands
+        there between the guards and the caller's rewrite."""
+        with self._lock:
+            doomed = [memory.committed[slot] for slot in slots if slot in memory.committed]
+        for committed in doomed:
+            self._release(committed)
+
     def rank(self, rank: int) -> RankMemory:
         with self._lock:
             if rank not in self._ranks:
@@ -137,13 +147,13 @@ class NodeMemoryTier:
 
     def _shrink(self, memory: RankMemory, why: CheckpointError) -> None:
         """Give up ``memory``'s extra slots: the ring is double buffering again."""
+        extra = range(SLOTS, len(memory.slots))
+        self._release_before_rewrite(memory, extra)
         with self._lock:
             dropped = memory.slots[SLOTS:]
-            extra = range(SLOTS, len(memory.slots))
-            released = [memory.committed.pop(slot) for slot in extra if slot in memory.committed]
+            for slot in extra:
+                memory.committed.pop(slot, None)
             memory.slots = memory.slots[:SLOTS]
-        for committed in released:
-            self._release(committed)
         for buffer in dropped:
             if buffer is not None:
                 buffer.close()
@@ -164,11 +174,11 @@ class NodeMemoryTier:
                 hint="tier-1 snapshots need about 2x the tracked state per rank in host memory (3x with "
                 "--replicas); track less state, or use fewer ranks per node",
             )
+        self._release_before_rewrite(memory, (slot,))
         with self._lock:
             old = memory.slots[slot]
-            released = memory.committed.pop(slot, None)
+            memory.committed.pop(slot, None)
             memory.slots[slot] = None
-        self._release(released)
         if old is not None:
             # Before the new one (a full node may have room for one of the two only), unless a reader
             # still copies from it: then when that reader lets go.
@@ -459,9 +469,9 @@ class NodeMemoryTier:
                 buffer = self.allocate(rank, slot, len(data))
             if buffer is not None:
                 break  # else the ring shrank (no room for its extra slot): choose again
+        self._release_before_rewrite(memory, (slot,))
         with self._lock:
-            released = memory.committed.pop(slot, None)
-        self._release(released)
+            memory.committed.pop(slot, None)
         memory.seq.begin(slot)
         buffer.view()[: len(data)] = data
         memory.seq.end(slot)

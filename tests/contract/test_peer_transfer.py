@@ -668,6 +668,19 @@ def test_a_push_of_a_released_step_copies_the_shared_bytes(
     assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == _ddp_snapshot(weight, own=7)
 
 
+def test_a_slot_reallocated_lets_the_replicas_referring_to_it_copy_their_bytes_first(
+    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    # Rank 0's replica of step 5 refers to rank 1's slot 1 for the weight
+    weight, sent = _push_step_5_by_reference(server, memory, seed=13)
+    assert store.replica(0, 5).local is not None  # type: ignore[union-attr]
+    # When that slot is given up without a commit releasing it first (a bigger snapshot written
+    # whole after a recovery needs a bigger buffer), the replica keeps its bytes
+    memory.allocate(1, 1, 2 * len(sent))
+    assert memory.read(1, 5) is None
+    assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == _ddp_snapshot(weight, own=7)
+
+
 def test_a_push_still_in_flight_when_its_step_is_released_is_not_published_by_reference(
     memory: NodeMemoryTier, store: ReplicaStore
 ) -> None:

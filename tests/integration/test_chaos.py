@@ -45,7 +45,9 @@ def test_a_fixed_seed_chaos_run_recovers_every_fault_bitwise_and_leaves_nothing(
     assert sum(f["restarts"] for f in faults) == 0
     # the corrupt replica was caught by its crc32s and the restore fell back to the persistent tier,
     corrupt = faults[1]
-    assert corrupt["corrupted"] >= 1 and corrupt["crc_detected"] and corrupt["fell_back"] and corrupt["from_persistent"]
+    caught = corrupt["corrupted"] >= 1 and corrupt["crc_detected"]
+    caught = caught and corrupt["fell_back"] and corrupt["from_persistent"]
+    assert caught, json.dumps(corrupt, indent=1) + "\n" + "".join(_restore_lines(tmp_path / "run"))
     # the job finished bitwise equal to the failure-free run,
     assert job["status"] == "ok", run.stderr[-3000:]
     assert job["checksum"] == report["clean"] is not None
@@ -53,3 +55,14 @@ def test_a_fixed_seed_chaos_run_recovers_every_fault_bitwise_and_leaves_nothing(
     assert (job["leftover_procs"], job["leftover_memfd_holders"], job["leftover_shm_files"]) == (0, 0, [])
     assert all(f["victims_left"] == 0 for f in faults)
     assert run.returncode == 0
+
+
+def _restore_lines(run_dir: Path) -> list[str]:
+    """What the agents and workers said about restores: why a copy was not used (for a failure's message)."""
+    words = ("cannot give", "could not be served", "lost its shared", "could not restore", "resumed", "unreachable")
+    return [
+        f"{log.relative_to(run_dir)}: {line}"
+        for log in sorted(run_dir.rglob("*.err"))
+        for line in log.read_text(errors="replace").splitlines(keepends=True)
+        if any(word in line for word in words)
+    ][-60:]

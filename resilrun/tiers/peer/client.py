@@ -162,7 +162,9 @@ def fetch(
         reply = recv_message(sock, deadline)
         if reply.get("ok") is not True:
             if reply.get("not_found") is True:
-                raise CheckpointNotFoundError(f"peer {address} holds no step {step} of rank {rank}")
+                why = reply.get("error")
+                detail = f" ({why})" if isinstance(why, str) and why != "not held" else ""
+                raise CheckpointNotFoundError(f"peer {address} holds no step {step} of rank {rank}{detail}")
             raise ReplicationError(f"refused step {step} of rank {rank}: {reply.get('error')}")
         announce = parse_announce(reply)
         if (announce.rank, announce.step) != (rank, step):

@@ -257,9 +257,15 @@ class ReplicaServer:
             send_message(conn, {"ok": True, **announce.to_message()}, deadline)
             send_snapshot(conn, deadline, view, announce.bounds)
             return
+        listed = self.replicas.replica(rank, step) is not None
         opened = self.replicas.open(rank, step) if self.refs.materialize(rank, step, checksum=False) else None
         if opened is None:
-            send_message(conn, {"ok": False, "not_found": True, "error": "not held"}, deadline)
+            # Listed but gone: its shared segments were rewritten here before they were copied in
+            # (a defect, or a slot rewritten meanwhile); say so, so that the fetcher's log shows it.
+            why = "its shared segments are no longer in this node's memory" if listed else "not held"
+            if listed:
+                logger.warning("replica of rank %d step %d could not be served: %s", rank, step, why)
+            send_message(conn, {"ok": False, "not_found": True, "error": why}, deadline)
             return
         view, replica, is_current = opened
         announce = Announce(rank, step, replica.world_size, replica.nbytes, replica.values, replica.bounds)
