@@ -25,6 +25,8 @@ from resilrun.agent.addressing import choose_address, worker_network_env
 from resilrun.agent.channel import AgentChannel, channel_env
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.events import EVENTS_FILE, EventLog
+from resilrun.agent.fault_hooks import PERSIST_DELAY_ENV, delay_s
+from resilrun.agent.fence import WriteFence
 from resilrun.agent.heartbeat import HeartbeatSender
 from resilrun.agent.persister import Persister
 from resilrun.agent.procs import HANDLED_SIGNALS
@@ -124,7 +126,7 @@ def run(config: Config) -> None:
             last_call_timeout=_seconds(rdzv_conf.last_call_timeout_s),
             refresh_s=_STATE_REFRESH_S,
         )
-        heartbeat = HeartbeatSender(backend, config.rdzv_id, me.node_id, config.heartbeat_interval_s)
+        heartbeat = HeartbeatSender(backend, config.rdzv_id, me.node_id, config.heartbeat_interval_s, rdzv.clock)
         log_root = _log_root(config)
         logger.info(
             "resilrun agent: run %s, %s store %s, nnodes %s, %d worker(s) on this node, logs in %s",
@@ -169,6 +171,7 @@ def run(config: Config) -> None:
                 targets=supervisor.replica_targets,
                 peers=supervisor.peer_addresses,
                 world_size=supervisor.world_size,
+                generation=supervisor.generation,
                 on_replicated=telemetry.replicated,
             )
             rdzv.me = replace(rdzv.me, peer_addr=peers.address)
@@ -182,7 +185,11 @@ def run(config: Config) -> None:
                 keep_last=config.keep_last,
                 count_persisted=lambda step: backend.add(keys.persist_count(config.rdzv_id, step), 1),
                 world_size=supervisor.world_size,
+                may_write=WriteFence(
+                    lambda: heartbeat.confirmed_at, rdzv.state, me.node_id, config.heartbeat_timeout_s, rdzv.clock
+                ).allows,
                 on_persisted=telemetry.persisted,
+                upload_delay_s=delay_s(PERSIST_DELAY_ENV, "every upload to the persistent tier"),
             )
         publisher.append(
             StatusPublisher(

@@ -86,19 +86,28 @@ class StalenessJudge:
 class HeartbeatSender:
     """A daemon thread that bumps this node's counter every interval (failures are logged once)."""
 
-    def __init__(self, backend: RendezvousBackend, run_id: str, node_id: str, interval_s: float) -> None:
+    def __init__(
+        self, backend: RendezvousBackend, run_id: str, node_id: str, interval_s: float, clock: Clock | None = None
+    ) -> None:
         self._key = keys.node_heartbeat(run_id, node_id)
         self._backend = backend
         self._interval = interval_s
+        self._clock = clock or SystemClock()
         self._stop = threading.Event()
         self._failing = False
+        # When the newest bump that reached the store began (this node's monotonic clock): a
+        # watcher saw the counter move no earlier, so it cannot judge this node lost before this
+        # plus the heartbeat timeout (the write fence's lease). One float: readers see a whole value.
+        self.confirmed_at: float | None = None
         self._thread = threading.Thread(target=self._run, name="resilrun-heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            began = self._clock.monotonic()
             try:
                 self._backend.add(self._key, 1)
+                self.confirmed_at = began
                 self._failing = False
             except ResilrunError as exc:
                 if not self._failing:

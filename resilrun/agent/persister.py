@@ -44,15 +44,22 @@ class Persister:
         keep_last: int,
         count_persisted: Callable[[int], int],
         world_size: Callable[[], int],
+        may_write: Callable[[], bool] = lambda: True,
         on_persisted: Callable[[int, int, int, float, bool], None] | None = None,
+        upload_delay_s: float = 0.0,
     ) -> None:
-        """``on_persisted(rank, step, bytes, seconds, step_complete)`` runs after each upload (events, metrics)."""
+        """``may_write``: asked before each upload and before it counts towards its step's commit
+        (the write fence, ``agent.fence``: a node cut off and replaced must not write).
+        ``on_persisted(rank, step, bytes, seconds, step_complete)`` runs after each upload (events, metrics).
+        ``upload_delay_s``: a fault hook (``fault_hooks.PERSIST_DELAY_ENV``): each upload waits this long first."""
         self.memory = memory
         self.storage = storage
         self.every = every
         self.keep_last = keep_last
         self._count = count_persisted
         self._world_size = world_size
+        self._may_write = may_write
+        self._upload_delay_s = upload_delay_s
         self._on_persisted = on_persisted
         self._due: deque[tuple[int, int, bytes, Any]] = deque()  # (rank, step, bytes, values)
         self._cond = threading.Condition()
@@ -97,10 +104,18 @@ class Persister:
 
     def _persist(self, rank: int, step: int, data: bytes, values: Any) -> None:
         world = self._world_size()
+        if self._upload_delay_s:
+            time.sleep(self._upload_delay_s)
+        if not self._may_write():
+            logger.info("step %d of rank %d not persisted: this node may not write (see above)", step, rank)
+            return
         started = time.monotonic()
         durable.write_rank(self.storage, step, rank, world, data, values)
         seconds = time.monotonic() - started
         logger.debug("rank %d step %d persisted (%d bytes, %.2f s)", rank, step, len(data), seconds)
+        if not self._may_write():  # the upload outlasted the lease: it must not complete a step
+            logger.info("step %d of rank %d uploaded but not counted: this node may not write", step, rank)
+            return
         complete = False
         try:
             if self._count(step) >= world:

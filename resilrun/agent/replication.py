@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from resilrun import keys
+from resilrun.agent.fault_hooks import REPLICATION_DELAY_ENV, delay_s
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError, ResilrunError
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.tiers.memory import NodeMemoryTier
@@ -24,24 +25,6 @@ logger = logging.getLogger(__name__)
 
 # Fetching a multi-GB snapshot over a slow link takes a while; 50 MB/s is a pessimistic floor.
 _FETCH_FLOOR_BYTES_S = 50e6
-# A fault hook, as RESILRUN_FAULTS is for workers: every push of this agent waits this many seconds
-# before its bytes (a slow link), so that tests and benchmarks get a lagging replica on purpose.
-REPLICATION_DELAY_ENV = "RESILRUN_FAULT_REPLICATION_DELAY_S"
-
-
-def replication_delay_s() -> float:
-    """The fault hook's delay (0: none); a value that is not a number is refused, not ignored."""
-    raw = os.environ.get(REPLICATION_DELAY_ENV, "").strip()
-    if not raw:
-        return 0.0
-    try:
-        delay = float(raw)
-    except ValueError:
-        raise ResilrunError(f"{REPLICATION_DELAY_ENV}={raw!r} is not a number of seconds") from None
-    logger.warning("fault hook: every replica push waits %.2f s before its bytes (%s)", delay, REPLICATION_DELAY_ENV)
-    return delay
-
-
 def job_secret(backend: RendezvousBackend, run_id: str) -> bytes:
     """The job's secret: the first agent sets it, every agent reads the same one."""
     key = keys.job_secret(run_id)
@@ -64,18 +47,22 @@ class PeerTier:
         targets: Callable[[], list[str]],
         peers: Callable[[], list[str]],
         world_size: Callable[[], int],
+        generation: Callable[[], int],
         on_replicated: Callable[[int, int, int, float], None] | None = None,
     ) -> None:
+        """``generation``: the newest generation this node follows: the fencing token its pushes carry,
+        and the server's bar (it refuses pushes from senders that follow an older one)."""
         self.secret = secret
         self.store = ReplicaStore(run_id)
-        self.server = ReplicaServer(secret, self.store, memory, host=_resolve(host))
+        self.server = ReplicaServer(secret, self.store, memory, host=_resolve(host), generation=generation)
         self.replicator = Replicator(
             memory,
             secret,
             targets,
             world_size=world_size,
+            generation=generation,
             on_replicated=on_replicated,
-            push_delay_s=replication_delay_s(),
+            push_delay_s=delay_s(REPLICATION_DELAY_ENV, "every replica push, before its bytes,"),
         )
         self._peers = peers
 

@@ -274,6 +274,11 @@ class Supervisor:
             return []
         return [p.peer_addr for p in state.participants if p.node_id != self.rdzv.me.node_id and p.peer_addr]
 
+    def generation(self) -> int:
+        """The newest generation (round) this node follows (-1 before the first)."""
+        state = self.last_state
+        return state.round if state is not None else -1
+
     def world_size(self) -> int:
         """World size of the current round (0 before the first)."""
         state = self.last_state

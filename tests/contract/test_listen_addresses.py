@@ -55,7 +55,10 @@ def test_hosting_a_store_leaks_no_descriptor() -> None:
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 def test_the_replica_server_binds_the_local_address_not_every_interface(host: str) -> None:
     memory = NodeMemoryTier("listen-test")
-    tier = PeerTier(memory, os.urandom(32), "listen-test", host, targets=list, peers=list, world_size=lambda: 0)
+    tier = PeerTier(
+        memory, os.urandom(32), "listen-test", host, targets=list, peers=list, world_size=lambda: 0,
+        generation=lambda: -1,
+    )  # fmt: skip
     try:
         port = int(tier.address.rsplit(":", 1)[1])
         assert _listening(port) == {"127.0.0.1"}

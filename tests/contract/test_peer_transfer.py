@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import struct
@@ -679,6 +680,41 @@ def test_a_slot_reallocated_lets_the_replicas_referring_to_it_copy_their_bytes_f
     memory.allocate(1, 1, 2 * len(sent))
     assert memory.read(1, 5) is None
     assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == _ddp_snapshot(weight, own=7)
+
+
+def test_a_push_from_a_sender_of_a_superseded_generation_is_refused_and_keeps_the_new_owners_replicas(
+    store: ReplicaStore, memory: NodeMemoryTier, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="resilrun.tiers.peer.server")
+    # Given a node that follows generation 3, holding the new owner's replica of rank 0 step 7
+    generation = 3
+    server = ReplicaServer(SECRET, store, memory, io_timeout=timedelta(seconds=5), generation=lambda: generation)
+
+    def push_step(step: int, data: bytes, **fields: int) -> bool:
+        announce = Announce(0, step, None, len(data), None, snapshot_bounds(memoryview(data)), **fields)
+        return push_view(server.address, SECRET, announce, memoryview(data), Deadline.total(5))
+
+    try:
+        fresh = snapshot(70)
+        assert push_step(7, fresh, generation=3)
+        # When the node that owned rank 0 before (cut off, replaced, back again), which still
+        # follows generation 2, pushes its steps, a newer step number among them
+        for step in (8, 9, 10):
+            with pytest.raises(ReplicationError, match="superseded by generation 3"):
+                push_step(step, snapshot(step), generation=2)
+        # Then none is kept, the new owner's replica is untouched, and the refusal is said once
+        assert store.steps(0) == [7]
+        assert bytes(fetch(server.address, SECRET, 0, 7, timeout=SHORT)[0]) == fresh
+        said = [r for r in caplog.records if "which follows generation 2" in r.getMessage()]
+        assert len([r for r in said if r.levelname == "INFO"]) == 1
+        # A survivor's step trained before the recovery counts (it follows the current generation),
+        # and so does a push that names no generation (an older sender)
+        generation = 4
+        assert push_step(11, snapshot(11), round=3, generation=4)
+        assert push_step(12, snapshot(12))
+        assert store.steps(0) == [12, 11]
+    finally:
+        server.close()
 
 
 def test_a_push_still_in_flight_when_its_step_is_released_is_not_published_by_reference(

@@ -8,6 +8,7 @@ GLOO_SOCKET_IFNAME. See tests/helpers/netns_cluster.py for the fixture.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from resilrun.storage import LocalStorage
+from resilrun.tiers import durable
 from tests.helpers.netns_cluster import Cluster, available
 from tests.integration.conftest import Launch, alive, assert_nothing_left, events, resumed, wait_for
 from tests.integration.test_tier1_restore import EXAMPLE
@@ -27,7 +30,7 @@ PORT = 29400  # every host has a network of its own: no port is taken there
 
 @pytest.fixture
 def cluster_of(tmp_path: Path) -> Iterator:
-    """cluster_of(n) -> (Cluster, start(host, *resilrun_args) -> Launch); removes everything after."""
+    """cluster_of(n) -> (Cluster, start(host, *resilrun_args, env=) -> Launch); removes everything after."""
     why = available()
     if why is not None:
         if os.environ.get("CI") == "true":
@@ -40,8 +43,9 @@ def cluster_of(tmp_path: Path) -> Iterator:
         cluster = Cluster(count).__enter__()
         clusters.append(cluster)
 
-        def start(host: str, *args: str) -> Launch:
-            argv = cluster.command(host, [sys.executable, "-m", "resilrun", *args])
+        def start(host: str, *args: str, env: dict[str, str] | None = None) -> Launch:
+            settings = [f"{name}={value}" for name, value in (env or {}).items()]
+            argv = cluster.command(host, ["env", *settings, sys.executable, "-m", "resilrun", *args])
             launch = Launch(argv, tmp_path / f"{host}_{len(launches)}.log")
             launches.append(launch)
             return launch
@@ -145,3 +149,60 @@ def test_the_store_hosts_partition_stops_both_sides_cleanly(cluster_of, tmp_path
     assert_nothing_left(store_host)
     lost = events(store_host, kind="node_lost")
     assert lost and {e["host"] for e in lost} == {"h1"}
+
+
+@pytest.mark.timeout(400)
+def test_a_host_partitioned_past_the_heartbeat_timeout_then_healed_is_fenced_and_rejoins_as_a_spare(
+    cluster_of, launcher, tmp_path: Path
+) -> None:
+    # Given two hosts training with replicas on each other and a persistent tier, a third standing
+    # by as a spare node
+    cluster, start = cluster_of(3)
+    target = tmp_path / "multi.sha"
+    train = [str(EXAMPLE), "--steps", "60", "--hidden", "64", "--sleep", "0.15", "--checksum-file", str(target)]
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
+        "--spares", "0", "--heartbeat-timeout", "3", "--max-restarts", "0",
+        "--checkpoint-uri", str(tmp_path / "ckpt"), "--persist-every", "5",  # a shared directory, as on NFS
+    ]  # fmt: skip
+    # (h1's uploads each start 4 s late, so that some are due while it is cut off)
+    slow_uploads = {"RESILRUN_FAULT_PERSIST_DELAY_S": "4"}
+    first = [start("h0", *flags, *train), start("h1", *flags, *train, env=slow_uploads)]
+    wait_for(lambda: any("round 0 formed" in n.stderr() for n in first), 150, "the round to form")
+    spare = start("h2", *flags, *train)
+    wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
+    wait_for(lambda: any("step 10 loss" in n.stdout() for n in first), 150, "training to pass step 10")
+    survivor, partitioned = first
+    # When h1 is cut off for longer than the heartbeat timeout, its processes alive all along,
+    cluster.cut("h1")
+    cut_at = time.time()
+    wait_for(lambda: events(survivor, kind="spare_promoted"), 60, "the spare host to take h1's place")
+    promoted_at = _newest_step(survivor)
+    wait_for(lambda: _newest_step(survivor) >= promoted_at + 5, 60, "training to go on without h1")
+    # and then comes back
+    cluster.heal("h1")
+    healed_at = time.monotonic()
+    # Then h1 learns it was replaced, stops its workers and stands by as a spare node,
+    wait_for(lambda: "standing by as a spare node" in partitioned.stderr(), 120, "h1 to stand by as a spare")
+    assert time.monotonic() - healed_at < 90
+    # the job ends bitwise equal to a clean run without a restart, and h1 leaves when it ends
+    for node in (survivor, spare, partitioned):
+        assert node.wait(250) == 0, node.stderr()[-4000:]
+        assert_nothing_left(node)
+    assert events(survivor, spare, partitioned, kind="restart") == []
+    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
+    # and h1 was fenced: it entered no generation after the one it was replaced in, completed no
+    # persistent step once cut off, and said why it wrote none
+    promoted = events(survivor, kind="spare_promoted")[0]
+    entered = events(partitioned, kind="generation_entered")
+    assert all(e["round"] < promoted["round"] for e in entered), entered
+    assert [e["step"] for e in events(partitioned, kind="snapshot_persisted") if e["wall"] > cut_at + 1] == []
+    assert "not writing to the persistent tier: this node's heartbeat has not reached" in partitioned.stderr()
+    # while the job's own uploads went on: its newest persistent step is one of the last ones
+    assert durable.latest_complete_step(LocalStorage(tmp_path / "ckpt")) == 59
+
+
+def _newest_step(node: Launch) -> int:
+    """The newest "step N loss" line a node's rank 0 printed (-1: none yet)."""
+    steps = re.findall(r"^step (\d+) loss", node.stdout(), re.MULTILINE)
+    return max(map(int, steps), default=-1)

@@ -78,3 +78,27 @@ def test_a_copy_torn_behind_a_stable_counter_is_not_uploaded_and_the_next_step_i
         memory.close()
     assert durable.latest_complete_step(storage) == 2
     assert [info.step for info in durable.list_steps(storage)] == [2]  # step 1 was torn: skipped, never uploaded
+
+
+def test_a_node_the_fence_refuses_neither_uploads_nor_counts_and_one_refused_midway_uploads_but_never_counts() -> None:
+    memory, storage = NodeMemoryTier("persister-fenced"), MemoryStorage()
+    answers = iter([False, True, False])  # step 1: refused; step 2: refused after its upload
+    counted: list[int] = []
+
+    def count(step: int) -> int:
+        counted.append(step)
+        return 1
+
+    fence = answers.__next__
+    persister = Persister(
+        memory, storage, every=1, keep_last=5, count_persisted=count, world_size=lambda: 1, may_write=fence
+    )
+    try:
+        for step in (1, 2):
+            _commit(memory, step)
+    finally:
+        persister.close(10)
+        memory.close()
+    # Step 1 never reached storage; step 2 did, but was not counted: it has no COMPLETE.json
+    assert [(info.step, info.complete) for info in durable.list_steps(storage)] == [(2, False)]
+    assert counted == []

@@ -95,6 +95,7 @@ class Replicator:
         targets: Callable[[], list[str]],
         *,
         world_size: Callable[[], int | None] | None = None,
+        generation: Callable[[], int] | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         refresh: timedelta = timedelta(seconds=1),
         on_replicated: Callable[[int, int, int, float], None] | None = None,
@@ -106,6 +107,8 @@ class Replicator:
         Args:
             targets: peer addresses (``host:port``), asked every ``refresh``; the lead's "next k nodes".
             world_size: recorded with each replica; None sends "unknown".
+            generation: the generation this node follows, sent with each push as its fencing token
+                (see ``ReplicaServer``); None sends "unknown".
             timeout: per push, on top of the transfer's allowance at 50 MB/s.
             on_replicated: ``(rank, step, bytes, seconds)`` after each confirmed push (metrics).
             hold_commits: install the commit gate that bounds the replicas' lag (see the module).
@@ -116,6 +119,7 @@ class Replicator:
         self._secret = secret
         self._targets_fn = targets
         self._world_size = world_size
+        self._generation = generation
         self._timeout = timeout.total_seconds()
         self._refresh = refresh.total_seconds()
         self._on_replicated = on_replicated
@@ -337,6 +341,7 @@ class Replicator:
             committed.shared,
             committed.layout,
             committed.round,
+            self._generation() if self._generation is not None else -1,
         )
         deadline = Deadline.total(self._timeout + committed.nbytes / _MIN_RATE_BYTES_S)
 

@@ -22,6 +22,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -73,8 +74,13 @@ class ReplicaServer:
         *,
         io_timeout: timedelta = IO_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        generation: Callable[[], int] = lambda: -1,
     ) -> None:
         """Bind and start serving.
+
+        ``generation``: the newest generation this node follows. A push from a sender that follows
+        an older one is refused: the sender was cut off and replaced (a partition that healed), and
+        its replica must not take the place of the new owner's (the fence of the peer tier).
 
         Raises:
             ValueError: the secret is shorter than ``wire.MIN_SECRET_BYTES``.
@@ -85,6 +91,8 @@ class ReplicaServer:
         self.replicas = replicas
         self.memory = memory
         self.refs = LocalReferences(memory, replicas)
+        self._generation = generation
+        self._fenced: set[tuple[str, int]] = set()  # (sender host, generation) refused: logged once
         self._io_timeout = io_timeout.total_seconds()
         self._max_connections = max_connections
         self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -138,7 +146,7 @@ class ReplicaServer:
             op = request.get("op")
             if op == "push":
                 yield_to_training()  # receiving a replica is background work; serving a fetch is not
-                self._push(conn, request, deadline)
+                self._push(conn, request, deadline, peer)
             elif op == "fetch":
                 self._fetch(conn, request, deadline)
             elif op == "held":
@@ -164,9 +172,10 @@ class ReplicaServer:
         logger.log(level, "refused a replica connection from %s: it did not prove the job secret", peer)
 
     # -- requests ----------------------------------------------------------------------------------
-    def _push(self, conn: socket.socket, request: dict[str, Any], deadline: Deadline) -> None:
+    def _push(self, conn: socket.socket, request: dict[str, Any], deadline: Deadline, peer: str) -> None:
         try:
             announce = parse_announce(request)
+            self._check_generation(announce, peer)
             reservation = self.replicas.reserve(announce.rank, announce.nbytes)
         except ReplicationError as exc:
             send_message(conn, {"ok": False, "error": exc.message}, deadline)
@@ -204,6 +213,29 @@ class ReplicaServer:
         level = logging.DEBUG if received.aborted else logging.WARNING
         logger.log(level, "replica of rank %d step %d not kept: %s", announce.rank, announce.step, problem)
         send_message(conn, {"ok": False, "error": problem}, deadline)
+
+    def _check_generation(self, announce: Announce, peer: str) -> None:
+        """Refuse a sender that follows a generation older than this node's (see ``generation`` in __init__)."""
+        current = self._generation()
+        if announce.generation < 0 or announce.generation >= current:
+            return
+        with self._lock:
+            first = (peer, announce.generation) not in self._fenced
+            self._fenced.add((peer, announce.generation))
+        logger.log(
+            logging.INFO if first else logging.DEBUG,
+            "refused replicas from %s, which follows generation %d (rank %d step %d): this node follows "
+            "generation %d (the sender was replaced, or has yet to follow a recovery)",
+            peer,
+            announce.generation,
+            announce.rank,
+            announce.step,
+            current,
+        )
+        raise ReplicationError(
+            f"step {announce.step} of rank {announce.rank} comes from generation {announce.generation}, "
+            f"superseded by generation {current}"
+        )
 
     def _shared_here(self, announce: Announce, token: int | None, into: memoryview) -> LocalRef | bool:
         """Whether this node holds the announce's shared segments itself: by reference (a LocalRef,

@@ -203,6 +203,10 @@ class Announce:
     shared: tuple[tuple[int, int], ...] = ()
     layout: int = 0  # crc32 of the snapshot's header: "the same layout" above
     round: int = -1  # the generation the step was trained in: "the same step" above
+    # The generation the sender follows (-1: unknown), its fencing token: a receiver that follows a
+    # newer one refuses the push (the sender was cut off and replaced, or is a recovery behind).
+    # Not ``round``: right after a recovery a survivor's newest step was trained in the one before.
+    generation: int = -1
 
     def to_message(self) -> dict[str, Any]:
         message = {
@@ -213,6 +217,8 @@ class Announce:
             "values": self.values,
             "bounds": list(self.bounds),
         }
+        if self.generation >= 0:
+            message["generation"] = self.generation
         if self.shared:
             message.update(shared=[list(r) for r in self.shared], layout=self.layout, round=self.round)
         return message
@@ -247,9 +253,11 @@ def parse_announce(message: dict[str, Any]) -> Announce:
         raise ReplicationError("bad segment bounds in announce")
     shared = _parse_shared(message.get("shared", []), bounds)
     layout, round_ = message.get("layout", 0), message.get("round", -1)
-    if not _is_int(layout) or not _is_int(round_, -1):
-        raise ReplicationError(f"bad layout or round in announce: {layout!r}, {round_!r}")
-    return Announce(rank, step, world_size, nbytes, message.get("values"), tuple(bounds), shared, layout, round_)
+    generation = message.get("generation", -1)
+    if not _is_int(layout) or not _is_int(round_, -1) or not _is_int(generation, -1):
+        raise ReplicationError(f"bad layout, round or generation in announce: {layout!r}, {round_!r}, {generation!r}")
+    values = message.get("values")
+    return Announce(rank, step, world_size, nbytes, values, tuple(bounds), shared, layout, round_, generation)
 
 
 def _parse_shared(raw: Any, bounds: list[int]) -> tuple[tuple[int, int], ...]:
