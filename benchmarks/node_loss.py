@@ -4,6 +4,7 @@
     python benchmarks/node_loss.py --quick        # smoke check: one run per launcher
     python benchmarks/node_loss.py --tiers none,persistent    # with and without a persistent tier
     python benchmarks/node_loss.py --netns        # hosts in network namespaces, the link cut (root)
+    python benchmarks/node_loss.py --netns --loss 1,3,5   # no kill: packet loss on every link, timed
 
 Three agents on loopback, ``--nnodes 2 --nproc-per-node 2``: two run the job, the third finds it
 full and waits (resilrun: a spare node with warm workers; torchrun: an agent waiting for the next
@@ -57,7 +58,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from recovery import parse_events  # noqa: E402 - benchmarks/ is not a package
 
-from tests.helpers.netns_cluster import Cluster, available  # noqa: E402 - the test suite's fixture
+from tests.helpers.netns_cluster import Cluster, available, nft_available  # noqa: E402 - the test suite's fixture
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]
 LOST_MARK = {"resilrun": "node lost: no heartbeat", "torchrun": "failed (exitcode"}
@@ -132,12 +133,20 @@ def free_port() -> int:
 
 
 def run_one(
-    launcher: str, timeout_s: float | None, killed: bool, args: argparse.Namespace, tag: str, tier: str = "none"
+    launcher: str,
+    timeout_s: float | None,
+    killed: bool,
+    args: argparse.Namespace,
+    tag: str,
+    tier: str = "none",
+    loss: float = 0.0,
 ) -> dict[str, Any]:
     run_dir = args.out_dir / tag
     run_dir.mkdir(parents=True)
     events, ckpt = run_dir / "events.log", Path(tempfile.mkdtemp(prefix="dcp-"))
     cluster = Cluster(3).__enter__() if args.netns else None
+    if cluster is not None and loss:
+        cluster.lose(loss)  # every host drops this share of what it receives, for the whole run
     port = 29400 if cluster is not None else free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
     common += ["--rdzv-endpoint", f"h0:{port}" if cluster is not None else f"127.0.0.1:{port}"]
@@ -163,6 +172,7 @@ def run_one(
             agents.append(Agent(cluster.command(host, argv), host_env, run_dir / f"agent{i}.err", host.name))
     res: dict[str, Any] = {
         "launcher": launcher, "timeout": timeout_s, "killed": killed, "tag": tag, "status": "ok", "tier": tier,
+        "loss": loss,
     }  # fmt: skip
     started = time.time()
     try:
@@ -285,6 +295,37 @@ def report(runs: list[dict[str, Any]]) -> str:
     return "\n".join(md)
 
 
+def loss_report(runs: list[dict[str, Any]]) -> str:
+    """Training time (first to last step) per launcher and loss, against no loss and against torchrun."""
+    md = [
+        "| launcher | packet loss on every link | finished | training s (median, range) | vs no loss | "
+        "final params equal |",
+        "|---|---|---|---|---|---|",
+    ]
+    seconds: dict[tuple[str, float], list[float]] = {}
+    clean = {r["launcher"]: r["checksum"] for r in runs if r["loss"] == 0 and r["status"] == "ok"}
+    for r in runs:
+        steps = [t for _, t in r["steps"]]
+        if r["status"] == "ok" and len(steps) > 1:
+            seconds.setdefault((r["launcher"], r["loss"]), []).append(max(steps) - min(steps))
+    for launcher, loss in sorted({(r["launcher"], r["loss"]) for r in runs}):
+        rows = [r for r in runs if (r["launcher"], r["loss"]) == (launcher, loss)]
+        ok = seconds.get((launcher, loss), [])
+        base = seconds.get((launcher, 0.0))
+        ratio = f"{statistics.median(ok) / statistics.median(base):.2f}×" if ok and base else "—"
+        equal = sum(r["checksum"] == clean.get(launcher) for r in rows if r["status"] == "ok")
+        md.append(
+            f"| {launcher} | {loss:g} % | {len(ok)}/{len(rows)} | {fmt(ok)} | {ratio} | {equal}/{len(rows)} |"
+        )
+    md.append("")
+    for loss in sorted({r["loss"] for r in runs}):
+        ours, theirs = seconds.get(("resilrun", loss)), seconds.get(("torchrun", loss))
+        if ours and theirs:
+            ratio = statistics.median(ours) / statistics.median(theirs)
+            md.append(f"- {loss:g} % loss: resilrun / torchrun training time {ratio:.2f}×")
+    return "\n".join(md)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeouts", default="2,5", help="resilrun --heartbeat-timeout values (seconds)")
@@ -299,15 +340,35 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--netns", action="store_true", help="three hosts in network namespaces (root)")
+    parser.add_argument(
+        "--loss", default=None, help="with --netns: no kill; --runs jobs per launcher at 0 %% and each of these "
+        "packet-loss percentages on every link (comma-separated), timed"
+    )  # fmt: skip
     args = parser.parse_args()
     if args.netns and (why := available()) is not None:
         parser.error(f"--netns: {why}")
+    if args.loss is not None and not args.netns:
+        parser.error("--loss needs --netns")
+    if args.loss is not None and (why := nft_available()) is not None:
+        parser.error(f"--loss: {why}")
     timeouts = [float(t) for t in args.timeouts.split(",")]
     if args.quick:
         args.runs, timeouts = 1, timeouts[:1]
     args.out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="resilrun-node-loss-"))
     print(f"logs under {args.out_dir}", file=sys.stderr)
     launchers, tiers = args.launchers.split(","), args.tiers.split(",")
+    if args.loss is not None:
+        losses = [0.0, *(float(p) for p in args.loss.split(","))]
+        plan = [(name, loss) for loss in losses for name in launchers]
+        runs = []
+        for i in range(args.runs):
+            for name, loss in plan[i % len(plan) :] + plan[: i % len(plan)]:  # rotate against drift
+                timeout = timeouts[0] if name == "resilrun" else None
+                runs.append(run_one(name, timeout, False, args, f"{len(runs):03d}-{name}-loss{loss:g}", loss=loss))
+        print("Three hosts in network namespaces (two train), packet loss on every link:\n\n" + loss_report(runs))
+        if args.json:
+            args.json.write_text(json.dumps(runs, indent=1, default=str), encoding="utf-8")
+        return 0 if all(r["status"] == "ok" for r in runs if r["launcher"] == "resilrun") else 1
     runs = [run_one(name, timeouts[0] if name == "resilrun" else None, False, args, f"00{i}-{name}-clean")
             for i, name in enumerate(launchers)]  # fmt: skip
     index = len(runs)

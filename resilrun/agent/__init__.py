@@ -210,6 +210,7 @@ def run(config: Config) -> None:
             agent_pid=os.getpid(),
             nproc=nproc,
             spares=config.spares,
+            replica_server=peers.address if peers is not None else None,
             metrics=f"http://{metrics_at[0]}:{metrics_at[1]}/metrics" if metrics_at else None,
         )
         outcome, message = "error", None
@@ -235,9 +236,9 @@ def run(config: Config) -> None:
             if metrics is not None:
                 metrics.close()
             events.close()
-            heartbeat.close()
-            if persister is not None:
+            if persister is not None:  # while heartbeats still flow: the write fence's lease needs them
                 persister.close()
+            heartbeat.close()
             if peers is not None:
                 peers.close()
             channel.close()

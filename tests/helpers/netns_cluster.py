@@ -12,7 +12,11 @@ through ``command()``: ``ip netns exec`` (which bind-mounts /etc/netns/NS/hosts 
 and a new UTS namespace carrying the host's name.
 
 Faults: ``cut(host)`` takes the host off the network (its link down: every peer sees silence, as
-on a lost node or a pulled cable); ``heal(host)`` puts it back.
+on a lost node or a pulled cable); ``heal(host)`` puts it back. With nftables (``nft``; see
+``nft_available``), finer ones, each a rule in the sending or receiving host's own namespace:
+``block(src, dst, port=)`` drops what ``src`` sends to ``dst`` (one way; a TCP port of ``dst``'s
+alone: one service, as a cut data plane); ``lose(percent)`` drops that share of the packets every
+host receives (random loss on every link); ``clear()`` removes them all.
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ def available() -> str | None:
     return None
 
 
+def nft_available() -> str | None:
+    """None when nftables rules can be set in a host's namespace, else why not."""
+    if shutil.which("nft") is None:
+        return "nftables' nft is not installed"
+    return None
+
+
 def _run(*argv: str) -> None:
     done = subprocess.run(list(argv), capture_output=True, text=True)
     if done.returncode != 0:
@@ -67,6 +78,7 @@ class Cluster:
         self.switch = f"{tag}sw"
         self.hosts = [Host(f"{prefix}{i}", f"{tag}{prefix}{i}", f"{SUBNET}.{i + 1}") for i in range(count)]
         self._made: list[str] = []
+        self._filtered: list[Host] = []  # hosts whose namespace has the fault table
 
     def __enter__(self) -> Cluster:
         try:
@@ -117,6 +129,41 @@ class Cluster:
     def heal(self, host: Host | str) -> None:
         h = self.host(host) if isinstance(host, str) else host
         _run("ip", "-n", h.ns, "link", "set", "eth0", "up")
+
+    def block(self, src: Host | str, dst: Host | str, *, port: int | None = None) -> None:
+        """Drop every packet ``src`` sends to ``dst`` (to that TCP port of ``dst`` only, if given)."""
+        source, target = (self.host(h) if isinstance(h, str) else h for h in (src, dst))
+        match = ["ip", "daddr", target.addr] + (["tcp", "dport", str(port)] if port is not None else [])
+        self._nft(source, "output", *match, "drop")
+
+    def lose(self, percent: float, hosts: Sequence[Host | str] | None = None) -> None:
+        """Every host (or those named) drops ``percent`` % of the packets it receives, at random."""
+        per_mille = round(percent * 10)
+        if not 0 < per_mille < 1000:
+            raise ValueError(f"a loss of {percent} % cannot be set (0.1-99.9)")
+        for host in hosts if hosts is not None else self.hosts:
+            h = self.host(host) if isinstance(host, str) else host
+            self._nft(h, "input", "iifname", "eth0", "numgen", "random", "mod", "1000", "<", str(per_mille), "drop")
+
+    def clear(self) -> None:
+        """Remove every rule ``block`` and ``lose`` set."""
+        for host in self._filtered:
+            _run("ip", "netns", "exec", host.ns, "nft", "flush", "table", "inet", "resilrun_faults")
+
+    def _nft(self, host: Host, chain: str, *rule: str) -> None:
+        if host not in self._filtered:
+            table = (
+                "table inet resilrun_faults {\n"
+                " chain input { type filter hook input priority 0; policy accept; }\n"
+                " chain output { type filter hook output priority 0; policy accept; }\n}\n"
+            )
+            done = subprocess.run(
+                ["ip", "netns", "exec", host.ns, "nft", "-f", "-"], input=table, capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"nft on {host.name}: {done.stderr.strip()}")
+            self._filtered.append(host)
+        _run("ip", "netns", "exec", host.ns, "nft", "add", "rule", "inet", "resilrun_faults", chain, *rule)
 
     def close(self) -> None:
         for ns in reversed(self._made):

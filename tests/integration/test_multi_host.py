@@ -7,9 +7,11 @@ GLOO_SOCKET_IFNAME. See tests/helpers/netns_cluster.py for the fixture.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ import pytest
 
 from resilrun.storage import LocalStorage
 from resilrun.tiers import durable
-from tests.helpers.netns_cluster import Cluster, available
+from tests.helpers.netns_cluster import Cluster, available, nft_available
 from tests.integration.conftest import Launch, alive, assert_nothing_left, events, resumed, wait_for
 from tests.integration.test_tier1_restore import EXAMPLE
 
@@ -97,7 +99,7 @@ def test_a_host_that_drops_off_the_network_is_replaced_by_a_spare_host(cluster_o
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
         "--spares", "0", "--heartbeat-timeout", "3", "--max-restarts", "0",
     ]  # fmt: skip
-    first = [start(name, *flags, *train) for name in ("h0", "h1")]
+    first = [start(name, *flags, "--node-rank", name[1:], *train) for name in ("h0", "h1")]
     wait_for(lambda: any("round 0 formed" in n.stderr() for n in first), 150, "the round to form")
     spare = start("h2", *flags, *train)
     wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
@@ -152,8 +154,9 @@ def test_the_store_hosts_partition_stops_both_sides_cleanly(cluster_of, tmp_path
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("partition", ["link down", "one way"])
 def test_a_host_partitioned_past_the_heartbeat_timeout_then_healed_is_fenced_and_rejoins_as_a_spare(
-    cluster_of, launcher, tmp_path: Path
+    cluster_of, launcher, tmp_path: Path, partition: str
 ) -> None:
     # Given two hosts training with replicas on each other and a persistent tier, a third standing
     # by as a spare node
@@ -167,20 +170,27 @@ def test_a_host_partitioned_past_the_heartbeat_timeout_then_healed_is_fenced_and
     ]  # fmt: skip
     # (h1's uploads each start 4 s late, so that some are due while it is cut off)
     slow_uploads = {"RESILRUN_FAULT_PERSIST_DELAY_S": "4"}
-    first = [start("h0", *flags, *train), start("h1", *flags, *train, env=slow_uploads)]
+    first = [start("h0", *flags, "--node-rank", "0", *train)]
+    first.append(start("h1", *flags, "--node-rank", "1", *train, env=slow_uploads))
     wait_for(lambda: any("round 0 formed" in n.stderr() for n in first), 150, "the round to form")
     spare = start("h2", *flags, *train)
     wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
     wait_for(lambda: any("step 10 loss" in n.stdout() for n in first), 150, "training to pass step 10")
     survivor, partitioned = first
-    # When h1 is cut off for longer than the heartbeat timeout, its processes alive all along,
-    cluster.cut("h1")
+    # When h1 is cut off for longer than the heartbeat timeout, its processes alive all along
+    # (its link down; or one way: what it sends goes out, nothing reaches it),
+    if partition == "link down":
+        cluster.cut("h1")
+    else:
+        needs_nft()
+        for other in ("h0", "h2"):
+            cluster.block(other, "h1")
     cut_at = time.time()
     wait_for(lambda: events(survivor, kind="spare_promoted"), 60, "the spare host to take h1's place")
     promoted_at = _newest_step(survivor)
     wait_for(lambda: _newest_step(survivor) >= promoted_at + 5, 60, "training to go on without h1")
     # and then comes back
-    cluster.heal("h1")
+    cluster.heal("h1") if partition == "link down" else cluster.clear()
     healed_at = time.monotonic()
     # Then h1 learns it was replaced, stops its workers and stands by as a spare node,
     wait_for(lambda: "standing by as a spare node" in partitioned.stderr(), 120, "h1 to stand by as a spare")
@@ -200,6 +210,81 @@ def test_a_host_partitioned_past_the_heartbeat_timeout_then_healed_is_fenced_and
     assert "not writing to the persistent tier: this node's heartbeat has not reached" in partitioned.stderr()
     # while the job's own uploads went on: its newest persistent step is one of the last ones
     assert durable.latest_complete_step(LocalStorage(tmp_path / "ckpt")) == 59
+
+
+@pytest.mark.timeout(300)
+def test_a_job_with_packet_loss_on_every_link_finishes_bitwise_equal(cluster_of, launcher, tmp_path: Path) -> None:
+    needs_nft()
+    # Given two hosts with replicas on each other, and 3 % of the packets every host receives lost
+    cluster, start = cluster_of(2)
+    cluster.lose(3)
+    target = tmp_path / "multi.sha"
+    train = [str(EXAMPLE), "--steps", "40", "--hidden", "64", "--checksum-file", str(target)]
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
+        "--heartbeat-timeout", "5", "--max-restarts", "0",
+    ]  # fmt: skip
+    nodes = [start(name, *flags, *train) for name in ("h0", "h1")]
+    # Then TCP's retransmissions carry it: no node is judged lost, nothing restarts, nothing is
+    # left, and it ends bitwise equal to a clean run
+    for node in nodes:
+        assert node.wait(250) == 0, node.stderr()[-4000:]
+        assert_nothing_left(node)
+    assert events(*nodes, kind="node_lost") == [] and events(*nodes, kind="restart") == []
+    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
+
+
+@pytest.mark.timeout(300)
+def test_a_node_cut_from_its_replica_peer_only_trains_on_and_replicates_again_once_healed(
+    cluster_of, launcher, tmp_path: Path
+) -> None:
+    needs_nft()
+    # Given two hosts with replicas on each other
+    cluster, start = cluster_of(2)
+    target = tmp_path / "multi.sha"
+    train = [str(EXAMPLE), "--steps", "80", "--hidden", "64", "--sleep", "0.1", "--checksum-file", str(target)]
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
+        "--heartbeat-timeout", "3", "--max-restarts", "0",
+    ]  # fmt: skip
+    first, second = (start(name, *flags, "--node-rank", name[1:], *train) for name in ("h0", "h1"))
+    wait_for(lambda: _newest_step(first) >= 10, 150, "training to pass step 10")
+    wait_for(lambda: _peer_lag(cluster, 0) in (0, 1), 60, "h0's replicas to keep up")
+    # When what h0 sends to h1's replica server is dropped (the data plane to that peer; the store,
+    # heartbeats and the collectives still get through)
+    (started,) = events(second, kind="agent_started")
+    port = int(started["replica_server"].rsplit(":", 1)[1])
+    cluster.block("h0", "h1", port=port)
+    cut_at = _newest_step(first)
+    # Then training goes on (one push waits out its timeout, then h0 stops waiting for that peer),
+    wait_for(lambda: _newest_step(first) >= cut_at + 25, 120, "training to go on with the replica peer cut")
+    assert "replication to 198.18.0.2" in first.stderr()  # said, and shown: its replicas lag
+    assert (_peer_lag(cluster, 0) or 0) >= 10
+    # and once healed h0 replicates again; no node was judged lost, nothing restarted, bitwise equal
+    cluster.clear()
+    wait_for(lambda: _peer_lag(cluster, 0) in (0, 1), 120, "h0's replicas to catch up once healed")
+    for node in (first, second):
+        assert node.wait(250) == 0, node.stderr()[-4000:]
+        assert_nothing_left(node)
+    assert events(first, second, kind="node_lost") == [] and events(first, second, kind="restart") == []
+    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
+
+
+def _peer_lag(cluster: Cluster, node_rank: int) -> int | None:
+    """``tiers.peer.lag_steps`` of a node in ``resilrun status --json``, run as a user would on h0."""
+    argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"h0:{PORT}", "--json"]
+    done = subprocess.run(cluster.command("h0", argv), capture_output=True, text=True, timeout=60)
+    document = json.loads(done.stdout).get("data") if done.stdout.strip() else None
+    nodes = [n for n in (document or {}).get("nodes", []) if n.get("node_rank") == node_rank]
+    return nodes[0]["tiers"]["peer"].get("lag_steps") if nodes else None
+
+
+def needs_nft() -> None:
+    why = nft_available()
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the network-fault tests need nftables in CI: {why}")
+        pytest.skip(why)
 
 
 def _newest_step(node: Launch) -> int:

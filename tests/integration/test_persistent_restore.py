@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from resilrun.storage import LocalStorage
+from resilrun.tiers import durable
 from tests.integration.test_tier1_restore import ARGS, EXAMPLE, _clean_checksum
 
 pytestmark = pytest.mark.integration
@@ -41,3 +43,19 @@ def test_new_job_resumes_from_s3(launcher, tmp_path: Path, s3_server, s3_bucket:
     assert checksum == _clean_checksum(launcher, tmp_path, 2)
     keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"]]
     assert "run1/step_000000000019/COMPLETE.json" in keys
+
+
+def test_uploads_still_due_when_the_job_ends_are_written_under_the_fence(launcher, tmp_path: Path) -> None:
+    # Given a job whose uploads each start 3 s late (a slow storage link), longer than the write
+    # fence's lease would last once heartbeats stopped (half of --heartbeat-timeout 4)
+    ckpt = tmp_path / "ckpt"
+    flags = ["--standalone", "--nproc-per-node", "2", "--checkpoint-uri", str(ckpt), "--persist-every", "5"]
+    run = launcher(
+        "resilrun", *flags, "--heartbeat-timeout", "4", str(EXAMPLE), "--steps", "10", "--hidden", "32",
+        env={"RESILRUN_FAULT_PERSIST_DELAY_S": "3"},
+    )  # fmt: skip
+    # Then the uploads still due when training ends are written before the agent leaves: its
+    # heartbeats go on until they are, so the fence never refuses its own last step
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    assert "not writing to the persistent tier" not in run.stderr()
+    assert durable.latest_complete_step(LocalStorage(ckpt)) == 9
