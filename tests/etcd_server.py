@@ -11,10 +11,12 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,25 @@ def _free_ports(count: int) -> list[int]:
             probe.close()
 
 
+# A member's health, asked from inside its host's network namespace (the test's own cannot reach it).
+_PROBE = (
+    "import sys, urllib.request\n"
+    "try:\n"
+    "    body = urllib.request.urlopen(f'http://{sys.argv[1]}/health', timeout=1).read()\n"
+    "except OSError:\n"
+    "    sys.exit(1)\n"
+    "sys.exit(0 if b'\"true\"' in body else 1)\n"
+)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a member runs: an address of its own, and how a command is run there (a netns host)."""
+
+    addr: str
+    command: Callable[[list[str]], list[str]]
+
+
 @dataclass
 class Member:
     name: str
@@ -44,12 +65,20 @@ class Member:
     data_dir: Path
     log: Path
     popen: subprocess.Popen[bytes] | None = None
+    placement: Placement | None = None
+
+    @property
+    def addr(self) -> str:
+        return self.placement.addr if self.placement is not None else "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.addr}:{self.client_port}"
 
     def healthy(self) -> bool:
+        if self.placement is not None:
+            argv = self.placement.command([sys.executable, "-c", _PROBE, self.endpoint])
+            return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
         try:
             with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as response:
                 return b'"true"' in response.read()
@@ -59,34 +88,39 @@ class Member:
 
 @dataclass
 class EtcdCluster:
-    """One to three etcd members on loopback; ``endpoint`` is the ``--rdzv-endpoint`` value."""
+    """One to three etcd members on loopback, or one per ``placements`` (each on its own host, with
+    etcd's default ports); ``endpoint`` is the ``--rdzv-endpoint`` value."""
 
     root: Path
     size: int = 1
     members: list[Member] = field(default_factory=list)
+    placements: Sequence[Placement] = ()
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
         self.root.mkdir(parents=True, exist_ok=True)
-        ports = _free_ports(2 * self.size)
+        if self.placements:
+            self.size = len(self.placements)
+        ports = [2379, 2380] * self.size if self.placements else _free_ports(2 * self.size)
         token = f"resilrun-test-{uuid.uuid4().hex[:8]}"
         for index in range(self.size):
             name = f"m{index}"
-            self.members.append(
-                Member(name, ports[2 * index], ports[2 * index + 1], self.root / name, self.root / f"{name}.log")
-            )
-        initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+            placement = self.placements[index] if self.placements else None
+            paths = self.root / name, self.root / f"{name}.log"
+            self.members.append(Member(name, ports[2 * index], ports[2 * index + 1], *paths, placement=placement))
+        initial = ",".join(f"{m.name}=http://{m.addr}:{m.peer_port}" for m in self.members)
         for member in self.members:
+            addr = member.addr
             argv = [
                 binary,
                 "--name", member.name,
                 "--data-dir", str(member.data_dir),
-                "--listen-client-urls", f"http://127.0.0.1:{member.client_port}",
-                "--advertise-client-urls", f"http://127.0.0.1:{member.client_port}",
-                "--listen-peer-urls", f"http://127.0.0.1:{member.peer_port}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{member.peer_port}",
+                "--listen-client-urls", f"http://{addr}:{member.client_port}",
+                "--advertise-client-urls", f"http://{addr}:{member.client_port}",
+                "--listen-peer-urls", f"http://{addr}:{member.peer_port}",
+                "--initial-advertise-peer-urls", f"http://{addr}:{member.peer_port}",
                 "--initial-cluster", initial,
                 "--initial-cluster-state", "new",
                 "--initial-cluster-token", token,
@@ -96,6 +130,8 @@ class EtcdCluster:
                 "--logger", "zap",
                 "--log-level", "warn",
             ]  # fmt: skip
+            if member.placement is not None:
+                argv = member.placement.command(argv)
             with open(member.log, "wb") as log:
                 member.popen = subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -109,7 +145,7 @@ class EtcdCluster:
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"etcd did not become healthy within {timeout} s")
-            time.sleep(0.1)
+            time.sleep(0.1 if not self.placements else 0.5)
         return self
 
     @property

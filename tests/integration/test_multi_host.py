@@ -21,6 +21,7 @@ import pytest
 
 from resilrun.storage import LocalStorage
 from resilrun.tiers import durable
+from tests.etcd_server import EtcdCluster, Placement, etcd_binary
 from tests.helpers.netns_cluster import Cluster, available, nft_available
 from tests.integration.conftest import Launch, alive, assert_nothing_left, events, resumed, wait_for
 from tests.integration.test_tier1_restore import EXAMPLE
@@ -105,20 +106,13 @@ def test_a_host_that_drops_off_the_network_is_replaced_by_a_spare_host(cluster_o
     wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
     wait_for(lambda: any("step 10 loss" in n.stdout() for n in first), 150, "training to pass step 10")
     survivor, doomed = first
-    doomed_tree = doomed.remember_descendants() | {doomed.pid}
     # When h1 drops off the network (its link goes down: the others see silence, not a refused
     # connection) and its processes die with it
-    cluster.cut("h1")
-    os.killpg(doomed.pid, signal.SIGKILL)
+    doomed_tree = _drop_off(cluster, "h1", doomed)
     # Then the spare host takes its rank in-process, and the job ends bitwise equal to a clean run
-    for node in (survivor, spare):
-        assert node.wait(250) == 0, node.stderr()[-4000:]
-        assert_nothing_left(node)
-    assert events(survivor, spare, kind="restart") == []
+    _spare_took_over(survivor, spare, node_rank=1)
     lost = events(survivor, kind="node_lost")
     assert lost and {e["host"] for e in lost} == {"h1"}
-    taken = events(survivor, spare, kind="spare_promoted")
-    assert [t.get("node_rank_taken") for t in taken] == [1], taken
     # every rank resumed at one step: the survivor from its memory, the lost rank from its replica
     steps = resumed(survivor, spare)
     assert steps == {0: (steps[0][0], "memory"), 1: (steps[0][0], "peer")}, steps
@@ -270,6 +264,24 @@ def test_a_node_cut_from_its_replica_peer_only_trains_on_and_replicates_again_on
     assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
 
 
+def _drop_off(cluster: Cluster, host: str, node: Launch) -> set[int]:
+    """Take ``host`` off the network, then SIGKILL ``node``'s processes; returns their pids."""
+    tree = node.remember_descendants() | {node.pid}
+    cluster.cut(host)
+    os.killpg(node.pid, signal.SIGKILL)
+    return tree
+
+
+def _spare_took_over(survivor: Launch, spare: Launch, node_rank: int) -> None:
+    """Both ended cleanly, leaving nothing, with no restart: the spare took ``node_rank`` in-process."""
+    for node in (survivor, spare):
+        assert node.wait(250) == 0, node.stderr()[-4000:]
+        assert_nothing_left(node)
+    assert events(survivor, spare, kind="restart") == []
+    taken = events(survivor, spare, kind="spare_promoted")
+    assert [t.get("node_rank_taken") for t in taken] == [node_rank], taken
+
+
 def _peer_lag(cluster: Cluster, node_rank: int) -> int | None:
     """``tiers.peer.lag_steps`` of a node in ``resilrun status --json``, run as a user would on h0."""
     argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"h0:{PORT}", "--json"]
@@ -291,3 +303,40 @@ def _newest_step(node: Launch) -> int:
     """The newest "step N loss" line a node's rank 0 printed (-1: none yet)."""
     steps = re.findall(r"^step (\d+) loss", node.stdout(), re.MULTILINE)
     return max(map(int, steps), default=-1)
+
+
+@pytest.mark.timeout(400)
+def test_on_etcd_the_job_survives_losing_the_host_of_an_etcd_member_and_node_rank_0(
+    cluster_of, launcher, tmp_path: Path
+) -> None:
+    if etcd_binary() is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("etcd is required in CI (make test-tools installs Debian's etcd-server as root)")
+        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
+    # Given a three-member etcd cluster on h0-h2, a job on h0 (node rank 0) and h1, a spare host h3
+    cluster, start = cluster_of(4)
+    placements = [Placement(h.addr, lambda argv, h=h: cluster.command(h, argv)) for h in cluster.hosts[:3]]
+    etcd = EtcdCluster(tmp_path / "etcd", placements=placements).start(timeout=60)
+    try:
+        target = tmp_path / "multi.sha"
+        train = [str(EXAMPLE), "--steps", "50", "--hidden", "64", "--sleep", "0.15", "--checksum-file", str(target)]
+        flags = [
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+            "--rdzv-endpoint", "h0:2379,h1:2379,h2:2379", "--replicas", "1", "--spares", "0",
+            "--heartbeat-timeout", "3", "--max-restarts", "0",
+        ]  # fmt: skip
+        doomed, survivor = (start(f"h{i}", *flags, "--node-rank", str(i), *train) for i in (0, 1))
+        wait_for(lambda: "round 0 formed" in survivor.stderr(), 150, "the round to form")
+        spare = start("h3", *flags, *train)
+        wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
+        wait_for(lambda: _newest_step(doomed) >= 10, 150, "training to pass step 10")
+        # When h0 drops off the network, with its etcd member, the round's worker store (node rank
+        # 0 hosts it) and its processes
+        doomed_tree = _drop_off(cluster, "h0", doomed)
+        # Then the other two etcd members keep the rendezvous going, the spare host takes node rank
+        # 0 in-process, and the job ends bitwise equal to a clean run, without a restart
+        _spare_took_over(survivor, spare, node_rank=0)
+        assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
+        assert not alive(doomed_tree)
+    finally:
+        etcd.stop()
