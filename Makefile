@@ -19,13 +19,13 @@ install: $(PY)
 # On a fresh Debian/Ubuntu machine as root, missing ones are installed with apt-get; elsewhere those
 # tests skip (and fail under CI=true), so install them yourself: groff-base or mandoc, zsh, fish, etcd,
 # iproute2, util-linux.
-TEST_TOOLS := groff mandoc zsh fish etcd ip unshare nft
+TEST_TOOLS := groff mandoc zsh fish etcd ip unshare nft slurmctld slurmd sbatch munged
 
 test-tools:
 	@missing=""; for tool in $(TEST_TOOLS); do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "installing$$missing with apt-get"; \
-		packages=$$(echo $$missing | sed 's/groff/groff-base/; s/etcd/etcd-server/; s/\bip\b/iproute2/; s/unshare/util-linux/; s/\bnft\b/nftables/'); \
+		packages=$$(echo $$missing | sed 's/groff/groff-base/; s/etcd/etcd-server/; s/\bip\b/iproute2/; s/unshare/util-linux/; s/\bnft\b/nftables/; s/\bsbatch\b/slurm-client/; s/\bmunged\b/munge/'); \
 		{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$packages >/dev/null; } \
 		|| echo "could not install$$missing: those tests will skip (and fail under CI=true)"; \

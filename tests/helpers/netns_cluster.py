@@ -21,9 +21,11 @@ host receives (random loss on every link); ``clear()`` removes them all.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,6 +56,13 @@ def nft_available() -> str | None:
     if shutil.which("nft") is None:
         return "nftables' nft is not installed"
     return None
+
+
+def _kill_in(ns: str) -> None:
+    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    for pid in done.stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def _run(*argv: str) -> None:
@@ -120,6 +129,25 @@ class Cluster:
         h = self.host(host) if isinstance(host, str) else host
         script = 'hostname "$0" && exec "$@"'
         return ["ip", "netns", "exec", h.ns, "unshare", "--uts", "--", "sh", "-c", script, h.name, *argv]
+
+    def daemon_command(self, host: Host | str, argv: Sequence[str]) -> list[str]:
+        """As ``command``, but keeping the machine's /sys (``ip netns exec`` mounts a fresh one, which
+        lacks the cgroup mounts a daemon such as slurmd insists on): the host's network, its own
+        mount namespace with the host's /etc/hosts bound over /etc/hosts, and its hostname."""
+        h = self.host(host) if isinstance(host, str) else host
+        script = 'mount --bind "/etc/netns/$1/hosts" /etc/hosts && hostname "$0" && shift && exec "$@"'
+        unshare = ["unshare", "--mount", "--uts", "--propagation", "private", "--"]
+        return ["nsenter", f"--net=/run/netns/{h.ns}", *unshare, "sh", "-c", script, h.name, h.ns, *argv]
+
+    def kill_host(self, host: Host | str) -> None:
+        """SIGKILL every process in ``host``'s network namespace: the machine died."""
+        h = self.host(host) if isinstance(host, str) else host
+        _kill_in(h.ns)
+
+    def kill_all(self) -> None:
+        """SIGKILL every process still in one of the hosts' network namespaces (daemons, strays)."""
+        for ns in self._made:
+            _kill_in(ns)
 
     # -- faults ----------------------------------------------------------------------------------
     def cut(self, host: Host | str) -> None:

@@ -1,6 +1,7 @@
-"""Every example works: each Python script under resilrun (2 workers, tiny sizes), the SLURM and S3
-scripts end to end with stand-ins for srun/scontrol and a moto S3, and the Kubernetes manifest checked
-against the CLI. Sizes keep each run well under a minute on 2 cores."""
+"""Every example works: each Python script under resilrun (2 workers, tiny sizes), the SLURM
+script's host list at a size no test cluster has (a real SLURM runs it: test_slurm.py), the S3
+script end to end with a moto S3, and the Kubernetes manifest checked against the CLI. Sizes keep
+each run well under a minute on 2 cores."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -133,52 +132,31 @@ def test_shell_examples_are_valid_bash(script: str) -> None:
     subprocess.run(["bash", "-n", str(EXAMPLES / script)], check=True, timeout=30)
 
 
-def test_slurm_script_runs_one_resilrun_per_node_at_the_first_host(tmp_path: Path) -> None:
-    # Given stand-ins for scontrol (the allocation's hosts, first one local) and srun (one node)
+def test_slurm_script_survives_an_allocation_of_thousands_of_hosts(tmp_path: Path) -> None:
+    # A real SLURM runs the script in tests/integration/test_slurm.py; this covers what it cannot:
+    # thousands of hosts, where a script piping them into `head` under pipefail dies of SIGPIPE.
+    # Given a stand-in scontrol listing 5000 hosts (the first one local) and an srun that records
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    # Thousands of hosts: a script that pipes them into `head` under pipefail would die of SIGPIPE
     (bin_dir / "scontrol").write_text(
         '#!/usr/bin/env bash\n[ "$1 $2" = "show hostnames" ] && { echo localhost; seq -f "node-%g" 5000; }\n'
     )
-    (bin_dir / "srun").write_text(
-        "#!/usr/bin/env bash\n"
-        'echo "$*" > "$SRUN_RECORD"\n'
-        'while [[ "$1" == --* ]]; do shift; done\n'  # srun's own options
-        '[[ "$1" == resilrun ]] && shift\n'
-        'exec "$PYTHON" -m resilrun "$@"\n'
-    )
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "$*" > "$SRUN_RECORD"\n')
     for tool in ("scontrol", "srun"):
         (bin_dir / tool).chmod(0o755)
-    port, record, checksum = free_port(), tmp_path / "srun.args", tmp_path / "sha"
+    record = tmp_path / "srun.args"
     env = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "PYTHON": sys.executable,
-        "SRUN_RECORD": str(record),
-        "SLURM_JOB_NODELIST": "localhost,node-b",
-        "SLURM_JOB_NUM_NODES": "1",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "resilrun-test",
-        "NPROC_PER_NODE": "2",
-        "RDZV_PORT": str(port),
-        "CHECKPOINT_URI": str(tmp_path / "ckpt"),
-        "LOG_DIR": str(tmp_path / "logs"),
-        "PERSIST_EVERY": "2",
-    }
-    # When the batch script runs with the training script's arguments
-    args = [*TINY["train_checkpointless.py"], "--checksum-file", str(checksum)]
-    result = _run_script(["bash", str(EXAMPLES / "slurm" / "train.sbatch"), *args], env)
-    # Then srun started one task per node with the first host as the rendezvous endpoint
+        "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_RECORD": str(record),
+        "SLURM_JOB_NODELIST": "localhost,node-[1-5000]", "SLURM_JOB_NUM_NODES": "5001", "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "resilrun-test", "NPROC_PER_NODE": "2", "CHECKPOINT_URI": str(tmp_path / "ckpt"),
+    }  # fmt: skip
+    # When the batch script runs
+    result = _run_script(["bash", str(EXAMPLES / "slurm" / "train.sbatch"), "--steps", "3"], env)
+    # Then it reaches srun with the first host as the rendezvous endpoint
     assert result.returncode == 0, result.stderr[-3000:]
     srun_args = record.read_text()
-    assert srun_args.startswith("--ntasks-per-node=1 ")
-    assert f"--rdzv-endpoint localhost:{port}" in srun_args
-    assert "--rdzv-id 4242" in srun_args
-    # and the job trained, persisted complete steps, and kept the documented log layout
-    assert re.fullmatch(r"[0-9a-f]{64}", checksum.read_text())
-    assert (tmp_path / "ckpt" / "step_000000000005" / "COMPLETE.json").is_file()
-    assert (tmp_path / "ckpt" / "step_000000000005" / "rank_00001.safetensors").is_file()
-    assert (tmp_path / "logs" / "4242" / "round_0" / "rank_1").is_dir()
+    assert "--rdzv-endpoint localhost:29400" in srun_args and "--nnodes 5001" in srun_args
+    assert "--rdzv-id 4242" in srun_args and srun_args.rstrip().endswith("--steps 3")
 
 
 @pytest.mark.s3
