@@ -213,7 +213,7 @@ def test_a_job_with_packet_loss_on_every_link_finishes_bitwise_equal(cluster_of,
     cluster, start = cluster_of(2)
     cluster.lose(3)
     target = tmp_path / "multi.sha"
-    train = [str(EXAMPLE), "--steps", "40", "--hidden", "64", "--checksum-file", str(target)]
+    train = [str(EXAMPLE), "--steps", "20", "--hidden", "64", "--checksum-file", str(target)]
     flags = [
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
         "--heartbeat-timeout", "5", "--max-restarts", "0",

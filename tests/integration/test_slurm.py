@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def _submit(slurm: SlurmCluster, tmp_path: Path, train: list[str], **env: str) -
     out = tmp_path / "job.out"
     settings = {
         "TRAIN": str(EXAMPLE), "NPROC_PER_NODE": "1", "CHECKPOINT_URI": str(tmp_path / "ckpt"),
-        "LOG_DIR": str(tmp_path / "logs"), "PERSIST_EVERY": "5", **env,
+        "LOG_DIR": str(tmp_path / "logs"), "PERSIST_EVERY": "5",
+        # resilrun on PATH, as in a user's activated environment (sbatch passes it on to srun's tasks)
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **env,
     }  # fmt: skip
     # --open-mode=append: a requeued run adds to the output instead of replacing it
     options = ["--nodes", "3", *CPU_NODES, f"--output={out}", "--open-mode=append"]
