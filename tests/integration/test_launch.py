@@ -26,13 +26,17 @@ _MAY_DIFFER = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
 # teardown, torchrun cannot. A torchrun *reference* run whose outputs are all written finished its
 # work and still serves as the reference; resilrun's own runs must exit 0.
 _TORCH_EXIT_ABORT = "terminate called without an active exception"
+# The other way a torchrun reference run ends badly after its work is done: the agent that hosts the
+# store exits first, and the other agent's next rendezvous sync fails with a broken pipe.
+_TORCH_STORE_GONE = "RendezvousConnectionError: The connection to the C10d store has failed"
 
 
 def _finished(kind: str, run, outputs: list[Path]) -> bool:
     rc = run.wait(120)
     if rc == 0:
         return True
-    return kind == "torchrun" and _TORCH_EXIT_ABORT in run.stderr() and all(p.exists() for p in outputs)
+    teardown = _TORCH_EXIT_ABORT in run.stderr() or _TORCH_STORE_GONE in run.stderr()
+    return kind == "torchrun" and teardown and all(p.exists() for p in outputs)
 
 
 def _two_nodes(launcher, kind: str, out: Path, *extra: str, run_id: str = "job") -> list:
