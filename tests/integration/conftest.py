@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -16,8 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers.netns_cluster import Cluster, available, nft_available
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_TINY = ROOT / "tests" / "helpers" / "train_tiny.py"
+EXAMPLE = ROOT / "examples" / "train_checkpointless.py"
 
 
 class Launch:
@@ -120,9 +125,7 @@ def events(*launches: Launch, kind: str | None = None, **match: object) -> list[
             if path.exists():
                 records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     records.sort(key=lambda r: r["wall"])
-    return [
-        r for r in records if (kind is None or r["event"] == kind) and all(r.get(k) == v for k, v in match.items())
-    ]
+    return [r for r in records if (kind is None or r["event"] == kind) and all(r.get(k) == v for k, v in match.items())]
 
 
 def resumed(*launches: Launch) -> dict[int, tuple[int, str]]:
@@ -137,6 +140,46 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - an
             return
         time.sleep(0.1)
     raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+
+
+def clean_checksum(launcher, tmp_path: Path, nproc: int, *args: str) -> str:  # noqa: ANN001 - the fixture
+    """The checksum of a failure-free ``--standalone`` run of examples/train_checkpointless.py with
+    ``nproc`` workers and ``args``: what a recovered run must equal, bit for bit.
+
+    Many tests compare against the same few reference runs, so each is run once per test session
+    and kept in a file that the pytest-xdist workers share (next to their base temporary
+    directories), under a lock: a second worker needing it waits for the first one's run. The
+    example's ``--sleep`` only paces its steps (a recovery needs time to happen in), so it is left
+    out of the reference run."""
+    args = _without_sleep(args)
+    key = hashlib.sha256(json.dumps([nproc, *args]).encode()).hexdigest()[:16]
+    base = tmp_path.parent  # the session's (or this xdist worker's) base temporary directory
+    shared = (base.parent if base.name.startswith("popen-gw") else base) / "clean-runs"
+    shared.mkdir(exist_ok=True)
+    with open(shared / f"{key}.lock", "w") as lock:  # noqa: PTH123 - held for the block
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        kept = shared / f"{key}.sha"
+        if kept.exists():
+            return kept.read_text()
+        target = tmp_path / f"clean-{key}.sha"
+        argv = ["--standalone", "--nproc-per-node", str(nproc), str(EXAMPLE), *args, "--checksum-file", str(target)]
+        run = launcher("resilrun", *argv)
+        assert run.wait(150) == 0, run.stderr()[-3000:]
+        checksum = target.read_text()
+        kept.write_text(checksum)
+        return checksum
+
+
+def _without_sleep(args: tuple[str, ...]) -> list[str]:
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--sleep":
+            skip = True
+        elif not arg.startswith("--sleep="):
+            kept.append(arg)
+    return kept
 
 
 @pytest.fixture
@@ -154,3 +197,61 @@ def launcher(tmp_path: Path) -> Iterator:
     yield start
     for launch in launches:
         launch.close()
+
+
+# -- hosts in network namespaces (tests/helpers/netns_cluster.py) -------------------------------
+PORT = 29400  # the rendezvous port: every host has a network of its own, no port is taken there
+
+
+@pytest.fixture
+def cluster_of(tmp_path: Path) -> Iterator:
+    """cluster_of(n) -> (Cluster, start(host, *resilrun_args, env=) -> Launch); removes everything after."""
+    why = available()
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the multi-host tests need network namespaces in CI: {why}")
+        pytest.skip(why)
+    clusters: list[Cluster] = []
+    launches: list[Launch] = []
+
+    def make(count: int) -> tuple[Cluster, object]:
+        cluster = Cluster(count).__enter__()
+        clusters.append(cluster)
+
+        def start(host: str, *args: str, env: dict[str, str] | None = None) -> Launch:
+            settings = [f"{name}={value}" for name, value in (env or {}).items()]
+            argv = cluster.command(host, ["env", *settings, sys.executable, "-m", "resilrun", *args])
+            launch = Launch(argv, tmp_path / f"{host}_{len(launches)}.log")
+            launches.append(launch)
+            return launch
+
+        return cluster, start
+
+    yield make
+    for launch in launches:
+        launch.close()
+    for cluster in clusters:
+        cluster.close()
+
+
+def needs_nft() -> None:
+    """Skip (fail in CI) a test that sets nftables rules where nft is missing."""
+    why = nft_available()
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the network-fault tests need nftables in CI: {why}")
+        pytest.skip(why)
+
+
+def newest_step(node: Launch) -> int:
+    """The newest "step N loss" line a node's rank 0 printed (-1: none yet)."""
+    steps = re.findall(r"^step (\d+) loss", node.stdout(), re.MULTILINE)
+    return max(map(int, steps), default=-1)
+
+
+def drop_off(cluster: Cluster, host: str, node: Launch) -> set[int]:
+    """Take ``host`` off the network, then SIGKILL ``node``'s processes; returns their pids."""
+    tree = node.remember_descendants() | {node.pid}
+    cluster.cut(host)
+    os.killpg(node.pid, signal.SIGKILL)
+    return tree

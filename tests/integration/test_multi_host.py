@@ -7,68 +7,37 @@ GLOO_SOCKET_IFNAME. See tests/helpers/netns_cluster.py for the fixture.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from resilrun.storage import LocalStorage
 from resilrun.tiers import durable
 from tests.etcd_server import EtcdCluster, Placement, etcd_binary
-from tests.helpers.netns_cluster import Cluster, available, nft_available
-from tests.integration.conftest import Launch, alive, assert_nothing_left, events, resumed, wait_for
+from tests.helpers.netns_cluster import Cluster
+from tests.integration.conftest import (
+    PORT,
+    Launch,
+    alive,
+    assert_nothing_left,
+    clean_checksum,
+    drop_off,
+    events,
+    needs_nft,
+    newest_step,
+    resumed,
+    wait_for,
+)
 from tests.integration.test_tier1_restore import EXAMPLE
 
 pytestmark = pytest.mark.integration
-
-PORT = 29400  # every host has a network of its own: no port is taken there
-
-
-@pytest.fixture
-def cluster_of(tmp_path: Path) -> Iterator:
-    """cluster_of(n) -> (Cluster, start(host, *resilrun_args, env=) -> Launch); removes everything after."""
-    why = available()
-    if why is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the multi-host tests need network namespaces in CI: {why}")
-        pytest.skip(why)
-    clusters: list[Cluster] = []
-    launches: list[Launch] = []
-
-    def make(count: int) -> tuple[Cluster, object]:
-        cluster = Cluster(count).__enter__()
-        clusters.append(cluster)
-
-        def start(host: str, *args: str, env: dict[str, str] | None = None) -> Launch:
-            settings = [f"{name}={value}" for name, value in (env or {}).items()]
-            argv = cluster.command(host, ["env", *settings, sys.executable, "-m", "resilrun", *args])
-            launch = Launch(argv, tmp_path / f"{host}_{len(launches)}.log")
-            launches.append(launch)
-            return launch
-
-        return cluster, start
-
-    yield make
-    for launch in launches:
-        launch.close()
-    for cluster in clusters:
-        cluster.close()
-
-
-def clean_checksum(launcher, tmp_path: Path, nproc: int, *args: str) -> str:  # noqa: ANN001 - the fixture
-    target = tmp_path / "clean.sha"
-    run = launcher(
-        "resilrun", "--standalone", "--nproc-per-node", str(nproc), str(EXAMPLE), *args, "--checksum-file", str(target)
-    )
-    assert run.wait(150) == 0, run.stderr()[-3000:]
-    return target.read_text()
 
 
 @pytest.mark.timeout(300)
@@ -92,13 +61,14 @@ def test_a_job_across_hosts_whose_names_mean_loopback_starts_unassisted(cluster_
 
 @pytest.mark.timeout(400)
 def test_a_host_that_drops_off_the_network_is_replaced_by_a_spare_host(cluster_of, launcher, tmp_path: Path) -> None:
-    # Given two hosts training with replicas on each other, and a third standing by as a spare node
+    # Given two hosts x 2 workers replicating to each other, one warm spare worker each, and a
+    # third host standing by as a spare node
     cluster, start = cluster_of(3)
     target = tmp_path / "multi.sha"
     train = [str(EXAMPLE), "--steps", "40", "--hidden", "64", "--sleep", "0.15", "--checksum-file", str(target)]
     flags = [
-        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
-        "--spares", "0", "--heartbeat-timeout", "3", "--max-restarts", "0",
+        "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
+        "--spares", "1", "--heartbeat-timeout", "3", "--max-restarts", "0",
     ]  # fmt: skip
     first = [start(name, *flags, "--node-rank", name[1:], *train) for name in ("h0", "h1")]
     wait_for(lambda: any("round 0 formed" in n.stderr() for n in first), 150, "the round to form")
@@ -106,18 +76,35 @@ def test_a_host_that_drops_off_the_network_is_replaced_by_a_spare_host(cluster_o
     wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
     wait_for(lambda: any("step 10 loss" in n.stdout() for n in first), 150, "training to pass step 10")
     survivor, doomed = first
+    survivor_workers = _active_workers(survivor)
+    assert len(survivor_workers) == 2
     # When h1 drops off the network (its link goes down: the others see silence, not a refused
     # connection) and its processes die with it
-    doomed_tree = _drop_off(cluster, "h1", doomed)
-    # Then the spare host takes its rank in-process, and the job ends bitwise equal to a clean run
+    doomed_tree = drop_off(cluster, "h1", doomed)
+    # Then the spare host takes its node rank in-process while the survivor's workers keep running,
+    wait_for(lambda: "spare node takes node rank" in spare.stderr(), 60, "the spare host to take over")
+    assert alive(survivor_workers) == survivor_workers
+    # and the job ends bitwise equal to a clean run, without a restart
     _spare_took_over(survivor, spare, node_rank=1)
     lost = events(survivor, kind="node_lost")
     assert lost and {e["host"] for e in lost} == {"h1"}
-    # every rank resumed at one step: the survivor from its memory, the lost rank from its replica
+    # every rank resumed at one step: the survivor's from their memory, the lost ones from replicas
     steps = resumed(survivor, spare)
-    assert steps == {0: (steps[0][0], "memory"), 1: (steps[0][0], "peer")}, steps
-    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
+    step = steps[0][0]
+    assert steps == {0: (step, "memory"), 1: (step, "memory"), 2: (step, "peer"), 3: (step, "peer")}, steps
+    assert "recovering in-process" in survivor.stderr()
+    assert target.read_text() == clean_checksum(launcher, tmp_path, 4, *train[1:-2])
     assert not alive(doomed_tree)
+
+
+def _active_workers(node: Launch) -> set[int]:
+    """The pids of a node's workers that run ranks (its warm spare workers have RESILRUN_SPARE=1)."""
+    found: set[int] = set()
+    for proc in psutil.Process(node.pid).children():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("RESILRUN_SPARE") == "0":
+                found.add(proc.pid)
+    return found
 
 
 @pytest.mark.timeout(300)
@@ -181,8 +168,8 @@ def test_a_host_partitioned_past_the_heartbeat_timeout_then_healed_is_fenced_and
             cluster.block(other, "h1")
     cut_at = time.time()
     wait_for(lambda: events(survivor, kind="spare_promoted"), 60, "the spare host to take h1's place")
-    promoted_at = _newest_step(survivor)
-    wait_for(lambda: _newest_step(survivor) >= promoted_at + 5, 60, "training to go on without h1")
+    promoted_at = newest_step(survivor)
+    wait_for(lambda: newest_step(survivor) >= promoted_at + 5, 60, "training to go on without h1")
     # and then comes back
     cluster.heal("h1") if partition == "link down" else cluster.clear()
     healed_at = time.monotonic()
@@ -242,16 +229,16 @@ def test_a_node_cut_from_its_replica_peer_only_trains_on_and_replicates_again_on
         "--heartbeat-timeout", "3", "--max-restarts", "0",
     ]  # fmt: skip
     first, second = (start(name, *flags, "--node-rank", name[1:], *train) for name in ("h0", "h1"))
-    wait_for(lambda: _newest_step(first) >= 10, 150, "training to pass step 10")
+    wait_for(lambda: newest_step(first) >= 10, 150, "training to pass step 10")
     wait_for(lambda: _peer_lag(cluster, 0) in (0, 1), 60, "h0's replicas to keep up")
     # When what h0 sends to h1's replica server is dropped (the data plane to that peer; the store,
     # heartbeats and the collectives still get through)
     (started,) = events(second, kind="agent_started")
     port = int(started["replica_server"].rsplit(":", 1)[1])
     cluster.block("h0", "h1", port=port)
-    cut_at = _newest_step(first)
+    cut_at = newest_step(first)
     # Then training goes on (one push waits out its timeout, then h0 stops waiting for that peer),
-    wait_for(lambda: _newest_step(first) >= cut_at + 25, 120, "training to go on with the replica peer cut")
+    wait_for(lambda: newest_step(first) >= cut_at + 25, 120, "training to go on with the replica peer cut")
     assert "replication to 198.18.0.2" in first.stderr()  # said, and shown: its replicas lag
     assert (_peer_lag(cluster, 0) or 0) >= 10
     # and once healed h0 replicates again; no node was judged lost, nothing restarted, bitwise equal
@@ -262,14 +249,6 @@ def test_a_node_cut_from_its_replica_peer_only_trains_on_and_replicates_again_on
         assert_nothing_left(node)
     assert events(first, second, kind="node_lost") == [] and events(first, second, kind="restart") == []
     assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
-
-
-def _drop_off(cluster: Cluster, host: str, node: Launch) -> set[int]:
-    """Take ``host`` off the network, then SIGKILL ``node``'s processes; returns their pids."""
-    tree = node.remember_descendants() | {node.pid}
-    cluster.cut(host)
-    os.killpg(node.pid, signal.SIGKILL)
-    return tree
 
 
 def _spare_took_over(survivor: Launch, spare: Launch, node_rank: int) -> None:
@@ -289,20 +268,6 @@ def _peer_lag(cluster: Cluster, node_rank: int) -> int | None:
     document = json.loads(done.stdout).get("data") if done.stdout.strip() else None
     nodes = [n for n in (document or {}).get("nodes", []) if n.get("node_rank") == node_rank]
     return nodes[0]["tiers"]["peer"].get("lag_steps") if nodes else None
-
-
-def needs_nft() -> None:
-    why = nft_available()
-    if why is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the network-fault tests need nftables in CI: {why}")
-        pytest.skip(why)
-
-
-def _newest_step(node: Launch) -> int:
-    """The newest "step N loss" line a node's rank 0 printed (-1: none yet)."""
-    steps = re.findall(r"^step (\d+) loss", node.stdout(), re.MULTILINE)
-    return max(map(int, steps), default=-1)
 
 
 @pytest.mark.timeout(400)
@@ -329,10 +294,10 @@ def test_on_etcd_the_job_survives_losing_the_host_of_an_etcd_member_and_node_ran
         wait_for(lambda: "round 0 formed" in survivor.stderr(), 150, "the round to form")
         spare = start("h3", *flags, *train)
         wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
-        wait_for(lambda: _newest_step(doomed) >= 10, 150, "training to pass step 10")
+        wait_for(lambda: newest_step(doomed) >= 10, 150, "training to pass step 10")
         # When h0 drops off the network, with its etcd member, the round's worker store (node rank
         # 0 hosts it) and its processes
-        doomed_tree = _drop_off(cluster, "h0", doomed)
+        doomed_tree = drop_off(cluster, "h0", doomed)
         # Then the other two etcd members keep the rendezvous going, the spare host takes node rank
         # 0 in-process, and the job ends bitwise equal to a clean run, without a restart
         _spare_took_over(survivor, spare, node_rank=0)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import clean_checksum, wait_for
 from tests.integration.test_tier1_restore import EXAMPLE
 
 pytestmark = pytest.mark.integration
@@ -42,9 +42,5 @@ def test_a_replaced_node_restores_its_ranks_from_the_peer_replica(launcher, tmp_
     assert target.read_text() == _clean_checksum_40(launcher, tmp_path)
 
 
-def _clean_checksum_40(launcher, tmp_path: Path) -> str:
-    clean = tmp_path / "clean40.sha"
-    run = launcher("resilrun", "--standalone", "--nproc-per-node", "4", str(EXAMPLE), "--steps", "40",
-                   "--hidden", "64", "--checksum-file", str(clean))  # fmt: skip
-    assert run.wait(150) == 0, run.stderr()[-3000:]
-    return clean.read_text()
+def _clean_checksum_40(launcher, tmp_path: Path) -> str:  # noqa: ANN001 - the fixture
+    return clean_checksum(launcher, tmp_path, 4, "--steps", "40", "--hidden", "64")

@@ -19,8 +19,7 @@ from tests.helpers import slurm_cluster
 from tests.helpers.netns_cluster import Cluster
 from tests.helpers.netns_cluster import available as netns_available
 from tests.helpers.slurm_cluster import SlurmCluster
-from tests.integration.conftest import ROOT, wait_for
-from tests.integration.test_multi_host import clean_checksum
+from tests.integration.conftest import ROOT, clean_checksum, wait_for
 from tests.integration.test_tier1_restore import EXAMPLE
 
 pytestmark = pytest.mark.integration
@@ -113,4 +112,3 @@ def test_a_node_lost_mid_job_is_requeued_by_slurm_and_the_job_resumes_from_the_p
     resumed = re.findall(r"rank \d+ resumed from step (\d+) \(persistent storage\)", text)
     assert len(resumed) == 3 and len(set(resumed)) == 1 and int(resumed[0]) >= 19, text[-4000:]
     assert target.read_text() == clean_checksum(launcher, tmp_path, 3, *train[:-2])
-

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.conftest import assert_nothing_left, wait_for
+from tests.integration.conftest import assert_nothing_left, clean_checksum, wait_for
 from tests.integration.test_tier1_restore import EXAMPLE
 
 pytestmark = pytest.mark.integration
@@ -107,12 +107,7 @@ def test_a_spare_that_dies_while_waiting_is_reported_and_replaced(launcher, tmp_
 
 
 def _clean_checksum_args(launcher, tmp_path: Path, args: list[str]) -> str:  # noqa: ANN001
-    target = tmp_path / "clean.sha"
-    run = launcher(
-        "resilrun", "--standalone", "--nproc-per-node", "2", str(EXAMPLE), *args, "--checksum-file", str(target)
-    )
-    assert run.wait(120) == 0, run.stderr()[-3000:]
-    return target.read_text()
+    return clean_checksum(launcher, tmp_path, 2, *args)
 
 
 def test_a_ranks_own_communication_error_is_the_failure_not_a_peers(launcher, tmp_path: Path) -> None:

@@ -7,20 +7,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.integration.conftest import EXAMPLE, clean_checksum
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_checkpointless.py"
 ARGS = ["--steps", "24", "--hidden", "64"]
 
 
-def _clean_checksum(launcher, tmp_path: Path, nproc: int) -> str:
-    target = tmp_path / "clean.sha"
-    run = launcher(
-        "resilrun", "--standalone", "--nproc-per-node", str(nproc), str(EXAMPLE), *ARGS, "--checksum-file", str(target)
-    )
-    assert run.wait(120) == 0, run.stderr()[-3000:]
-    return target.read_text()
+def _clean_checksum(launcher, tmp_path: Path, nproc: int) -> str:  # noqa: ANN001 - the fixture
+    return clean_checksum(launcher, tmp_path, nproc, *ARGS)
 
 
 def test_restarted_workers_resume_from_node_memory_bitwise_equal(launcher, tmp_path: Path) -> None:
