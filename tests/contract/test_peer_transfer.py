@@ -781,3 +781,70 @@ def test_shared_ranges_off_segment_bounds_are_refused(server: ReplicaServer, sha
         send_message(sock, {"op": "push", **announce.to_message(), "shared": shared, "layout": 1}, deadline)
         reply = recv_message(sock, deadline)
     assert reply["ok"] is False and "shared" in reply["error"]
+
+
+def _push_in_thread(server: ReplicaServer, step: int, generation: int, delay_s: float) -> tuple[threading.Thread, list]:
+    """A push of rank 0 ``step`` from a sender following ``generation`` that stalls ``delay_s`` after
+    its announce was accepted (a sender cut off mid-push); the list gets its outcome."""
+    data = snapshot(step)
+    announce = Announce(0, step, None, len(data), None, snapshot_bounds(memoryview(data)), generation=generation)
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(
+                push_view(server.address, SECRET, announce, memoryview(data), Deadline.total(20), delay_s=delay_s)
+            )
+        except (ReplicationError, OSError) as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_stalled_push_of_a_superseded_sender_gives_way_to_the_new_owners_push(
+    store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    # Given a node following generation 2 that accepted rank 0's push from its owner, whose bytes
+    # then stop coming (the owner was cut off mid-push: the connection stays open, silent)
+    generation = 2
+    server = ReplicaServer(SECRET, store, memory, io_timeout=timedelta(seconds=20), generation=lambda: generation)
+    try:
+        stale, outcome = _push_in_thread(server, 7, generation=2, delay_s=6)
+        eventually(lambda: any(s.writing for s in store._slots.get(0, [])))
+        # When the job moves on to generation 3 and rank 0's new owner pushes its step
+        generation = 3
+        started = time.monotonic()
+        fresh = snapshot(80)
+        announce = Announce(0, 8, None, len(fresh), None, snapshot_bounds(memoryview(fresh)), generation=3)
+        # Then the new owner's push is taken at once, not refused until the stale one times out,
+        assert push_view(server.address, SECRET, announce, memoryview(fresh), Deadline.total(10))
+        assert time.monotonic() - started < 3
+        # and the stale push is cut off, never published
+        stale.join(10)
+        assert outcome and outcome[0] is not True, outcome
+        assert store.steps(0) == [8]
+        assert bytes(fetch(server.address, SECRET, 0, 8, timeout=SHORT)[0]) == fresh
+    finally:
+        server.close()
+
+
+def test_a_push_whose_sender_was_superseded_during_the_transfer_is_not_kept(
+    store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    # Given the new owner's replica of rank 0 step 8 held, and a push from the old owner accepted
+    # while the node still followed its generation (2)
+    generation = 2
+    server = ReplicaServer(SECRET, store, memory, io_timeout=timedelta(seconds=5), generation=lambda: generation)
+    try:
+        stale, outcome = _push_in_thread(server, 9, generation=2, delay_s=1.0)
+        eventually(lambda: any(s.writing for s in store._slots.get(0, [])))
+        # When the node follows generation 3 before the old owner's bytes have all arrived
+        generation = 3
+        stale.join(10)
+        # Then the replica is not kept: its sender no longer owns the rank
+        assert isinstance(outcome[0], ReplicationError) and "superseded by generation 3" in str(outcome[0]), outcome
+        assert store.steps(0) == []
+    finally:
+        server.close()

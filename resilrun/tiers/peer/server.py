@@ -13,6 +13,12 @@ Invariants: a peer that has not proved the job secret gets nothing but a nonce a
 after ``AUTH_TIMEOUT_S``; a replica becomes visible only after the sender's COMMIT and every
 crc32 matched; no peer input can raise out of a connection thread or make the server allocate
 more than a checked size; at most ``max_connections`` threads exist at once.
+
+Fencing (``generation``): a sender following an older generation than this node's is refused at
+its announce and again before its replica is published (the node may have followed a recovery
+while the bytes came), and its transfer still in progress gives way at once to a push of the same
+rank from a sender of a newer generation: a sender cut off mid-push leaves a silent connection
+that would otherwise hold the rank's slot until ``io_timeout``, refusing the rank's new owner.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ IO_TIMEOUT = timedelta(seconds=30)
 # Replicas come from the next k nodes, fetches from restoring nodes; 64 covers both with room to spare
 # and caps the threads a connection flood can create.
 MAX_CONNECTIONS = 64
+# How long a push of a newer generation's sender waits for a cut-off transfer to give its slot back
+# (its thread fails at its next recv, at once).
+_SUPERSEDE_WAIT_S = 1.0
 # How long a push with shared segments waits for this node's own commit of the same step before
 # taking all the bytes over the network instead (ranks in lockstep commit within milliseconds).
 _SHARED_WAIT_S = 1.0
@@ -93,6 +102,8 @@ class ReplicaServer:
         self.refs = LocalReferences(memory, replicas)
         self._generation = generation
         self._fenced: set[tuple[str, int]] = set()  # (sender host, generation) refused: logged once
+        # rank -> (the sender's generation, its connection) of each transfer in progress
+        self._receiving: dict[int, tuple[int, socket.socket]] = {}
         self._io_timeout = io_timeout.total_seconds()
         self._max_connections = max_connections
         self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -176,10 +187,48 @@ class ReplicaServer:
         try:
             announce = parse_announce(request)
             self._check_generation(announce, peer)
-            reservation = self.replicas.reserve(announce.rank, announce.nbytes)
+            reservation = self._reserve(announce, conn, peer)
         except ReplicationError as exc:
             send_message(conn, {"ok": False, "error": exc.message}, deadline)
             return
+        try:
+            self._receive(conn, announce, reservation, deadline)
+        finally:
+            with self._lock:
+                if self._receiving.get(announce.rank, (0, None))[1] is conn:
+                    del self._receiving[announce.rank]
+
+    def _reserve(self, announce: Announce, conn: socket.socket, peer: str) -> Reservation:
+        """The rank's slot for this push; a stalled transfer of an older generation's sender gives way."""
+        try:
+            reservation = self.replicas.reserve(announce.rank, announce.nbytes)
+        except ReplicationError:
+            if not self._supersede(announce, peer):
+                raise
+            reservation = self.replicas.reserve(announce.rank, announce.nbytes)
+        with self._lock:
+            self._receiving[announce.rank] = (announce.generation, conn)
+        return reservation
+
+    def _supersede(self, announce: Announce, peer: str) -> bool:
+        """Cut off the transfer of ``announce.rank`` in progress if its sender follows an older
+        generation than this push's; whether its slot was given back (within a second)."""
+        with self._lock:
+            holder = self._receiving.get(announce.rank)
+        if holder is None or announce.generation < 0 or not 0 <= holder[0] < announce.generation:
+            return False
+        logger.info(
+            "cut off a transfer of rank %d from a sender of generation %d: %s pushes it for generation %d",
+            announce.rank,
+            holder[0],
+            peer,
+            announce.generation,
+        )
+        with contextlib.suppress(OSError):
+            holder[1].shutdown(socket.SHUT_RDWR)  # its thread's next recv fails; it gives the slot back
+        return self.replicas.wait_idle(announce.rank, _SUPERSEDE_WAIT_S)
+
+    def _receive(self, conn: socket.socket, announce: Announce, reservation: Reservation, deadline: Deadline) -> None:
         token = self.refs.begin(announce.step, announce.round) if announce.shared else None
         try:
             local = self._shared_here(announce, token, reservation.view)
@@ -198,7 +247,7 @@ class ReplicaServer:
                     received.crcs,
                     local if isinstance(local, LocalRef) else None,
                 )
-                problem = self._publish(reservation, replica, token)
+                problem = self._superseded(announce) or self._publish(reservation, replica, token)
         except BaseException:
             self.replicas.release(reservation)
             raise
@@ -213,6 +262,17 @@ class ReplicaServer:
         level = logging.DEBUG if received.aborted else logging.WARNING
         logger.log(level, "replica of rank %d step %d not kept: %s", announce.rank, announce.step, problem)
         send_message(conn, {"ok": False, "error": problem}, deadline)
+
+    def _superseded(self, announce: Announce) -> str | None:
+        """Why a received replica is not kept when this node followed a newer generation than its
+        sender's while the bytes came (the sender lost the rank meanwhile)."""
+        current = self._generation()
+        if announce.generation < 0 or announce.generation >= current:
+            return None
+        return (
+            f"step {announce.step} of rank {announce.rank} comes from generation {announce.generation}, "
+            f"superseded by generation {current} while it was received"
+        )
 
     def _check_generation(self, announce: Announce, peer: str) -> None:
         """Refuse a sender that follows a generation older than this node's (see ``generation`` in __init__)."""

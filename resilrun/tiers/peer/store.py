@@ -94,7 +94,7 @@ class ReplicaStore:
         self._name = f"resilrun-{run_id}-replica"
         self._slots: dict[int, list[_Slot]] = {}
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # notified when a replica is published
+        self._changed = threading.Condition(self._lock)  # notified when a replica is published or released
         self._materializing = threading.Lock()
         self._published = 0
         self._closed = False
@@ -171,6 +171,18 @@ class ReplicaStore:
             slots = self._slots.get(reservation.rank)
             if slots is not None and slots[reservation.slot].generation == reservation.generation:
                 slots[reservation.slot].writing = False
+                self._changed.notify_all()
+
+    def wait_idle(self, rank: int, timeout_s: float) -> bool:
+        """Whether no transfer of ``rank`` is in progress, waiting up to ``timeout_s`` for one to end."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while any(s.writing for s in self._slots.get(rank, [])):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._changed.wait(left)
+            return True
 
     # -- references into this node's memory -------------------------------------------------------
     def referencing(self, step: int, round: int) -> list[tuple[int, int]]:
