@@ -37,6 +37,7 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--kill-step", type=int, default=-1, help="-1: no failure")
     parser.add_argument("--ckpt-dir", default="", help="DCP checkpoint directory (torchrun script)")
     parser.add_argument("--save-every", type=int, default=10, help="DCP save after every N completed steps")
+    parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (paces a long fault)")
     return parser.parse_args()
 
 
@@ -68,11 +69,13 @@ def batch_for(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.tanh()
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, sleep_s: float = 0.0) -> None:
     x, y = batch_for(step, rank)
     loss = nn.functional.mse_loss(model(x), y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if sleep_s:
+        time.sleep(sleep_s)
     opt.step()
 
 

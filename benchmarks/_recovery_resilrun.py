@@ -78,7 +78,7 @@ def main() -> None:
         if first:
             log.write("phase", "first")  # after resilrun restored the snapshot (if any)
             first = False
-        train_step(ddp, opt, step, job.rank)
+        train_step(ddp, opt, step, job.rank, args.sleep)
         if job.rank == 0:
             log.write("step", step)
         if not precise and job.rank == args.kill_rank and step == args.kill_step - 1:

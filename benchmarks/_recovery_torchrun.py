@@ -65,7 +65,7 @@ def main() -> None:
         if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
             log.write("kill", step)
             os.kill(os.getpid(), signal.SIGKILL)
-        train_step(ddp, opt, step, rank)
+        train_step(ddp, opt, step, rank, args.sleep)
         if rank == 0:
             log.write("step", step)
         completed = step + 1

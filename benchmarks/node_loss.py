@@ -5,6 +5,7 @@
     python benchmarks/node_loss.py --tiers none,persistent    # with and without a persistent tier
     python benchmarks/node_loss.py --netns        # hosts in network namespaces, the link cut (root)
     python benchmarks/node_loss.py --netns --loss 1,3,5   # no kill: packet loss on every link, timed
+    python benchmarks/node_loss.py --netns --faults kill,partition,one-way,data-plane,store-host
 
 Three agents on loopback, ``--nnodes 2 --nproc-per-node 2``: two run the job, the third finds it
 full and waits (resilrun: a spare node with warm workers; torchrun: an agent waiting for the next
@@ -32,6 +33,26 @@ named by host name; the doomed host's link goes down just before its processes a
 others see silence (no refused connections), as when a machine loses power. resilrun starts
 unassisted; torchrun cannot start there at all without ``--local-addr`` and ``GLOO_SOCKET_IFNAME``,
 which it is given (what its users must add by hand).
+
+``--faults`` (with ``--netns``) picks the network faults, one table row per launcher and fault, all
+at the same moment (rank 0 at ``--kill-at``) and on the same host (the worker host without the store):
+
+- ``kill``: the host's link goes down and its processes are SIGKILLed (a machine lost; the default).
+- ``partition``: the link goes down for ``--heal-after`` seconds, every process alive, then back up.
+  resilrun must judge the host lost, give its place to the spare host and fence it once healed (it
+  stands by as a spare node); torchrun has no notion of it: its collectives wait for TCP to deliver.
+- ``one-way``: as ``partition``, but only what reaches the host is dropped (nftables): it can still
+  send, nothing comes back, the asymmetric case.
+- ``data-plane``: the survivor's pushes to the host's replica server are dropped for ``--heal-after``
+  seconds; the store, heartbeats and collectives get through. resilrun only (torchrun has no data
+  plane of its own): nobody may be judged lost, training goes on, replication resumes.
+- ``store-host``: the store's host (h0, the c10d store lives in its agent) loses its link, processes
+  alive. No c10d job survives that; what is measured is how fast and how cleanly both sides stop
+  (every process gone, an exit code that says so) instead of hanging.
+
+Reported per fault: fault → the survivor declares the host lost, → next step, → progress regained,
+steps redone, final parameters equal to a failure-free run, leftovers, and, for ``store-host``,
+fault → the last process of the job exited, with the exit codes.
 """
 
 from __future__ import annotations
@@ -62,6 +83,8 @@ from tests.helpers.netns_cluster import Cluster, available, nft_available  # noq
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]
 LOST_MARK = {"resilrun": "node lost: no heartbeat", "torchrun": "failed (exitcode"}
+FAULTS = ("kill", "partition", "one-way", "data-plane", "store-host")
+HEALED = ("partition", "one-way", "data-plane")  # faults that end after --heal-after seconds
 
 
 class Agent:
@@ -135,12 +158,15 @@ def free_port() -> int:
 def run_one(
     launcher: str,
     timeout_s: float | None,
-    killed: bool,
+    fault: str | None,
     args: argparse.Namespace,
     tag: str,
     tier: str = "none",
     loss: float = 0.0,
 ) -> dict[str, Any]:
+    """One launch of three agents; ``fault`` (one of FAULTS, or None: failure-free) strikes once
+    rank 0 has done ``--kill-at`` steps."""
+    killed = fault is not None
     run_dir = args.out_dir / tag
     run_dir.mkdir(parents=True)
     events, ckpt = run_dir / "events.log", Path(tempfile.mkdtemp(prefix="dcp-"))
@@ -151,6 +177,7 @@ def run_one(
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
     common += ["--rdzv-endpoint", f"h0:{port}" if cluster is not None else f"127.0.0.1:{port}"]
     script_args = ["--mib", str(args.mib), "--steps", str(args.steps), "--events", str(events), "--ckpt-dir", str(ckpt)]
+    script_args += ["--sleep", str(args.sleep)] if args.sleep else []
     if launcher == "resilrun":
         cmd = [sys.executable, "-m", "resilrun", *common, "--replicas", "1", "--heartbeat-timeout", str(timeout_s)]
         if tier == "persistent":
@@ -172,29 +199,39 @@ def run_one(
             agents.append(Agent(cluster.command(host, argv), host_env, run_dir / f"agent{i}.err", host.name))
     res: dict[str, Any] = {
         "launcher": launcher, "timeout": timeout_s, "killed": killed, "tag": tag, "status": "ok", "tier": tier,
-        "loss": loss,
+        "loss": loss, "fault": fault,
     }  # fmt: skip
     started = time.time()
     try:
-        kill_at = None
+        kill_at, healed = None, False
         while True:
             for agent in agents:
                 agent.track()
             parsed = parse_events(events)
             done = [n for n, _ in parsed["steps"]]
-            if killed and kill_at is None and done and max(done) + 1 >= args.kill_at:
-                res["doomed"], kill_at = _kill_a_worker_node(agents, port, cluster)
+            if fault is not None and kill_at is None and done and max(done) + 1 >= args.kill_at:
+                res["doomed"], kill_at = _strike(fault, agents, port, cluster)
                 res["kill"] = kill_at
-            if all(a.proc.poll() is not None for a in agents if a is not res.get("doomed")):
+            if fault in HEALED and kill_at is not None and not healed and time.time() - kill_at >= args.heal_after:
+                _heal(fault, res["doomed"], cluster)
+                healed = True
+            # the lost host's processes are gone (kill); a partitioned one must end with the job
+            waited = [a for a in agents if fault != "kill" or a is not res.get("doomed")]
+            if all(a.proc.poll() is not None for a in waited):
+                res["all_exited"] = time.time()
                 break
             if time.time() - started > args.timeout:
                 res["status"] = "timeout"
                 break
             time.sleep(0.1)
         # (torchrun's waiting agent may exit non-zero once the job is over: the training decides)
-        res["exit_codes"] = [a.proc.poll() for a in agents if a is not res.get("doomed")]
-        if res["status"] == "ok" and launcher == "resilrun" and any(code != 0 for code in res["exit_codes"]):
+        res["exit_codes"] = [a.proc.poll() for a in agents if fault != "kill" or a is not res.get("doomed")]
+        if fault == "store-host":
+            _judge_store_loss(res, launcher)
+        elif res["status"] == "ok" and launcher == "resilrun" and any(code != 0 for code in res["exit_codes"]):
             res["status"] = f"failed (exit codes {res['exit_codes']})"
+        if res.get("doomed") is not None and fault in HEALED:
+            res["fenced"] = _fenced(res["doomed"], launcher, fault)
     finally:
         res["leftovers"] = sum(a.stop() for a in agents)
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -203,26 +240,89 @@ def run_one(
     parsed = parse_events(events)
     res.update(steps=parsed["steps"], checksum=parsed["checksum"], state_mib=parsed["state_mib"])
     res["phases"] = parsed["phases"]
-    if res["status"] == "ok" and (parsed["checksum"] is None or len({n for n, _ in parsed["steps"]}) < args.steps):
+    complete = parsed["checksum"] is not None and len({n for n, _ in parsed["steps"]}) >= args.steps
+    if res["status"] == "ok" and fault != "store-host" and not complete:
         res["status"] = "incomplete"
-    if killed and res.get("kill"):
+    if killed and res.get("kill") and fault != "store-host":
         _analyze(res, agents, launcher)
+        after = sorted(t for _, t in res["steps"] if t >= res["kill"])
+        gaps = [b - a for a, b in zip([res["kill"], *after], after, strict=False)]
+        res["longest_gap"] = max(gaps) if gaps else None
+        survivors = [a for a in agents if a is not res.get("doomed")]
+        res["judged_lost"] = any(
+            LOST_MARK[launcher] in line for a in survivors for t, line in a.lines if t >= res["kill"]
+        )
     res.pop("doomed", None)
     print(f"  {tag}: {res['status']}, {_summary(res)}", file=sys.stderr, flush=True)
     return res
 
 
-def _kill_a_worker_node(agents: list[Agent], port: int, cluster: Cluster | None) -> tuple[Agent, float]:
-    """The node to kill: one running workers that does not host the store (that would end any c10d job).
-    On ``--netns`` its link goes down first: the others see silence, not a refused connection."""
+def _strike(fault: str, agents: list[Agent], port: int, cluster: Cluster | None) -> tuple[Agent, float]:
+    """Apply ``fault``; returns the agent it strikes and when. The struck host is one running workers
+    that does not host the store (losing that ends any c10d job), except for ``store-host``."""
+    if fault == "store-host":
+        assert cluster is not None
+        doomed = next(a for a in agents if a.host == "h0")
+        cluster.cut("h0")
+        return doomed, time.time()
     hosts = [a for a in agents if a.listens_on(port) or (cluster is not None and a.host == "h0")]
     with_workers = [a for a in agents if len([p for p in a.track() if p.is_running()]) >= 2 and a not in hosts]
     resilrun_spares = [a for a in agents if "standing by as a spare node" in a.text()]
     candidates = [a for a in with_workers if a not in resilrun_spares] or with_workers
     doomed = candidates[0]
-    if cluster is not None and doomed.host is not None:
+    if fault == "kill":
+        # On --netns its link goes down first: the others see silence, not a refused connection.
+        if cluster is not None and doomed.host is not None:
+            cluster.cut(doomed.host)
+        return doomed, doomed.kill_node()
+    assert cluster is not None and doomed.host is not None
+    if fault == "partition":
         cluster.cut(doomed.host)
-    return doomed, doomed.kill_node()
+    elif fault == "one-way":
+        for other in cluster.hosts:
+            if other.name != doomed.host:
+                cluster.block(other, doomed.host)
+    elif fault == "data-plane":
+        survivor = next(a for a in agents if a.host == "h0")
+        cluster.block(survivor.host, doomed.host, port=_replica_port(doomed))
+    return doomed, time.time()
+
+
+def _heal(fault: str, doomed: Agent, cluster: Cluster | None) -> None:
+    assert cluster is not None and doomed.host is not None
+    if fault == "partition":
+        cluster.heal(doomed.host)
+    else:
+        cluster.clear()
+
+
+def _replica_port(agent: Agent) -> int:
+    """The TCP port of ``agent``'s replica server, from its ``agent_started`` event (docs/status.md)."""
+    said = [line.split("logs in ", 1)[1].strip() for _, line in agent.lines if "logs in " in line]
+    logs = said[-1]
+    for line in (Path(logs) / "events.jsonl").read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record.get("event") == "agent_started" and record.get("replica_server"):
+            return int(str(record["replica_server"]).rsplit(":", 1)[1])
+    raise RuntimeError(f"no replica server in {logs}/events.jsonl")
+
+
+def _fenced(doomed: Agent, launcher: str, fault: str) -> str:
+    """What became of the struck host once healed (resilrun: it must stand by as a spare node)."""
+    if launcher != "resilrun" or fault == "data-plane":
+        return "—"
+    if "standing by as a spare node" in doomed.text():  # it was active before: this is after the heal
+        return "stood by as a spare"
+    return f"exit {doomed.proc.poll()}"
+
+
+def _judge_store_loss(res: dict[str, Any], launcher: str) -> None:
+    """``store-host``: the job cannot go on; it must stop on both sides, every process gone."""
+    if res["status"] != "ok":
+        return
+    res["to_stopped"] = res["all_exited"] - res["kill"] if res.get("all_exited") and res.get("kill") else None
+    if launcher == "resilrun" and 0 in res["exit_codes"]:
+        res["status"] = f"unexpected exit 0 (exit codes {res['exit_codes']})"
 
 
 def _analyze(res: dict[str, Any], agents: list[Agent], launcher: str) -> None:
@@ -252,46 +352,83 @@ def _analyze(res: dict[str, Any], agents: list[Agent], launcher: str) -> None:
 def _summary(res: dict[str, Any]) -> str:
     if not res["killed"]:
         return "failure-free"
+    if res.get("fault") == "store-host":
+        stopped = res.get("to_stopped")
+        return (
+            f"stopped {stopped:.2f} s after, exit codes {res['exit_codes']}, leftovers {res['leftovers']}"
+            if (stopped is not None)
+            else f"exit codes {res['exit_codes']}"
+        )
     parts = [f"{key} {res[key]:.2f} s" for key in ("detected", "to_next", "to_regained") if key in res]
     return ", ".join(parts + [f"redone {res.get('redone', '?')}", f"leftovers {res['leftovers']}"])
 
 
 def report(runs: list[dict[str, Any]]) -> str:
+    faults = {r.get("fault") for r in runs if r["killed"]}
+    with_fault = faults != {"kill"}
     md = [
-        "| launcher | persistent tier | --heartbeat-timeout | recovered | kill → node declared lost (s) | "
-        "kill → next step (s) | kill → progress regained (s) | steps redone | final params equal | leftover procs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        ("| fault " if with_fault else "") + "| launcher | persistent tier | --heartbeat-timeout | recovered | "
+        "fault → node declared lost (s) | fault → next step (s) | fault → progress regained (s) | steps redone | "
+        "final params equal | leftover procs |"
+        + (" longest step gap (s) | struck host afterwards |" if with_fault else ""),
+        ("|---" if with_fault else "")
+        + "|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|---|" if with_fault else ""),
     ]
     clean = {r["launcher"]: r["checksum"] for r in runs if not r["killed"] and r["status"] == "ok"}
-    groups: dict[tuple[str, Any, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, Any, str], list[dict[str, Any]]] = {}
     for r in runs:
-        if r["killed"]:
-            groups.setdefault((r["launcher"], r["timeout"], r.get("tier", "none")), []).append(r)
-    for (name, timeout, tier), rows in groups.items():
+        if r["killed"] and r.get("fault") != "store-host":
+            key = (r.get("fault", "kill"), r["launcher"], r["timeout"], r.get("tier", "none"))
+            groups.setdefault(key, []).append(r)
+    for (fault, name, timeout, tier), rows in groups.items():
         ok = [r for r in rows if r["status"] == "ok"]
         ref = clean.get(name)
         equal = f"{sum(r['checksum'] == ref for r in ok)}/{len(rows)}" if ref else "—"
         redone = sorted(r["redone"] for r in ok if r.get("redone") is not None)
         persistent = "—" if name == "torchrun" else ("DIR, every 5" if tier == "persistent" else "none")
+        after = "/".join(sorted({r.get("fenced", "—") for r in rows}))
+        if fault == "data-plane":
+            after = f"judged lost in {sum(bool(r.get('judged_lost')) for r in rows)}/{len(rows)}"
+        gap = fmt([r["longest_gap"] for r in ok if r.get("longest_gap") is not None])
         md.append(
-            f"| {name} | {persistent} | {timeout if timeout is not None else '— (worker errors)'} | "
+            (f"| {fault} " if with_fault else "")
+            + f"| {name} | {persistent} | {timeout if timeout is not None else '— (worker errors)'} | "
             f"{len(ok)}/{len(rows)} | "
             f"{fmt([r['detected'] for r in ok if 'detected' in r])} | "
             f"{fmt([r['to_next'] for r in ok if 'to_next' in r])} | "
             f"{fmt([r['to_regained'] for r in ok if 'to_regained' in r])} | {'/'.join(map(str, redone)) or '—'} | "
-            f"{equal} | {sum(r['leftovers'] for r in rows)} |"
+            f"{equal} | {sum(r['leftovers'] for r in rows)} |" + (f" {gap} | {after} |" if with_fault else "")
         )
-    torch_next = [r["to_regained"] for r in runs if r["killed"] and r["launcher"] == "torchrun" and "to_regained" in r]
-    if torch_next:
-        base = statistics.median(torch_next)
+    for fault in sorted(f for f in faults if f != "store-host"):
+        theirs = [r["to_regained"] for r in runs if r.get("fault") == fault and r["launcher"] == "torchrun"
+                  and r["status"] == "ok" and "to_regained" in r]  # fmt: skip
+        if not theirs:
+            continue
+        base = statistics.median(theirs)
         md.append("")
-        for (name, timeout, _), rows in groups.items():
+        for (group_fault, name, timeout, _), rows in groups.items():
             vals = [r["to_regained"] for r in rows if "to_regained" in r and r["status"] == "ok"]
-            if name == "resilrun" and vals:
+            if group_fault == fault and name == "resilrun" and vals:
                 md.append(
-                    f"- resilrun (--heartbeat-timeout {timeout}) / torchrun, kill → progress regained: "
+                    f"- {fault}: resilrun (--heartbeat-timeout {timeout}) / torchrun, fault → progress regained: "
                     f"{statistics.median(vals) / base:.2f}×"
                 )
+    stopped = [r for r in runs if r.get("fault") == "store-host"]
+    if stopped:
+        md += [
+            "",
+            "| fault | launcher | runs | stopped, every process gone | fault → last process exited (s) | exit codes |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in sorted({r["launcher"] for r in stopped}):
+            rows = [r for r in stopped if r["launcher"] == name]
+            clean_stop = [r for r in rows if r["status"] == "ok" and r["leftovers"] == 0]
+            codes = "; ".join(",".join(map(str, r["exit_codes"])) for r in rows)
+            md.append(
+                f"| store-host | {name} | {len(rows)} | {len(clean_stop)}/{len(rows)} | "
+                f"{fmt([r['to_stopped'] for r in rows if r.get('to_stopped') is not None])} | {codes} |"
+            )
     return "\n".join(md)
 
 
@@ -314,9 +451,7 @@ def loss_report(runs: list[dict[str, Any]]) -> str:
         base = seconds.get((launcher, 0.0))
         ratio = f"{statistics.median(ok) / statistics.median(base):.2f}×" if ok and base else "—"
         equal = sum(r["checksum"] == clean.get(launcher) for r in rows if r["status"] == "ok")
-        md.append(
-            f"| {launcher} | {loss:g} % | {len(ok)}/{len(rows)} | {fmt(ok)} | {ratio} | {equal}/{len(rows)} |"
-        )
+        md.append(f"| {launcher} | {loss:g} % | {len(ok)}/{len(rows)} | {fmt(ok)} | {ratio} | {equal}/{len(rows)} |")
     md.append("")
     for loss in sorted({r["loss"] for r in runs}):
         ours, theirs = seconds.get(("resilrun", loss)), seconds.get(("torchrun", loss))
@@ -331,7 +466,14 @@ def main() -> int:
     parser.add_argument("--timeouts", default="2,5", help="resilrun --heartbeat-timeout values (seconds)")
     parser.add_argument("--runs", type=int, default=2, help="killed runs per launcher and timeout")
     parser.add_argument("--mib", type=float, default=16.0, help="state per rank (params + AdamW moments)")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--steps", type=int, default=None, help="default 30; 120 when --faults has more than kill (the job must "
+        "outlast a fault that heals and the struck host's return)"
+    )  # fmt: skip
+    parser.add_argument(
+        "--sleep", type=float, default=None, help="extra seconds per step; default 0, 0.15 when --faults has more "
+        "than kill"
+    )  # fmt: skip
     parser.add_argument("--kill-at", type=int, default=15, help="kill once rank 0 has done this many steps")
     parser.add_argument("--timeout", type=float, default=300.0, help="per launch, seconds")
     parser.add_argument("--quick", action="store_true", help="one run per launcher, first timeout only")
@@ -340,6 +482,13 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--netns", action="store_true", help="three hosts in network namespaces (root)")
+    parser.add_argument(
+        "--faults", default="kill", help=f"with --netns: which faults, comma-separated, of {', '.join(FAULTS)}"
+    )
+    parser.add_argument(
+        "--heal-after", type=float, default=None, help="partition, one-way, data-plane: seconds until the fault "
+        "ends (default: twice resilrun's first --heartbeat-timeout plus 2 s, so that the host is judged lost first)"
+    )  # fmt: skip
     parser.add_argument(
         "--loss", default=None, help="with --netns: no kill; --runs jobs per launcher at 0 %% and each of these "
         "packet-loss percentages on every link (comma-separated), timed"
@@ -351,7 +500,18 @@ def main() -> int:
         parser.error("--loss needs --netns")
     if args.loss is not None and (why := nft_available()) is not None:
         parser.error(f"--loss: {why}")
+    faults = args.faults.split(",")
+    if unknown := [f for f in faults if f not in FAULTS]:
+        parser.error(f"--faults: unknown {', '.join(unknown)} (choose from {', '.join(FAULTS)})")
+    if faults != ["kill"] and not args.netns:
+        parser.error("--faults other than kill need --netns")
+    if {"one-way", "data-plane"} & set(faults) and (why := nft_available()) is not None:
+        parser.error(f"--faults one-way/data-plane: {why}")
     timeouts = [float(t) for t in args.timeouts.split(",")]
+    long_faults = faults != ["kill"]
+    args.steps = args.steps if args.steps is not None else (120 if long_faults else 30)
+    args.sleep = args.sleep if args.sleep is not None else (0.15 if long_faults else 0.0)
+    args.heal_after = args.heal_after if args.heal_after is not None else 2 * timeouts[0] + 2
     if args.quick:
         args.runs, timeouts = 1, timeouts[:1]
     args.out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="resilrun-node-loss-"))
@@ -364,24 +524,27 @@ def main() -> int:
         for i in range(args.runs):
             for name, loss in plan[i % len(plan) :] + plan[: i % len(plan)]:  # rotate against drift
                 timeout = timeouts[0] if name == "resilrun" else None
-                runs.append(run_one(name, timeout, False, args, f"{len(runs):03d}-{name}-loss{loss:g}", loss=loss))
+                runs.append(run_one(name, timeout, None, args, f"{len(runs):03d}-{name}-loss{loss:g}", loss=loss))
         print("Three hosts in network namespaces (two train), packet loss on every link:\n\n" + loss_report(runs))
         if args.json:
             args.json.write_text(json.dumps(runs, indent=1, default=str), encoding="utf-8")
         return 0 if all(r["status"] == "ok" for r in runs if r["launcher"] == "resilrun") else 1
-    runs = [run_one(name, timeouts[0] if name == "resilrun" else None, False, args, f"00{i}-{name}-clean")
+    runs = [run_one(name, timeouts[0] if name == "resilrun" else None, None, args, f"00{i}-{name}-clean")
             for i, name in enumerate(launchers)]  # fmt: skip
     index = len(runs)
+    plan: list[tuple[str, str, float | None, str]] = []
+    for fault in faults:
+        plan += [("resilrun", fault, t, tier) for t in timeouts for tier in tiers if "resilrun" in launchers]
+        if "torchrun" in launchers and fault != "data-plane":  # torchrun has no data plane to cut
+            plan.append(("torchrun", fault, None, "none"))
     for i in range(args.runs):
-        plan: list[tuple[str, float | None, str]] = [
-            ("resilrun", t, tier) for t in timeouts for tier in tiers if "resilrun" in launchers
-        ] + ([("torchrun", None, "none")] if "torchrun" in launchers else [])
-        for launcher, timeout, tier in plan[i % len(plan) :] + plan[: i % len(plan)]:  # rotate against drift
-            runs.append(run_one(launcher, timeout, True, args, f"{index:03d}-{launcher}-{timeout}-{tier}", tier))
+        for launcher, fault, timeout, tier in plan[i % len(plan) :] + plan[: i % len(plan)]:  # rotate against drift
+            tag = f"{index:03d}-{launcher}-{fault}-{timeout}-{tier}"
+            runs.append(run_one(launcher, timeout, fault, args, tag, tier))
             index += 1
     text = report(runs)
     if args.netns:
-        text = "Three hosts in network namespaces, endpoint by host name, the doomed host's link cut:\n\n" + text
+        text = "Three hosts in network namespaces (two train, one stands by), endpoint by host name:\n\n" + text
     print(text)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1, default=str), encoding="utf-8")
