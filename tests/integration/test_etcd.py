@@ -135,36 +135,3 @@ def test_killing_an_etcd_member_mid_job_does_not_disturb_it(launcher, etcd_clust
     assert "node lost" not in err and "restarting the job" not in err
     assert len({(out / f"checksum_rank{r}").read_text() for r in range(4)}) == 1
     assert not any((out / f"env_rank{r}_attempt1.json").exists() for r in range(4))
-
-
-@pytest.mark.timeout(400)
-def test_a_spare_node_takes_the_place_of_node_rank_0_on_etcd(launcher, etcd_server: Any, tmp_path: Path) -> None:
-    # Given 2 active nodes x 2 workers replicating to each other and a third agent standing by as a
-    # spare node, all on etcd (so node rank 0 hosts nothing but the round's worker store)
-    from tests.integration.test_peer_restore import _clean_checksum_40
-    from tests.integration.test_tier1_restore import EXAMPLE
-
-    target = tmp_path / "faulty.sha"
-    flags = [
-        *_etcd_args(etcd_server.endpoint, "etcd-spare-node"),
-        "--nnodes", "2", "--nproc-per-node", "2", "--replicas", "1", "--spares", "1",
-        "--heartbeat-timeout", "3", "--max-restarts", "0",
-        str(EXAMPLE), "--steps", "40", "--hidden", "64", "--sleep", "0.15", "--checksum-file", str(target),
-    ]  # fmt: skip
-    nodes = [launcher("resilrun", *flags) for _ in range(3)]
-    wait_for(lambda: any("standing by as a spare node" in n.stderr() for n in nodes), 150, "a spare node")
-    wait_for(lambda: any("step 10 loss" in n.stdout() for n in nodes), 150, "training to pass step 10")
-    spare = next(n for n in nodes if "standing by as a spare node" in n.stderr())
-    doomed = next(n for n in nodes if n is not spare and "this node rank 0" in n.stderr())
-    survivor = next(n for n in nodes if n is not spare and n is not doomed)
-    doomed_tree = doomed.remember_descendants() | {doomed.pid}
-    # When node rank 0 loses its agent and workers at once (with c10d: the rendezvous store too)
-    os.kill(doomed.pid, signal.SIGKILL)
-    # Then the spare node takes its place in-process and the job finishes, equal to a clean run
-    wait_for(lambda: "spare node takes node rank" in spare.stderr(), 60, "the spare node to take over")
-    for node in (survivor, spare):
-        assert node.wait(200) == 0, node.stderr()[-4000:]
-    err = survivor.stderr() + spare.stderr()
-    assert "restarting the job" not in err
-    assert target.read_text() == _clean_checksum_40(launcher, tmp_path)
-    assert not alive(doomed_tree)

@@ -278,7 +278,8 @@ def test_on_etcd_the_job_survives_losing_the_host_of_an_etcd_member_and_node_ran
         if os.environ.get("CI") == "true":
             pytest.fail("etcd is required in CI (make test-tools installs Debian's etcd-server as root)")
         pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
-    # Given a three-member etcd cluster on h0-h2, a job on h0 (node rank 0) and h1, a spare host h3
+    # Given a three-member etcd cluster on h0-h2, a job of 2 workers per host (and a warm spare
+    # worker each) on h0 (node rank 0) and h1, replicating to each other, and a spare host h3
     cluster, start = cluster_of(4)
     placements = [Placement(h.addr, lambda argv, h=h: cluster.command(h, argv)) for h in cluster.hosts[:3]]
     etcd = EtcdCluster(tmp_path / "etcd", placements=placements).start(timeout=60)
@@ -286,8 +287,8 @@ def test_on_etcd_the_job_survives_losing_the_host_of_an_etcd_member_and_node_ran
         target = tmp_path / "multi.sha"
         train = [str(EXAMPLE), "--steps", "50", "--hidden", "64", "--sleep", "0.15", "--checksum-file", str(target)]
         flags = [
-            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
-            "--rdzv-endpoint", "h0:2379,h1:2379,h2:2379", "--replicas", "1", "--spares", "0",
+            "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd",
+            "--rdzv-endpoint", "h0:2379,h1:2379,h2:2379", "--replicas", "1", "--spares", "1",
             "--heartbeat-timeout", "3", "--max-restarts", "0",
         ]  # fmt: skip
         doomed, survivor = (start(f"h{i}", *flags, "--node-rank", str(i), *train) for i in (0, 1))
@@ -301,7 +302,9 @@ def test_on_etcd_the_job_survives_losing_the_host_of_an_etcd_member_and_node_ran
         # Then the other two etcd members keep the rendezvous going, the spare host takes node rank
         # 0 in-process, and the job ends bitwise equal to a clean run, without a restart
         _spare_took_over(survivor, spare, node_rank=0)
-        assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
+        steps = resumed(survivor, spare)
+        assert sorted(rank for rank, (_, tier) in steps.items() if tier == "peer") == [0, 1], steps
+        assert target.read_text() == clean_checksum(launcher, tmp_path, 4, *train[1:-2])
         assert not alive(doomed_tree)
     finally:
         etcd.stop()
