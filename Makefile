@@ -38,7 +38,7 @@ demo: install
 
 test: install test-tools
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
-	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark
+	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark --durations=25
 
 # The quick subset: unit, contract and CLI tests, no launcher started (a minute or so on 2 cores).
 quick: install test-tools

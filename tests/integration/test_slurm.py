@@ -88,7 +88,7 @@ def test_a_node_lost_mid_job_is_requeued_by_slurm_and_the_job_resumes_from_the_p
     slurm: SlurmCluster, launcher, tmp_path: Path
 ) -> None:
     target = tmp_path / "slurm.sha"
-    train = ["--steps", "100", "--hidden", "64", "--sleep", "0.15", "--checksum-file", str(target)]
+    train = ["--steps", "60", "--hidden", "64", "--sleep", "0.15", "--checksum-file", str(target)]
     # Given the example batch script on three of four nodes (--requeue is in the script)
     job, out = _submit(slurm, tmp_path, train, MAX_RESTARTS="0")
     wait_for(lambda: out.exists() and "step 20 loss" in out.read_text(), 200, "training to pass step 20")
