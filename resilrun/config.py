@@ -75,10 +75,11 @@ _VALUES = {
     "--s3-expected-owner": "ACCOUNT",
     "--metrics-port": "PORT",
     "--metrics-addr": "HOST",
+    "--job-secret-file": "PATH",
 }
 
 
-R, P, H, C, OBS = "Rendezvous", "Processes", "Health", "Checkpoints", "Observability"
+R, P, H, C, OBS, SEC = "Rendezvous", "Processes", "Health", "Checkpoints", "Observability", "Security"
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +339,23 @@ class Config:
     metrics_addr: str = field(
         default="127.0.0.1", metadata=_meta("--metrics-addr", OBS, "Address the metrics endpoint binds.", pet=False)
     )
+    # Security (resilrun's own). The secret itself never goes on a command line: a file, or the
+    # environment (RESILRUN_JOB_SECRET, read by the agent; see agent/job_secret.py).
+    job_secret_file: str | None = field(
+        default=None,
+        metadata=_meta(
+            "--job-secret-file",
+            SEC,
+            "File (mode 0600) holding the job secret every node shares; it is then never kept in the store.",
+            pet=False,
+        ),
+    )
+    require_auth: bool = field(
+        default=False,
+        metadata=_meta(
+            "--require-auth", SEC, "Refuse to run a multi-node job whose secret would be kept in the store.", pet=False
+        ),
+    )
     # What to run
     script: str = ""
     script_args: tuple[str, ...] = ()
@@ -411,6 +429,7 @@ class Config:
             "s3_endpoint_url",
             "s3_expected_owner",
             "metrics_port",
+            "job_secret_file",
         )
         values = {k: v for k, v in values.items() if v is not None or k in nullable}
         values["rdzv_backend"] = (values.get("rdzv_backend") or "c10d").lower()

@@ -211,6 +211,11 @@ EXTRA_ENV = [
     ),
     ("PYTHON_EXEC", "The interpreter that runs Python workers (default: the one running resilrun)."),
     (
+        "RESILRUN_JOB_SECRET",
+        "The job secret itself (at least 16 characters, the same on every node), where a file cannot be used; "
+        "--job-secret-file wins when both are given. Either keeps the secret out of the rendezvous store.",
+    ),
+    (
         "AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION",
         "S3 credentials and region come from the standard AWS chain (environment, shared config and "
         "credentials files, SSO, web identity, container and instance roles); resilrun takes no keys as flags.",
@@ -405,7 +410,11 @@ def _environment(page: ManPage, command: Any | None) -> None:
                 if envvar:
                     page.item(", ".join(_bold(e) for e in envvar), f"{param.opts[0]}: {param.help}")
         for names, meaning in EXTRA_ENV:
-            if command is not None and command.name != "run" and names in ("RESILRUN_FAULTS", "PYTHON_EXEC"):
+            if (
+                command is not None
+                and command.name != "run"
+                and names in ("RESILRUN_FAULTS", "PYTHON_EXEC", "RESILRUN_JOB_SECRET")
+            ):
                 continue
             page.item(", ".join(_bold(n) for n in names.split(", ")), meaning)
         if command is None or command.name == "run":

@@ -28,6 +28,7 @@ from resilrun.agent.events import EVENTS_FILE, EventLog
 from resilrun.agent.fault_hooks import PERSIST_DELAY_ENV, delay_s
 from resilrun.agent.fence import WriteFence
 from resilrun.agent.heartbeat import HeartbeatSender
+from resilrun.agent.job_secret import SECRET_ENV, external_secret, random_secret
 from resilrun.agent.persister import Persister
 from resilrun.agent.procs import HANDLED_SIGNALS
 from resilrun.agent.replication import PeerTier, job_secret
@@ -82,6 +83,20 @@ def resolve_nproc(value: str) -> int:
     return gpus or os.cpu_count() or 1
 
 
+def _job_secret(config: Config, max_nodes: int) -> bytes | None:
+    """The job secret from outside the store, a random one for a job of one node, or None: the
+    first agent then keeps one in the store (what that leaves open is said where it is made)."""
+    secret = external_secret(config.job_secret_file, os.environ)
+    if secret is None and max_nodes == 1:
+        return random_secret()
+    if secret is None and config.require_auth:
+        raise ConfigError(
+            "--require-auth: no job secret given, and a multi-node job would keep it in the rendezvous store",
+            hint=f"give every node the same --job-secret-file (mode 0600) or {SECRET_ENV}",
+        )
+    return secret
+
+
 def run(config: Config) -> None:
     """Run this node's part of the job; returns on success.
 
@@ -91,6 +106,7 @@ def run(config: Config) -> None:
     nproc = resolve_nproc(config.nproc_per_node)
     min_nodes, max_nodes = config.node_range
     rdzv_conf = config.rdzv
+    secret = _job_secret(config, max_nodes)
     signals = SignalFlag()
     previous = {sig: signal.signal(sig, signals.handler) for sig in HANDLED_SIGNALS}
     try:
@@ -163,9 +179,17 @@ def run(config: Config) -> None:
         supervisor = Supervisor(config, setup, rdzv, signals, control, telemetry)
         peers = None
         if replicated:
+            if secret is None:
+                logger.warning(
+                    "no job secret given: it is kept in the rendezvous store, where anyone who can reach %s can "
+                    "read it and then read or forge this job's replicas; give every node the same "
+                    "--job-secret-file (mode 0600) or %s (README: Security)",
+                    endpoint,
+                    SECRET_ENV,
+                )
             peers = PeerTier(
                 memory,
-                job_secret(backend, config.rdzv_id),
+                secret if secret is not None else job_secret(backend, config.rdzv_id),
                 config.rdzv_id,
                 addr,
                 targets=supervisor.replica_targets,

@@ -77,6 +77,8 @@ def run(
     s3_expected_owner: o.S3ExpectedOwner = None,
     metrics_port: o.MetricsPort = None,
     metrics_addr: o.MetricsAddr = "127.0.0.1",
+    job_secret_file: o.JobSecretFile = None,
+    require_auth: o.RequireAuth = False,
 ) -> None:
     """Launch SCRIPT on this node's workers and supervise them (torchrun's flags and semantics)."""
     from resilrun.config import Config
@@ -121,6 +123,8 @@ def run(
         s3_expected_owner=s3_expected_owner,
         metrics_port=_int("--metrics-port", metrics_port),
         metrics_addr=metrics_addr,
+        job_secret_file=job_secret_file,
+        require_auth=require_auth,
         script=script,
         script_args=tuple(script_args or ()),
     )

@@ -149,6 +149,7 @@ def test_slurm_script_survives_an_allocation_of_thousands_of_hosts(tmp_path: Pat
         "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_RECORD": str(record),
         "SLURM_JOB_NODELIST": "localhost,node-[1-5000]", "SLURM_JOB_NUM_NODES": "5001", "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NAME": "resilrun-test", "NPROC_PER_NODE": "2", "CHECKPOINT_URI": str(tmp_path / "ckpt"),
+        "SECRET_FILE": str(tmp_path / "secrets" / "job.secret"),
     }  # fmt: skip
     # When the batch script runs
     result = _run_script(["bash", str(EXAMPLES / "slurm" / "train.sbatch"), "--steps", "3"], env)
@@ -157,6 +158,10 @@ def test_slurm_script_survives_an_allocation_of_thousands_of_hosts(tmp_path: Pat
     srun_args = record.read_text()
     assert "--rdzv-endpoint localhost:29400" in srun_args and "--nnodes 5001" in srun_args
     assert "--rdzv-id 4242" in srun_args and srun_args.rstrip().endswith("--steps 3")
+    # with a job secret of its own, readable by this user only, given to every agent
+    secret = tmp_path / "secrets" / "job.secret"
+    assert f"--job-secret-file {secret} --require-auth" in srun_args
+    assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) == 64
 
 
 @pytest.mark.s3

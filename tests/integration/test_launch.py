@@ -69,6 +69,8 @@ def test_two_agents_give_workers_torchrun_environment_and_results(launcher, tmp_
         for node in nodes:
             assert _finished(kind, node, outputs), node.stderr()[-3000:]
         runs[kind] = out
+    # (with no job secret given, resilrun says what keeping it in the store leaves open)
+    assert all("no job secret given: it is kept in the rendezvous store" in n.stderr() for n in nodes)
     # Then every worker variable torchrun sets is set the same way
     for rank in range(4):
         theirs = json.loads((runs["torchrun"] / f"env_rank{rank}_attempt0.json").read_text())

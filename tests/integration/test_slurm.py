@@ -48,6 +48,7 @@ def _submit(slurm: SlurmCluster, tmp_path: Path, train: list[str], **env: str) -
     out = tmp_path / "job.out"
     settings = {
         "TRAIN": str(EXAMPLE), "NPROC_PER_NODE": "1", "CHECKPOINT_URI": str(tmp_path / "ckpt"),
+        "SECRET_FILE": str(tmp_path / "job.secret"),
         "LOG_DIR": str(tmp_path / "logs"), "PERSIST_EVERY": "5",
         # resilrun on PATH, as in a user's activated environment (sbatch passes it on to srun's tasks)
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **env,
@@ -77,6 +78,7 @@ def test_the_example_sbatch_runs_one_agent_per_slurm_node_and_ends_bitwise_equal
     addresses = set(re.findall(r"this node's address: (198\.18\.0\.\d+)", text))
     assert len(addresses) == 3, text[-4000:]
     assert "rendezvous at h0:29400" in text  # the allocation's first host
+    assert "no job secret given" not in text  # the script's own secret file, required and given
     # persisted complete steps and kept the documented log layout, under the SLURM job id
     assert (tmp_path / "ckpt" / "step_000000000019" / "COMPLETE.json").is_file()
     assert (tmp_path / "logs" / str(job) / "round_0" / "rank_2").is_dir()

@@ -497,6 +497,8 @@ def test_bad_endpoint_is_reported_by_from_cli(script: str) -> None:
 # -- field metadata ------------------------------------------------------------------------------
 # resilrun's own flags have no torchrun (PET_*) spelling.
 _RESILRUN_ONLY = {
+    "job_secret_file",
+    "require_auth",
     "spares",
     "hang_timeout_s",
     "first_step_timeout_s",
@@ -521,7 +523,7 @@ def test_every_config_field_with_a_flag_has_resilrun_and_pet_env_names() -> None
         pet = [] if f.name in _RESILRUN_ONLY else [f"PET_{name}"]
         assert f.metadata["env"] == [f"RESILRUN_{name}", *pet], f.name
         assert f.metadata["help"]
-        assert f.metadata["panel"] in ("Rendezvous", "Processes", "Health", "Checkpoints", "Observability")
+        assert f.metadata["panel"] in ("Rendezvous", "Processes", "Health", "Checkpoints", "Observability", "Security")
 
 
 def test_config_fields_exclude_the_script_and_its_arguments() -> None:

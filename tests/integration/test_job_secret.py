@@ -1,0 +1,103 @@
+"""The job secret from outside the rendezvous store (issue 19): a private file every node reads.
+
+With ``--job-secret-file`` the secret never enters the store, so a process that can reach the
+store's port (c10d's TCPStore has no authentication) finds nothing there to read or forge replicas
+with; nodes given different secrets cannot replicate to each other and say why; a lax file or a
+required secret that is missing stops the launch at once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
+
+from resilrun import keys
+from tests.conftest import free_port
+from tests.integration.conftest import EXAMPLE, ROOT, assert_nothing_left, clean_checksum, wait_for
+
+pytestmark = pytest.mark.integration
+
+TRAIN = ["--steps", "40", "--hidden", "64", "--sleep", "0.1"]
+
+
+def _secret_file(tmp_path: Path, name: str, text: str, mode: int = 0o600) -> Path:
+    path = tmp_path / name
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return path
+
+
+def _flags(port: int, run_id: str) -> list[str]:
+    return [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+        "--replicas", "1", "--max-restarts", "0",
+    ]  # fmt: skip
+
+
+def _peer_lag(port: int, run_id: str) -> list[int | None]:
+    """Every node's ``tiers.peer.lag_steps`` in ``resilrun status --json``, as a user reads it."""
+    argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
+    done = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    document = json.loads(done.stdout).get("data") if done.stdout.strip() else None
+    return [n["tiers"]["peer"].get("lag_steps") for n in (document or {}).get("nodes", [])]
+
+
+@pytest.mark.timeout(300)
+def test_with_a_secret_file_nothing_secret_is_in_the_store_and_replicas_flow(launcher, tmp_path: Path) -> None:
+    # Given two nodes replicating to each other, each given the same secret file (0600)
+    port, run_id = free_port(), "secret-file"
+    secret = _secret_file(tmp_path, "job.secret", "f" * 64)
+    target = tmp_path / "out.sha"
+    flags = [*_flags(port, run_id), "--job-secret-file", str(secret)]
+    nodes = [launcher("resilrun", *flags, str(EXAMPLE), *TRAIN, "--checksum-file", str(target)) for _ in range(2)]
+    wait_for(lambda: any("step 10 loss" in n.stdout() for n in nodes), 150, "training to pass step 10")
+    # Then the replicas are taken (both nodes' replicas keep up with training),
+    wait_for(lambda: (lag := _peer_lag(port, run_id)) and all(v in (0, 1) for v in lag), 60, "replicas to keep up")
+    # while a process that reaches the store's port finds no secret there
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    assert not store.check([keys.job_secret(run_id)])
+    # and the job ends as a failure-free run does, with no word of an unprotected secret
+    for node in nodes:
+        assert node.wait(150) == 0, node.stderr()[-3000:]
+        assert_nothing_left(node)
+        assert "no job secret given" not in node.stderr()
+    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *TRAIN)
+
+
+@pytest.mark.timeout(300)
+def test_nodes_given_different_secrets_do_not_replicate_to_each_other_and_say_why(launcher, tmp_path: Path) -> None:
+    # Given two nodes whose secret files differ (a stale copy on one of them)
+    port, run_id = free_port(), "secret-mismatch"
+    files = [_secret_file(tmp_path, f"job{i}.secret", str(i) * 32) for i in range(2)]
+    train = [str(EXAMPLE), "--steps", "20", "--hidden", "64"]
+    nodes = [launcher("resilrun", *_flags(port, run_id), "--job-secret-file", str(f), *train) for f in files]
+    # Then no replica crosses, both ends say why, and training itself goes on to the end
+    for node in nodes:
+        assert node.wait(150) == 0, node.stderr()[-3000:]
+    err = "".join(n.stderr() for n in nodes)
+    assert "the job secrets differ" in err, err[-3000:]
+    assert "did not prove the job secret" in err
+
+
+def test_a_secret_file_others_can_read_stops_the_launch_at_once(launcher, tmp_path: Path) -> None:
+    lax = _secret_file(tmp_path, "job.secret", "a" * 32, mode=0o644)
+    run = launcher("resilrun", *_flags(free_port(), "lax"), "--job-secret-file", str(lax), str(EXAMPLE))
+    assert run.wait(60) == 2
+    err = run.stderr()
+    assert f"resilrun: error: --job-secret-file {lax} can be read by others (mode 0644)" in err
+    assert f"hint: chmod 600 {lax}" in err
+    assert "resilrun agent:" not in err  # nothing started: no store, no worker
+
+
+def test_require_auth_refuses_a_multi_node_job_without_a_secret(launcher, tmp_path: Path) -> None:
+    run = launcher(
+        "resilrun", *_flags(free_port(), "auth"), "--require-auth", str(EXAMPLE), env={"RESILRUN_JOB_SECRET": ""}
+    )
+    assert run.wait(60) == 2
+    assert "resilrun: error: --require-auth: no job secret given" in run.stderr()
