@@ -309,12 +309,16 @@ def _linger_for_peers(rdzv: RendezvousClient, supervisor: Supervisor, close_time
 
 
 def _log_root(config: Config) -> Path:
+    """The run's log directory, readable by the job's user only: workers' output (what a script
+    prints, tracebacks with values) and the events are the job's business."""
     if config.log_dir:
         root = Path(config.log_dir) / config.rdzv_id
     else:
         root = Path(tempfile.mkdtemp(prefix=f"resilrun_{config.rdzv_id}_"))
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if root.stat().st_uid == os.geteuid():  # another agent of this run (on this host) may have made it
+            root.chmod(0o700)
     except OSError as exc:
         raise ConfigError(f"--log-dir '{config.log_dir}' cannot be created: {exc.strerror}") from exc
     return root

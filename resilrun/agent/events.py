@@ -67,7 +67,8 @@ class EventLog:
         self._failed = False
         if path is not None:
             try:
-                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                # 0600: the events name hosts, addresses, pids and failures (tracebacks' first lines)
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
             except OSError as exc:
                 logger.warning("cannot write events to %s: %s", path, exc.strerror)
 

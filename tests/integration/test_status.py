@@ -102,8 +102,8 @@ def test_status_shows_the_running_job_and_a_killed_workers_recovery_with_its_tim
 
     # When rank 1 is SIGKILLed
     victim = next(r for r in doc["ranks"] if r["rank"] == 1)
+    killed_at = time.time()  # before the kill: the agent may stamp its detection before we read the clock again
     os.kill(victim["pid"], signal.SIGKILL)
-    killed_at = time.time()
     # Then the failure and its in-process recovery appear in the history, with a duration and timeline
     doc = poll(port, lambda d: any(h["kind"] == "recovery" and h["complete"] for h in d["history"]), 120,
                "the recovery to complete in status", nodes)  # fmt: skip
