@@ -833,8 +833,7 @@ def test_a_stalled_push_of_a_superseded_sender_gives_way_to_the_new_owners_push(
 def test_a_push_whose_sender_was_superseded_during_the_transfer_is_not_kept(
     store: ReplicaStore, memory: NodeMemoryTier
 ) -> None:
-    # Given the new owner's replica of rank 0 step 8 held, and a push from the old owner accepted
-    # while the node still followed its generation (2)
+    # Given a push of rank 0 from its owner, accepted while the node follows the owner's generation (2)
     generation = 2
     server = ReplicaServer(SECRET, store, memory, io_timeout=timedelta(seconds=5), generation=lambda: generation)
     try:
