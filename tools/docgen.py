@@ -87,6 +87,18 @@ DESCRIPTIONS: dict[str, list[str]] = {
         "executes anything from a checkpoint: corrupt, truncated or forged files end as one error line. "
         "--json prints one document on stdout whose fields are only ever added to.",
     ],
+    "export": [
+        "Writes one persisted step of a checkpoint (a directory or an S3 prefix written by --checkpoint-uri) "
+        "as files other tools read. --format safetensors (the default) writes one tracked module (--object, "
+        "else the one module the script tracked) as a single safetensors file under the model's own "
+        "parameter names, without the module. and _orig_mod. prefixes DDP and torch.compile add: it loads "
+        "with safetensors.torch.load_file and model.load_state_dict. --format dcp writes every tracked "
+        "object (or those named) as a directory torch.distributed.checkpoint.load reads.",
+        "FSDP2 and other DTensor state is consolidated from every rank's shards by their saved placements; "
+        "other tensors come from rank 0. Every checksum is verified, nothing is unpickled, the file appears "
+        "only once complete, and nothing is replaced without --force. From Python, "
+        "resilrun.checkpoint.load(URI, step) returns the tracked state dicts themselves.",
+    ],
     "status": [
         "Shows a running job as its agents publish it in the rendezvous store: the job's state and "
         "generation, every node (host, node rank, active, waiting or lost, heartbeat age), every rank "
@@ -105,9 +117,15 @@ DESCRIPTIONS: dict[str, list[str]] = {
 EXIT_CODES = {
     "inspect-checkpoint": (ExitCode.OK, ExitCode.USAGE, ExitCode.CHECKPOINT, ExitCode.STORAGE),
     "status": (ExitCode.OK, ExitCode.USAGE, ExitCode.RENDEZVOUS),
+    "export": (ExitCode.OK, ExitCode.USAGE, ExitCode.CHECKPOINT, ExitCode.STORAGE),
 }
 EXIT_OVERRIDES = {
     "inspect-checkpoint": {ExitCode.OK: "the checkpoint was read (and with --verify, every checksum matched)"},
+    "export": {
+        ExitCode.OK: "the step was written to --to",
+        ExitCode.USAGE: "a bad option, or --to names a missing directory or something that exists (see --force)",
+        ExitCode.CHECKPOINT: "no such step or tracked name, an incomplete step, or a file that fails its checks",
+    },
     "status": {
         ExitCode.OK: "the job's status was shown (whatever the job's health)",
         ExitCode.RENDEZVOUS: "the endpoint was not reachable within --timeout, or holds no such job",
@@ -150,6 +168,16 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ),
     ],
 }
+EXAMPLES["export"] = [
+    (
+        "The newest complete step's model, as one safetensors file:",
+        "resilrun export /shared/ckpt/run7 --to model.safetensors",
+    ),
+    (
+        "Step 400's model and optimizer from S3, as a DCP checkpoint:",
+        "resilrun export s3://bucket/run7 --step 400 --format dcp --object model --object optimizer --to run7-400",
+    ),
+]
 EXAMPLES["status"] = [
     ("The job at an endpoint, as a table:", "resilrun status --rdzv-endpoint head:29400"),
     (

@@ -18,6 +18,7 @@ from resilrun.cli import run as run_cmd
 from resilrun.cli import status as status_cmd
 from resilrun.cli._errors import render
 from resilrun.cli._output import Output
+from resilrun.cli.export import export
 from resilrun.cli.inspect import inspect_checkpoint
 from resilrun.errors import ExitCode
 
@@ -50,6 +51,7 @@ def _root(
 app.command("run", context_settings=run_cmd.CONTEXT)(run_cmd.run)
 app.command("inspect-checkpoint")(inspect_checkpoint)
 app.command("status")(status_cmd.status)
+app.command("export")(export)
 
 _TOP_LEVEL = {"--help", "-h", "--version", "--install-completion", "--show-completion"}
 

@@ -23,16 +23,15 @@ or, on failure, ``{"error": {"code": <error class name>, "message": str, "hint":
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 import typer
 
 from resilrun.cli._errors import render
 from resilrun.cli._output import Output
+from resilrun.cli._progress import progress as _progress
 from resilrun.errors import CheckpointNotFoundError
 from resilrun.log import rank_ranges
 
@@ -46,18 +45,26 @@ _VERIFY_CONCURRENCY = 2
 def inspect_checkpoint(
     uri: Annotated[str, typer.Argument(metavar="PATH|s3://bucket/prefix", help="Checkpoint directory or S3 URI.")],
     step: Annotated[
-        int | None, typer.Option("--step", min=0, help="Show this step (default: the newest complete one).")
+        int | None,
+        typer.Option("--step", min=0, metavar="INTEGER", help="Show this step (default: the newest complete one)."),
     ] = None,
-    verify: Annotated[bool, typer.Option("--verify", help="Download every file and check every checksum.")] = False,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
+    verify: Annotated[
+        bool, typer.Option("--verify", metavar="", help="Download every file and check every checksum.")
+    ] = False,
+    json_output: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON document on stdout.")] = False,
     s3_endpoint_url: Annotated[
         str | None,
-        typer.Option("--s3-endpoint-url", envvar="RESILRUN_S3_ENDPOINT_URL", help="S3-compatible endpoint URL."),
+        typer.Option(
+            "--s3-endpoint-url", metavar="URL", envvar="RESILRUN_S3_ENDPOINT_URL", help="S3-compatible endpoint URL."
+        ),
     ] = None,
     s3_expected_owner: Annotated[
         str | None,
         typer.Option(
-            "--s3-expected-owner", envvar="RESILRUN_S3_EXPECTED_OWNER", help="Account id that must own the bucket."
+            "--s3-expected-owner",
+            metavar="ACCOUNT",
+            envvar="RESILRUN_S3_EXPECTED_OWNER",
+            help="Account id that must own the bucket.",
         ),
     ] = None,
 ) -> None:
@@ -229,32 +236,3 @@ def _size(nbytes: int) -> str:
             return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
-
-
-# -- progress (stderr, and only on a terminal) -----------------------------------------------------
-class _Bar(Protocol):
-    def advance(self, amount: int) -> None: ...
-
-
-class _NullBar:
-    def advance(self, amount: int) -> None:
-        pass
-
-
-@contextmanager
-def _progress(label: str, total: int) -> Iterator[_Bar]:
-    """A rich progress bar on a TTY; otherwise nothing (pipes and CI logs get no escape codes)."""
-    if not sys.stderr.isatty():
-        yield _NullBar()
-        return
-    from rich.console import Console
-    from rich.progress import Progress
-
-    with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task(label, total=total)
-
-        class _RichBar:
-            def advance(self, amount: int) -> None:
-                progress.advance(task, amount)
-
-        yield _RichBar()

@@ -6,7 +6,15 @@ neither ``abort()`` nor ``destroy_process_group()`` does that while a collective
 (measured with torch 2.13). So each generation remembers the TCP connections its process group
 opened, and a watchdog thread shuts them down when the agent announces the next generation: the
 blocked collective then fails at once, and the bootstrap moves the process to the new generation.
-With NCCL the communicator's own ``abort()`` does this job.
+With NCCL the communicators' own ``abort()`` does this job.
+
+Subgroups (a DeviceMesh's dimensions for HSDP or tensor parallel, ``new_group``) open their
+connections later, while the script builds its model. A rank blocked in one of those (an HSDP
+all-reduce across replicas) is reached too: at abort time every TCP connection opened since the
+generation began whose far end is a host the default group talks to is shut down as well. A script's
+own connection to another host (a metrics service, a hub) is left alone; one to a job host opened
+during the generation would be cut along with the collectives, which only happens as the process
+moves to the next generation.
 """
 
 from __future__ import annotations
@@ -39,6 +47,27 @@ def tcp_sockets() -> dict[int, int]:
             if is_tcp and not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 found[fd] = os.fstat(probe.fileno()).st_ino
     return found
+
+
+def peer_hosts(sockets: dict[int, int]) -> set[str]:
+    """The far-end addresses of the given connected sockets."""
+    hosts: set[str] = set()
+    for fd, inode in sockets.items():
+        with contextlib.suppress(OSError):
+            probe = socket.socket(fileno=os.dup(fd))
+            with probe:
+                if os.fstat(probe.fileno()).st_ino == inode:
+                    hosts.add(str(probe.getpeername()[0]))
+    return hosts
+
+
+def opened_since(before: dict[int, int], hosts: set[str]) -> dict[int, int]:
+    """TCP connections opened since ``before`` was taken whose far end is one of ``hosts``."""
+    return {
+        fd: inode
+        for fd, inode in tcp_sockets().items()
+        if before.get(fd) != inode and peer_hosts({fd: inode}) & hosts
+    }
 
 
 def shut_down(sockets: dict[int, int]) -> int:

@@ -13,6 +13,10 @@ What resilrun does when a probe fails:
 - ``group_counter``: the counter is left as is; a process whose group setup failed midway may not
   meet its peers when it retries in-process.
 - ``cuda_host_register``: snapshot buffers stay pageable; device-to-host copies are synchronous.
+- ``group_registry``: with NCCL, only the default group is aborted when a generation ends; a rank
+  blocked in a subgroup's collective (HSDP, tensor parallel) waits for NCCL's own timeout.
+- ``strided_shard``: a DTensor with a strided shard (FSDP over tensor parallel on one dim) cannot be
+  snapshotted (a TypeError at the first commit names it); every other placement is public API.
 
 Every probe holds on the torch versions ``pyproject.toml`` declares (``TESTED_TORCH``).
 """
@@ -50,6 +54,8 @@ _FALLBACKS = {
     "ddp_bucket_rebuild": "bucket layout left to DDP: bitwise equality after a recovery not guaranteed with 3+ ranks",
     "group_counter": "group counter not reset: an in-process retry after a failed group setup may not meet its peers",
     "cuda_host_register": "snapshot buffers stay pageable: device-to-host copies are synchronous",
+    "group_registry": "only the default NCCL group is aborted: a rank blocked in a subgroup waits for its timeout",
+    "strided_shard": "DTensors with strided shards (FSDP over tensor parallel on one dim) cannot be snapshotted",
 }
 _WARNED: set[str] = set()
 
@@ -88,11 +94,30 @@ def _host_register_probe() -> bool:
     return callable(getattr(torch.cuda, "cudart", None)) and hasattr(runtime, "cudaHostRegister")
 
 
+@functools.cache
+def _group_registry_probe() -> bool:
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return world is not None and isinstance(getattr(world, "pg_names", None), dict)
+
+
+@functools.cache
+def _strided_shard_probe() -> type | None:
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return None
+    if not all(hasattr(_StridedShard, name) for name in ("dim", "split_factor")):
+        return None
+    return _StridedShard
+
+
 _PROBES: dict[str, Callable[[], Any]] = {
     "deferred_ddp_sync": _sync_helpers,
     "ddp_bucket_rebuild": _bucket_rebuild_probe,
     "group_counter": _group_counter_probe,
     "cuda_host_register": _host_register_probe,
+    "group_registry": _group_registry_probe,
+    "strided_shard": _strided_shard_probe,
 }
 
 
@@ -186,3 +211,20 @@ def pin_host_memory(data_ptr: int, nbytes: int) -> bool:
             _fall_back("cuda_host_register")
         return False
     return int(torch.cuda.cudart().cudaHostRegister(data_ptr, nbytes, 0)) == 0
+
+
+def strided_shard_type() -> type | None:
+    """DTensor's strided-shard placement class (``dim``, ``split_factor``); None when it is gone."""
+    found = _strided_shard_probe()
+    if found is None:
+        _fall_back("strided_shard")
+    return found
+
+
+def process_groups(*, newest_first: bool = False) -> list[Any]:
+    """Every live process group of this process, the default one included; [] without the registry."""
+    if not _group_registry_probe():
+        _fall_back("group_registry")
+        return []
+    groups = list(dist.distributed_c10d._world.pg_names)  # in the order they were built
+    return groups[::-1] if newest_first else groups

@@ -25,8 +25,9 @@ from resilrun.log import rank_ranges
 from resilrun.snapshot.restore import MEMORY_STEPS, PEER_STEPS, RestorePlan, Tier, plan_restore
 from resilrun.snapshot.tree import flatten, unflatten
 from resilrun.worker import _ddp_sync, _torch_compat
-from resilrun.worker._abort import GenerationWatchdog, shut_down, tcp_sockets
+from resilrun.worker._abort import GenerationWatchdog, opened_since, peer_hosts, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient
+from resilrun.worker._dtensor import Sharding
 from resilrun.worker._replicated import replicated_names
 from resilrun.worker.faults import RESTORE_STEP, Fault, fire, parse_faults
 from resilrun.worker.snapshot import Snapshotter
@@ -99,6 +100,8 @@ class Job:
         self._dedup = dedup
         self._reported_first_step = False
         self._watchdog: GenerationWatchdog | None = None
+        self._sharding = Sharding()
+        self._kinds: dict[str, str] = {}  # what each tracked object is, for export (resilrun.checkpoint)
 
     rank = property(lambda self: self._rank, doc="Global rank of this worker.")
     world_size = property(lambda self: self._world_size, doc="Number of workers in the job.")
@@ -108,12 +111,16 @@ class Job:
 
     def track(self, **objects: Any) -> None:
         """Include objects in every snapshot: anything with state_dict()/load_state_dict(),
-        tensors (restored in place), or JSON values (read and written through ``job[name]``)."""
+        tensors (restored in place), or JSON values (read and written through ``job[name]``).
+
+        Sharded state (FSDP2 modules, optimizers over DTensor parameters, tensor-parallel layers)
+        is tracked as it is: each rank keeps only its local shards and gets them back in place."""
         for name, obj in objects.items():
             if name.startswith("_") or "/" in name:
                 raise ValueError(f"tracked name {name!r} must not start with '_' or contain '/'")
             if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") or isinstance(obj, torch.Tensor):
                 self._tracked[name] = obj
+                self._kinds[name] = _kind(obj)
             else:
                 flatten(obj, name)  # raises TypeError now rather than at the first snapshot
                 self._values[name] = obj
@@ -157,10 +164,14 @@ class Job:
         trees: dict[str, Any] = {}
         for name, obj in self._tracked.items():
             state = obj if isinstance(obj, torch.Tensor) else obj.state_dict()
-            found, trees[name] = flatten(state, name)
+            found, trees[name] = flatten(state, name, self._sharding.split)
             tensors.update(found)
         values = {name: flatten(value, f"_values/{name}")[1] for name, value in self._values.items()}
-        return tensors, {"format": _FORMAT, "objects": trees, "values": values}
+        meta: dict[str, Any] = {"format": _FORMAT, "objects": trees, "values": values, "kinds": self._kinds}
+        meshes = self._sharding.mesh_table()
+        if meshes:
+            meta["meshes"] = meshes  # where each sharded tensor's shards sit: for export and resharding
+        return tensors, meta
 
     def _commit(self, step: int) -> None:
         if self._snapshotter is None:
@@ -271,17 +282,26 @@ class Job:
         """
         views, meta = snapshotter.load(step)
         copies = _Copies(views, self._device)
+        join = self._sharding.joiner(self._tracked.values(), self._device)
         for name, obj in self._tracked.items():
             if isinstance(obj, torch.Tensor):
                 with torch.no_grad():
-                    obj.copy_(unflatten(meta["objects"][name], views))
+                    obj.copy_(unflatten(meta["objects"][name], views, join))
             elif isinstance(obj, torch.nn.Module):
-                obj.load_state_dict(unflatten(meta["objects"][name], views))
+                obj.load_state_dict(unflatten(meta["objects"][name], views, join))
             else:
-                obj.load_state_dict(unflatten(meta["objects"][name], copies))
+                obj.load_state_dict(unflatten(meta["objects"][name], copies, join))
         self._values.update({name: unflatten(tree, copies) for name, tree in meta["values"].items()})
         self._step = step
         return sum(t.numel() * t.element_size() for t in views.values())
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, torch.nn.Module):
+        return "module"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    return "tensor" if isinstance(obj, torch.Tensor) else "object"
 
 
 class _Copies(dict[str, torch.Tensor]):
@@ -381,6 +401,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     if use_cuda:
         torch.cuda.set_device(device)
     group_sockets: dict[int, int] = {}
+    before: dict[int, int] = {}
     pg_seconds: float | None = None
     if not dist.is_initialized():
         ensure_rendezvous_defaults()
@@ -418,7 +439,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         _JOB._report("collectives_rebuilt", seconds=round(pg_seconds, 6))
     if variables.agent_socket:
         _ddp_sync.install()
-        _JOB._watchdog = _start_watchdog(variables.agent_socket, variables.round, group_sockets)
+        _JOB._watchdog = _start_watchdog(variables.agent_socket, variables.round, before, group_sockets)
         _start_heartbeat(variables.agent_socket, variables.heartbeat_interval_s)
     return _JOB
 
@@ -446,7 +467,9 @@ def _start_heartbeat(agent_socket: str, interval_s: float) -> None:
     _HEARTBEAT.start()
 
 
-def _start_watchdog(agent_socket: str, round: int, group_sockets: dict[int, int]) -> GenerationWatchdog:
+def _start_watchdog(
+    agent_socket: str, round: int, before: dict[int, int], group_sockets: dict[int, int]
+) -> GenerationWatchdog:
     client = AgentClient(agent_socket)
 
     def wait_for_next() -> bool:
@@ -455,24 +478,30 @@ def _start_watchdog(agent_socket: str, round: int, group_sockets: dict[int, int]
         )
         return bool(response.get("env"))
 
-    watchdog = GenerationWatchdog(wait_for_next, _abort_for(group_sockets), client.interrupt, client.close)
+    watchdog = GenerationWatchdog(wait_for_next, _abort_for(before, group_sockets), client.interrupt, client.close)
     watchdog.start()
     return watchdog
 
 
-def _abort_for(group_sockets: dict[int, int]) -> Callable[[], None]:
-    """What aborts the collectives of the process group that exists now (and only that one)."""
+def _abort_for(before: dict[int, int], group_sockets: dict[int, int]) -> Callable[[], None]:
+    """What aborts the collectives of the generation that exists now (and only that one): its
+    default group and the subgroups the script builds on it (a DeviceMesh's dimensions)."""
     group = dist.group.WORLD if dist.is_initialized() else None
     nccl = group is not None and dist.get_backend(group) == "nccl"
+    hosts = peer_hosts(group_sockets)
 
     def abort() -> None:
         if nccl and group is not None:
-            try:
-                group.abort()
-            except Exception as exc:  # noqa: BLE001 - already destroyed: nothing left to abort
-                logger.debug("aborting the previous generation's group: %s", exc)
+            # Subgroups are found in torch's registry, which holds this generation's groups only
+            # while its default group is still the current one.
+            current = dist.group.WORLD is group
+            for member in (_torch_compat.process_groups(newest_first=True) if current else []) or [group]:
+                try:
+                    member.abort()
+                except Exception as exc:  # noqa: BLE001 - already destroyed: nothing left to abort
+                    logger.debug("aborting the previous generation's group: %s", exc)
         else:
-            shut_down(group_sockets)
+            shut_down({**group_sockets, **opened_since(before, hosts)})
 
     return abort
 

@@ -53,7 +53,14 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_the_report_names_every_probe_with_its_fallback() -> None:
     probes = _torch_compat.report()
-    names = ["deferred_ddp_sync", "ddp_bucket_rebuild", "group_counter", "cuda_host_register"]
+    names = [
+        "deferred_ddp_sync",
+        "ddp_bucket_rebuild",
+        "group_counter",
+        "cuda_host_register",
+        "group_registry",
+        "strided_shard",
+    ]
     assert [p.name for p in probes] == names
     assert all(p.fallback for p in probes)
     assert torch.__version__.startswith(_torch_compat.TESTED_TORCH + ".")  # the version the module says is tested
@@ -187,3 +194,52 @@ def test_without_the_runtime_on_a_cuda_build_buffers_stay_pageable(
     assert not _torch_compat.pin_host_memory(4096, 512)
     assert not _torch_compat.pin_host_memory(4096, 512)
     assert len(_warnings(caplog)) == 1 and "pageable" in _warnings(caplog)[0]
+
+
+# group_registry
+
+
+def test_group_registry_probe_holds_and_lists_subgroups_newest_first(group: None) -> None:
+    assert _holds("group_registry")
+    first, second = dist.new_group([0]), dist.new_group([0])
+    groups = _torch_compat.process_groups(newest_first=True)
+    assert groups[:2] == [second, first] and groups[-1] is dist.group.WORLD
+
+
+def test_without_the_group_registry_no_group_is_listed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(distributed_c10d, "_world", SimpleNamespace())
+    assert not _holds("group_registry")
+    assert _torch_compat.process_groups() == []
+    assert _torch_compat.process_groups() == []
+    assert len(_warnings(caplog)) == 1 and "subgroup" in _warnings(caplog)[0]
+
+
+# strided_shard
+
+
+def test_strided_shard_probe_holds_and_round_trips_the_placement() -> None:
+    from resilrun.worker._dtensor import placement_of, placement_text
+
+    assert _holds("strided_shard")
+    assert placement_text(placement_of("SS1:4")) == "SS1:4"
+
+
+def test_without_the_strided_shard_such_a_dtensor_cannot_be_snapshotted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from torch.distributed.tensor import placement_types
+
+    from resilrun.errors import CheckpointError
+    from resilrun.worker._dtensor import placement_of, placement_text
+
+    strided = placement_of("SS0:2")
+    monkeypatch.delattr(placement_types, "_StridedShard")
+    _torch_compat.forget_probes()  # building the placement above probed with the class there
+    assert not _holds("strided_shard")
+    with pytest.raises(TypeError, match="cannot snapshot a DTensor placed as"):
+        placement_text(strided)
+    with pytest.raises(CheckpointError, match="strided shard"):
+        placement_of("SS0:2")
+    assert len(_warnings(caplog)) == 1 and "strided shards" in _warnings(caplog)[0]
