@@ -7,6 +7,12 @@ failure every rank gets its shards back in place and the job continues from the 
 ranks finished. ``--replicate R`` trains HSDP instead: a 2-D mesh of R replicas of a model sharded
 over world_size / R ranks.
 
+Elastic (``--nnodes MIN:MAX``): a job that loses a node without a spare node goes on at the smaller
+world size from the newest step every rank finished, each rank rebuilding its shards from the old
+ones (and grows again when a node joins). What the script does for that: the mesh dimensions are
+named (they find the saved mesh at the new size), and each step's global batch depends on the step
+alone, each rank taking its rows for the current world size (``batch_for``).
+
 Runs on CPU with gloo (torch >= 2.6) and on CUDA with NCCL:
 
     resilrun --standalone --nproc-per-node 2 --spares 1 examples/train_fsdp2.py --steps 40
@@ -32,11 +38,20 @@ except ImportError as exc:  # torch < 2.6 has FSDP2 only under torch.distributed
     raise SystemExit(f"this example needs torch >= 2.6 for torch.distributed.fsdp.fully_shard ({exc})") from exc
 
 
-def batch_for(step: int, rank: int, batch: int, features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The data of a step is a function of (step, rank): a resumed run sees what a clean run saw."""
-    gen = torch.Generator().manual_seed(step * 1000 + rank)
-    x = torch.randn(batch, features, generator=gen)
+def batch_for(step: int, rank: int, world_size: int, features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of step ``step``'s global batch.
+
+    The global batch is a function of the step alone, and each rank takes its rows for the current
+    world size: a resumed run sees what a clean run saw, and an elastic job that resumes at another
+    world size (a node lost without a spare, or one more joining) trains on the same data.
+    """
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(GLOBAL_BATCH, features, generator=gen)[rank::world_size]
     return x, x.sum(dim=1, keepdim=True).tanh()
+
+
+# Rows per step across all ranks: divisible by every world size the job may run at.
+GLOBAL_BATCH = 48
 
 
 def main() -> None:
@@ -69,7 +84,7 @@ def main() -> None:
     job.track(model=model, optimizer=opt)
 
     for step in job.steps(total=args.steps):
-        x, y = batch_for(step, job.rank, 16, 32)
+        x, y = batch_for(step, job.rank, job.world_size, 32)
         loss = nn.functional.mse_loss(model(x.to(job.device)), y.to(job.device))
         opt.zero_grad(set_to_none=True)
         loss.backward()

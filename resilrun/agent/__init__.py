@@ -199,7 +199,7 @@ def run(config: Config) -> None:
                 on_replicated=telemetry.replicated,
             )
             rdzv.me = replace(rdzv.me, peer_addr=peers.address)
-            tiers.peer_held, tiers.peer_fetch = peers.held_steps, peers.fetch
+            tiers.peer_held, tiers.peer_fetch, tiers.peer_inventory = peers.held_steps, peers.fetch, peers.inventory
         persister = None
         if storage is not None:
             persister = Persister(

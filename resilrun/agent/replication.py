@@ -19,12 +19,14 @@ from resilrun.agent.fault_hooks import REPLICATION_DELAY_ENV, delay_s
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError, ResilrunError
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.tiers.memory import NodeMemoryTier
-from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator, fetch, held
+from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator, fetch, held, inventory
 
 logger = logging.getLogger(__name__)
 
 # Fetching a multi-GB snapshot over a slow link takes a while; 50 MB/s is a pessimistic floor.
 _FETCH_FLOOR_BYTES_S = 50e6
+
+
 def job_secret(backend: RendezvousBackend, run_id: str) -> bytes:
     """The job's secret: the first agent sets it, every agent reads the same one."""
     key = keys.job_secret(run_id)
@@ -82,6 +84,16 @@ class PeerTier:
             for kind in ("replicas", "local"):
                 steps.update(holding.get(kind, {}).get(rank, []))
         return sorted(steps, reverse=True)
+
+    def inventory(self) -> list[tuple[int, int, int]]:
+        """Every (rank, step, world size) the other nodes of the round hold."""
+        entries: set[tuple[int, int, int]] = set()
+        for address in self._peers():
+            try:
+                entries.update(inventory(address, self.secret))
+            except ResilrunError as exc:
+                logger.debug("peer %s unreachable for a restore: %s", address, exc.message)
+        return sorted(entries)
 
     def fetch(self, rank: int, step: int) -> tuple[Any, Any] | None:
         """``rank``'s snapshot of ``step`` from the first peer that has an intact copy."""

@@ -209,6 +209,8 @@ class NodeMemoryTier:
         layout: int = 0,
         shared: tuple[tuple[int, int], ...] = (),
         round: int = -1,
+        *,
+        announce: bool = True,
     ) -> bool:
         """Record a worker's commit; returns whether its next snapshot should be written whole.
 
@@ -241,7 +243,7 @@ class NodeMemoryTier:
             ready = [(r, c) for r, c in affected if not self._missing(r, c)]
             whole = self._whole or self._out_of_step(committed, first)
             self._commits.notify_all()
-        for listener in self._listeners:
+        for listener in self._listeners if announce else ():
             for ready_rank, ready_commit in ready:
                 listener(ready_rank, ready_commit)
         self._release(released)
@@ -457,8 +459,11 @@ class NodeMemoryTier:
                 return rank
         return None
 
-    def install(self, rank: int, step: int, data: bytes | memoryview, values: Any) -> None:
-        """Place a snapshot fetched from another tier into a free slot, as if the worker committed it."""
+    def install(self, rank: int, step: int, data: bytes | memoryview, values: Any, *, announce: bool = True) -> None:
+        """Place a snapshot fetched from another tier into a free slot, as if the worker committed it.
+
+        ``announce=False``: the listeners (replication, persistence) are not told, for a snapshot
+        that is only read by a restore (one written at another world size)."""
         memory = self.rank(rank)
         while True:
             with self._lock:
@@ -475,7 +480,7 @@ class NodeMemoryTier:
         memory.seq.begin(slot)
         buffer.view()[: len(data)] = data
         memory.seq.end(slot)
-        self.commit(rank, step, slot, len(data), values, layout=layout_hash(data))
+        self.commit(rank, step, slot, len(data), values, layout=layout_hash(data), announce=announce)
 
     def describe(self, rank: int) -> dict[str, Any]:
         """What this node holds for ``rank``: the committed steps per slot, and whether each is complete."""

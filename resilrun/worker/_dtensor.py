@@ -68,15 +68,11 @@ class Sharding:
         used, self._used = self._used, {}
         return used
 
-    def joiner(self, tracked: Iterable[Any], device: torch.device) -> Joiner:
-        """Rebuilds each saved shard as a DTensor on the live mesh of the same key (see tree.Joiner).
-
-        Meshes are found on the tracked modules' parameters and buffers and the tracked optimizers'
-        parameters; failing that, in the other tracked objects' state dicts.
-        """
-        objects = list(tracked)
+    def live_meshes(self, tracked: Iterable[Any], *, deep: bool = False) -> dict[str, Any]:
+        """The meshes the tracked objects' DTensors live on now, by key: found on the modules'
+        parameters and buffers and the optimizers' parameters; with ``deep``, also in the other
+        objects' state dicts."""
         live: dict[str, Any] = {}
-        scanned: list[bool] = [False]
 
         def note(values: Iterable[Any]) -> None:
             for value in values:
@@ -84,7 +80,7 @@ class Sharding:
                     mesh = value.device_mesh
                     live.setdefault(self._mesh_spec(mesh).key(), mesh)
 
-        for obj in objects:
+        for obj in tracked:
             if isinstance(obj, torch.nn.Module):
                 note(obj.parameters())
                 note(obj.buffers())
@@ -92,13 +88,28 @@ class Sharding:
                 note(p for group in obj.param_groups for p in group["params"])
             elif isinstance(obj, torch.Tensor):
                 note([obj])
+            elif deep:
+                note(_leaves(obj.state_dict()))
+        return live
+
+    def specs(self, meshes: Iterable[Any]) -> list[tuple[Any, MeshSpec]]:
+        """Each mesh with its description (this rank's coordinate on it included)."""
+        return [(mesh, self._mesh_spec(mesh)) for mesh in meshes]
+
+    def joiner(self, tracked: Iterable[Any], device: torch.device, *, moved: dict[str, Any] | None = None) -> Joiner:
+        """Rebuilds each saved shard as a DTensor on the live mesh of the same key (see tree.Joiner).
+
+        ``moved``: for a restore at another world size, the live mesh standing in for each saved
+        mesh key; the shards given are then this rank's new blocks, already assembled.
+        """
+        objects = list(tracked)
+        live = self.live_meshes(objects) if moved is None else dict(moved)
+        scanned: list[bool] = [moved is not None]
 
         def find(key: str) -> Any:
             if key not in live and not scanned[0]:
                 scanned[0] = True
-                for obj in objects:
-                    if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
-                        note(_leaves(obj.state_dict()))
+                live.update(self.live_meshes(objects, deep=True))
             return live.get(key)
 
         def join(local: torch.Tensor, doc: Any) -> Any:
@@ -114,7 +125,8 @@ class Sharding:
                 )
             mesh_spec = self._mesh_spec(mesh)
             block = local_block(spec.shape, mesh_spec.shape, mesh_spec.coordinate, spec.placements)
-            if block is not None and spec.offset is not None and block != (tuple(local.shape), spec.offset):
+            saved = (tuple(local.shape), spec.offset if moved is None else block[1] if block else None)
+            if block is not None and spec.offset is not None and block != saved:
                 raise CheckpointError(
                     f"a saved shard of shape {list(local.shape)} at {list(spec.offset)} is not the block this "
                     f"rank owns ({list(block[0])} at {list(block[1])}) of a tensor of shape {list(spec.shape)}",

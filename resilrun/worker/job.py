@@ -22,9 +22,9 @@ import torch.distributed as dist
 from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
 from resilrun.errors import CheckpointError, StateLostError
 from resilrun.log import rank_ranges
-from resilrun.snapshot.restore import MEMORY_STEPS, PEER_STEPS, RestorePlan, Tier, plan_restore
-from resilrun.snapshot.tree import flatten, unflatten
-from resilrun.worker import _ddp_sync, _torch_compat
+from resilrun.snapshot.restore import MEMORY_STEPS, PEER_STEPS, ReshardPlan, RestorePlan, Tier, plan_restore
+from resilrun.snapshot.tree import Joiner, flatten, unflatten
+from resilrun.worker import _ddp_sync, _resize, _torch_compat
 from resilrun.worker._abort import GenerationWatchdog, opened_since, peer_hosts, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient
 from resilrun.worker._dtensor import Sharding
@@ -167,7 +167,13 @@ class Job:
             found, trees[name] = flatten(state, name, self._sharding.split)
             tensors.update(found)
         values = {name: flatten(value, f"_values/{name}")[1] for name, value in self._values.items()}
-        meta: dict[str, Any] = {"format": _FORMAT, "objects": trees, "values": values, "kinds": self._kinds}
+        meta: dict[str, Any] = {
+            "format": _FORMAT,
+            "objects": trees,
+            "values": values,
+            "kinds": self._kinds,
+            "world_size": self._world_size,  # a restore at another world size reshards (worker/_resize.py)
+        }
         meshes = self._sharding.mesh_table()
         if meshes:
             meta["meshes"] = meshes  # where each sharded tensor's shards sit: for export and resharding
@@ -199,6 +205,11 @@ class Job:
                 return -1
             if attempt == 0:
                 fire(self._faults, rank=self._rank, step=RESTORE_STEP, attempt=self._attempt)
+            if isinstance(plan, ReshardPlan):
+                restored, error = self._restore_resized(snapshotter, plan)
+                if restored:
+                    return plan.step
+                continue
             tier = plan.sources[self._rank]
             error = None
             started = time.monotonic()
@@ -233,11 +244,61 @@ class Job:
             f"the restore failed {_RESTORE_TRIES} times on other ranks", hint="see the other ranks' logs"
         )
 
-    def _plan_restore(self, snapshotter: Snapshotter) -> RestorePlan | None:
-        """Agree with every rank on the step to restore and where each rank gets it (None: fresh start)."""
+    def _restore_resized(self, snapshotter: Snapshotter, plan: ReshardPlan) -> tuple[bool, CheckpointError | None]:
+        """Restore ``plan.step``, written at another world size (worker/_resize.py); whether every
+        rank did, and this rank's error if it did not (every rank then plans again)."""
+        error: CheckpointError | None = None
+        resized = None
+        try:
+            resized = _resize.bring_in(
+                snapshotter, plan, rank=self._rank, tracked=self._tracked, sharding=self._sharding
+            )
+        except CheckpointError as exc:
+            error = exc
+            logger.warning(
+                "rank %d could not bring in step %d of world size %d: %s; planning the restore again",
+                self._rank,
+                plan.step,
+                plan.world_size,
+                exc.message,
+            )
+        try:
+            if not min(row[0] for row in _all_gather_ints([int(error is None)], self._world_size, self._device)):
+                return False, error
+            assert resized is not None
+            join = self._sharding.joiner(self._tracked.values(), self._device, moved=resized.meshes)
+            self._apply(resized.tensors, resized.meta, join, plan.step)
+        finally:
+            if resized is not None:
+                resized.release()  # the load made its own copies: unmap the old ranks' slots
+        logger.warning(
+            "rank %d resumed from step %d (resharded from world size %d: old rank(s) %s)",
+            self._rank,
+            plan.step,
+            plan.world_size,
+            rank_ranges(resized.read),
+        )
+        self._report(
+            "state_restored",
+            step=plan.step,
+            tier="persistent" if plan.persistent_only else "resharded",
+            bytes=resized.nbytes,
+            seconds=round(resized.seconds, 6),
+            from_world_size=plan.world_size,
+        )
+        return True, None
+
+    def _plan_restore(self, snapshotter: Snapshotter) -> RestorePlan | ReshardPlan | None:
+        """Agree with every rank on the step to restore and where each rank gets it (None: fresh start).
+
+        When any rank's newest snapshot was written at another world size, all plan a resharded
+        restore instead (worker/_resize.py)."""
         info = snapshotter.restore_info(self._world_size)
         mine = _pad(info["memory"], MEMORY_STEPS) + _pad(info["peer"], PEER_STEPS) + _pad([info["persisted"]], 1)
-        gathered = _all_gather_ints(mine, self._world_size, self._device)
+        gathered = _all_gather_ints([*mine, int(bool(info.get("resized")))], self._world_size, self._device)
+        if any(row[-1] for row in gathered):
+            return _resize.plan(snapshotter, lambda ints: _all_gather_ints(ints, self._world_size, self._device))
+        gathered = [row[:-1] for row in gathered]
         peer_end = MEMORY_STEPS + PEER_STEPS
         available = [
             {
@@ -281,8 +342,11 @@ class Job:
         private copies. Halving the copies and page faults matters: this is on the recovery path.
         """
         views, meta = snapshotter.load(step)
+        self._apply(views, meta, self._sharding.joiner(self._tracked.values(), self._device), step)
+        return sum(t.numel() * t.element_size() for t in views.values())
+
+    def _apply(self, views: dict[str, torch.Tensor], meta: Any, join: Joiner, step: int) -> None:
         copies = _Copies(views, self._device)
-        join = self._sharding.joiner(self._tracked.values(), self._device)
         for name, obj in self._tracked.items():
             if isinstance(obj, torch.Tensor):
                 with torch.no_grad():
@@ -293,7 +357,6 @@ class Job:
                 obj.load_state_dict(unflatten(meta["objects"][name], copies, join))
         self._values.update({name: unflatten(tree, copies) for name, tree in meta["values"].items()})
         self._step = step
-        return sum(t.numel() * t.element_size() for t in views.values())
 
 
 def _kind(obj: Any) -> str:

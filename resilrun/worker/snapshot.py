@@ -20,6 +20,7 @@ import torch
 from resilrun.errors import CheckpointError
 from resilrun.snapshot.dedup import Borrowed, borrowed_ranges, plan_owners, shared_ranges
 from resilrun.snapshot.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
+from resilrun.snapshot.restore import world_of
 from resilrun.snapshot.shm import SeqCounters, SharedBuffer
 from resilrun.worker import _torch_compat
 from resilrun.worker._channel import AgentClient
@@ -119,21 +120,68 @@ class Snapshotter:
         buffer = self.slots[slot]
         if buffer is None:
             raise RuntimeError(f"slot {slot} holds step {step} but is not mapped")
-        layout = parse_header(buffer.view(), buffer.nbytes)
         borrowed, owners = (self._lent[1], self._lent[2]) if self._lent and self._lent[0] == step else ((), {})
-        tensors = {}
-        for entry in layout.entries:
-            begin, end = layout.data_start + entry.begin, layout.data_start + entry.end
-            source = buffer
-            for owner, lent_begin, lent_end in borrowed:
-                if lent_begin < end and begin < lent_end:
-                    if not lent_begin <= begin <= end <= lent_end:
-                        raise CheckpointError(f"tensor '{entry.name}' of step {step} is only partly borrowed")
-                    source = owners[owner]
-            raw = source.tensor[begin:end]
-            dtype = getattr(torch, DTYPES[entry.dtype][0])
-            tensors[entry.name] = raw.view(dtype).view(entry.shape)
-        return tensors, self.held[slot][1]
+        return _views(buffer, borrowed, owners, step), self.held[slot][1]
+
+    # -- another rank's snapshot (a restore at another world size) -------------------------------
+    def inventory(self) -> dict[str, Any]:
+        """Every snapshot the node and its peers hold, as [rank, step, world size], and the newest
+        persisted [step, world size] (see ``snapshot.restore.plan_reshard``)."""
+        response, _ = self._request({"op": "inventory"})
+        return response
+
+    def gather(self, rank: int, step: int, world_size: int) -> dict[str, Any]:
+        """Have the agent bring ``rank``'s snapshot of ``step`` (written at ``world_size``) into node
+        memory from wherever it is.
+
+        Raises:
+            CheckpointError: no tier has it any more.
+        """
+        response, _ = self._request({"op": "gather", "rank": rank, "step": step, "world_size": world_size})
+        return response
+
+    def open_rank(self, rank: int, step: int, world_size: int) -> tuple[dict[str, torch.Tensor], Any, Any]:
+        """Views of ``rank``'s snapshot of ``step`` (written at ``world_size``) in node memory, its
+        values, and a callable that unmaps them (after the views were copied from).
+
+        Raises:
+            CheckpointError: the snapshot is not complete in node memory.
+        """
+        response, fds = self._request({"op": "attach", "rank": rank})
+        committed = response["committed"]
+        slot = next(
+            (
+                int(key)
+                for key, info in committed.items()
+                if int(info["step"]) == step and info["complete"] and world_of(info["values"]) == world_size
+            ),
+            None,
+        )
+        mapped: list[SharedBuffer] = []
+        try:
+            present = [int(i) for i in response["present"]]
+            for index, fd in enumerate(fds):
+                if index > 0 and present[index - 1] == slot:
+                    mapped.append(SharedBuffer.attach(fd))
+                else:
+                    os.close(fd)
+            if slot is None or not mapped:
+                raise CheckpointError(f"step {step} of rank {rank} (world size {world_size}) is not in node memory")
+            lent, owner_fds = self._request({"op": "lend", "rank": rank, "step": step})
+            owners = {int(o): SharedBuffer.attach(fd) for o, fd in zip(lent["owners"], owner_fds, strict=True)}
+            mapped.extend(owners.values())
+            borrowed = tuple((int(o), int(b), int(e)) for o, b, e in lent["borrowed"])
+            views = _views(mapped[0], borrowed, owners, step)
+        except BaseException:
+            for buffer in mapped:
+                buffer.close()
+            raise
+
+        def release() -> None:
+            for buffer in mapped:
+                buffer.close()
+
+        return views, committed[str(slot)]["values"], release
 
     # -- commit --------------------------------------------------------------------------------
     def save(
@@ -288,6 +336,26 @@ class Snapshotter:
         if torch.cuda.is_available():
             self._pinned = _pin(self.slots[slot])  # type: ignore[arg-type]  # set just above
         return self.slots[slot]  # type: ignore[return-value]
+
+
+def _views(
+    buffer: SharedBuffer, borrowed: Borrowed, owners: dict[int, SharedBuffer], step: int
+) -> dict[str, torch.Tensor]:
+    """Typed views of every tensor of the snapshot in ``buffer``, borrowed ranges from their owners' slots."""
+    layout = parse_header(buffer.view(), buffer.nbytes)
+    tensors = {}
+    for entry in layout.entries:
+        begin, end = layout.data_start + entry.begin, layout.data_start + entry.end
+        source = buffer
+        for owner, lent_begin, lent_end in borrowed:
+            if lent_begin < end and begin < lent_end:
+                if not lent_begin <= begin <= end <= lent_end:
+                    raise CheckpointError(f"tensor '{entry.name}' of step {step} is only partly borrowed")
+                source = owners[owner]
+        raw = source.tensor[begin:end]
+        dtype = getattr(torch, DTYPES[entry.dtype][0])
+        tensors[entry.name] = raw.view(dtype).view(entry.shape)
+    return tensors
 
 
 def _pin(buffer: SharedBuffer) -> bool:

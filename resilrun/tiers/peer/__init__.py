@@ -8,10 +8,20 @@ authentication on the job secret and per-tensor crc32s, is in ``wire`` and ``str
 calls (``push``, ``fetch``, ``held``) are in ``client``.
 """
 
-from resilrun.tiers.peer.client import fetch, held, push
+from resilrun.tiers.peer.client import fetch, held, inventory, push
 from resilrun.tiers.peer.replicator import Replicator
 from resilrun.tiers.peer.server import ReplicaServer
 from resilrun.tiers.peer.store import Replica, ReplicaStore
 from resilrun.tiers.peer.wire import ReplicationError
 
-__all__ = ["Replica", "ReplicaServer", "ReplicaStore", "ReplicationError", "Replicator", "fetch", "held", "push"]
+__all__ = [
+    "Replica",
+    "ReplicaServer",
+    "ReplicaStore",
+    "ReplicationError",
+    "Replicator",
+    "fetch",
+    "held",
+    "inventory",
+    "push",
+]

@@ -197,3 +197,19 @@ def held(address: str, secret: bytes, timeout: timedelta = DEFAULT_TIMEOUT) -> d
         }
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ReplicationError(f"peer {address} sent a malformed HELD reply") from None
+
+
+def inventory(address: str, secret: bytes, timeout: timedelta = DEFAULT_TIMEOUT) -> list[tuple[int, int, int]]:
+    """Every snapshot the peer holds (its own ranks' and replicas) as (rank, step, world size).
+
+    Raises:
+        ReplicationError: unreachable, unauthenticated, timed out, or a malformed reply.
+    """
+    deadline = Deadline.total(timeout.total_seconds())
+    with connection(address, secret, deadline) as sock:
+        send_message(sock, {"op": "held"}, deadline)
+        reply = recv_message(sock, deadline)
+    try:
+        return [(int(rank), int(step), int(world)) for rank, step, world in reply["entries"]]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ReplicationError(f"peer {address} sent a malformed HELD reply") from None

@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import Any
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError
+from resilrun.snapshot.restore import world_of
 from resilrun.tiers._priority import yield_to_training
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer.refs import LocalReferences
@@ -368,16 +369,21 @@ class ReplicaServer:
             logger.error("replica of rank %d step %d is corrupt in this node's memory: dropped", rank, step)
             self.replicas.discard(rank, step)
 
-    def describe(self) -> dict[str, dict[str, list[int]]]:
-        """What this node holds: peers' replicas and its own ranks' committed steps, newest first."""
+    def describe(self) -> dict[str, Any]:
+        """What this node holds: peers' replicas and its own ranks' committed steps, newest first;
+        and ``entries``: each of them as [rank, step, the world size that wrote it (-1: unknown)],
+        which a restore at another world size plans from."""
         local = {}
+        entries = set()
         for rank in self.memory.held_ranks():
-            committed = self.memory.describe(rank)["committed"].values()
-            steps = sorted((int(c["step"]) for c in committed if c["complete"]), reverse=True)
+            committed = [c for c in self.memory.describe(rank)["committed"].values() if c["complete"]]
+            steps = sorted((int(c["step"]) for c in committed), reverse=True)
             if steps:
                 local[str(rank)] = steps
+            entries.update((rank, int(c["step"]), world_of(c["values"])) for c in committed)
         replicas = {str(rank): steps for rank, steps in self.replicas.held().items()}
-        return {"replicas": replicas, "local": local}
+        entries.update((rank, step, world_of(values)) for rank, step, values in self.replicas.entries())
+        return {"replicas": replicas, "local": local, "entries": [list(e) for e in sorted(entries)]}
 
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
         """Stop accepting, cut every connection (transfers in flight count for nothing), join the threads."""

@@ -295,6 +295,16 @@ class ReplicaStore:
         data = bytes(view)
         return (data, replica.values) if is_current() else None
 
+    def entries(self) -> list[tuple[int, int, Any]]:
+        """Every complete replica as (rank, step, values)."""
+        with self._lock:
+            return [
+                (rank, s.replica.step, s.replica.values)
+                for rank, rank_slots in self._slots.items()
+                for s in rank_slots
+                if s.replica is not None
+            ]
+
     def held(self) -> dict[int, list[int]]:
         """Every rank with a complete replica -> its steps, newest first."""
         with self._lock:
