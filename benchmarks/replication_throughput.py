@@ -7,7 +7,10 @@ no framing, no checksums), and both sides of every path run in this one process,
 on one machine would, so the two cores are shared the same way. Paths:
 
 - ``push``: ``resilrun.tiers.peer.push`` of the snapshot's bytes to a ReplicaServer (mutual HMAC
-  handshake, framing, per-tensor crc32 on both ends, written straight into the replica slot);
+  handshake, messages with their HMACs, framing, per-tensor crc32 and the stream's GMAC on both
+  ends, written straight into the replica slot);
+- ``push, crc32 only``: the same with the stream's GMAC left out on both ends (what the stream
+  carried before issue 19): the MAC's cost, in the same run;
 - ``replicator``: a commit into node memory until ``Replicator.status()`` reports it replicated,
   streamed from the memfd slot under its seqlock (what the agent does every step).
 
@@ -20,6 +23,7 @@ allocates and pre-faults the peer's replica buffer, is reported separately.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -27,14 +31,14 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
 
 from resilrun.snapshot.layout import build_layout
 from resilrun.tiers.memory import NodeMemoryTier
-from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator, push
+from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator, push, wire
 
 SECRET = os.urandom(32)
 TENSORS = 4  # a few large tensors, so that per-tensor segments are exercised as in a real model
@@ -76,6 +80,29 @@ def plain_copy(data: bytes) -> float:
         seconds = time.perf_counter() - started
         thread.join(60)
     return seconds
+
+
+class _NoMac:
+    """Stands in for wire.StreamMac on both ends: no GMAC, an empty tag (crc32 only)."""
+
+    def __init__(self, key: bytes, nonce: bytes) -> None:
+        del key, nonce
+
+    def update(self, piece: memoryview) -> None:
+        del piece
+
+    def tag(self) -> bytes:
+        return b""
+
+
+@contextlib.contextmanager
+def crc32_only() -> Iterator[None]:
+    kept = wire.StreamMac
+    wire.StreamMac = _NoMac  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        wire.StreamMac = kept  # type: ignore[misc]
 
 
 class ReplicatorPath:
@@ -132,9 +159,14 @@ def main() -> None:
             push(server.address, SECRET, 1, next(step), 2, data, None, timeout=timedelta(seconds=120))
             return time.perf_counter() - started
 
+        def push_crc32_only() -> float:
+            with crc32_only():
+                return push_once()
+
         paths: dict[str, Callable[[], float]] = {
             "plain loopback copy": lambda: plain_copy(data),
-            "push": push_once,
+            "push (GMAC + crc32: the default)": push_once,
+            "push, crc32 only (no MAC)": push_crc32_only,
             "replicator (memfd slot -> peer)": replicator_path,
         }
         seconds: dict[str, list[float]] = {name: [] for name in paths}

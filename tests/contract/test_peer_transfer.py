@@ -32,13 +32,13 @@ from resilrun.tiers.peer.client import connection, push_view
 from resilrun.tiers.peer.refs import LocalReferences
 from resilrun.tiers.peer.wire import (
     CHUNK_BYTES,
+    MAC_BYTES,
     MAGIC,
     NONCE_BYTES,
     Announce,
     Deadline,
+    Session,
     client_handshake,
-    recv_message,
-    send_message,
     snapshot_bounds,
 )
 from tests.conftest import make_snapshot
@@ -106,10 +106,11 @@ def raw_connect(server: ReplicaServer) -> socket.socket:
     return sock
 
 
-def authenticated(server: ReplicaServer) -> socket.socket:
-    sock = raw_connect(server)
-    client_handshake(sock, SECRET, Deadline.total(5))
-    return sock
+@contextlib.contextmanager
+def authenticated(server: ReplicaServer) -> Iterator[Session]:
+    """A connection that proved the secret, as its session (messages then carry their MACs)."""
+    with raw_connect(server) as sock:
+        yield client_handshake(sock, SECRET, Deadline.total(5))
 
 
 def is_closed_by_peer(sock: socket.socket) -> bool:
@@ -125,12 +126,24 @@ def is_closed_by_peer(sock: socket.socket) -> bool:
 
 
 class Relay:
-    """A loopback TCP relay that can flip one byte or cut the stream, per direction, at a stream offset."""
+    """A loopback TCP relay on the path between a client and the server (an attacker's position): it
+    can flip one byte, rewrite bytes (``edit_up``/``edit_down``: stream offset -> new byte) or cut
+    the stream, per direction, at stream offsets, and keeps what the client sent (``sent_up``)."""
 
-    def __init__(self, upstream_port: int, *, flip_up_at: int | None = None, cut_down_at: int | None = None) -> None:
+    def __init__(
+        self,
+        upstream_port: int,
+        *,
+        flip_up_at: int | None = None,
+        cut_down_at: int | None = None,
+        edit_up: dict[int, int] | None = None,
+        edit_down: dict[int, int] | None = None,
+    ) -> None:
         self._upstream = upstream_port
         self._flip_up_at = flip_up_at
         self._cut_down_at = cut_down_at
+        self._edits = (dict(edit_up or {}), dict(edit_down or {}))
+        self.sent_up = bytearray()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._threads: list[threading.Thread] = []
@@ -140,23 +153,34 @@ class Relay:
     def _run(self) -> None:
         client, _ = self._listener.accept()
         upstream = socket.create_connection(("127.0.0.1", self._upstream), timeout=5)
-        for source, sink, flip, cut in (
-            (client, upstream, self._flip_up_at, None),
-            (upstream, client, None, self._cut_down_at),
+        for source, sink, flip, cut, edits, kept in (
+            (client, upstream, self._flip_up_at, None, self._edits[0], self.sent_up),
+            (upstream, client, None, self._cut_down_at, self._edits[1], bytearray()),
         ):
-            thread = threading.Thread(target=self._pump, args=(source, sink, flip, cut), daemon=True)
+            args = (source, sink, flip, cut, edits, kept)
+            thread = threading.Thread(target=self._pump, args=args, daemon=True)
             thread.start()
             self._threads.append(thread)
 
     @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket, flip: int | None, cut: int | None) -> None:
+    def _pump(
+        source: socket.socket,
+        sink: socket.socket,
+        flip: int | None,
+        cut: int | None,
+        edits: dict[int, int],
+        kept: bytearray,
+    ) -> None:
         offset = 0
         source.settimeout(10)
         with contextlib.suppress(OSError):
             while chunk := source.recv(1 << 16):
+                kept.extend(chunk)
                 data = bytearray(chunk)
                 if flip is not None and offset <= flip < offset + len(data):
                     data[flip - offset] ^= 0x40
+                for at in [at for at in edits if offset <= at < offset + len(data)]:
+                    data[at - offset] = edits.pop(at)
                 if cut is not None and offset + len(data) >= cut:
                     sink.sendall(data[: cut - offset])
                     break
@@ -353,17 +377,167 @@ def test_a_byte_flipped_in_transit_is_rejected_and_the_newest_replica_survives(
     assert bytes(fetch(server.address, SECRET, 0, 2, timeout=SHORT)[0]) == snapshot(2)
 
 
+# -- an attacker on the path, without the secret (issue 19) ----------------------------------------
+# What the client sends before the snapshot's first data byte: its nonce and proof, the push
+# message (length, JSON body, HMAC), and the first frame's length.
+def _data_offset(announce: Announce) -> int:
+    body = json.dumps({"op": "push", **announce.to_message()}, separators=(",", ":")).encode()
+    return 2 * NONCE_BYTES + 4 + len(body) + MAC_BYTES + 4
+
+
+def forged_keeping_crc32(segment: bytes, edit_at: int, fix_at: int) -> bytes:
+    """``segment`` with its byte at ``edit_at`` changed and the 4 bytes at ``fix_at`` chosen so that
+    its crc32 is unchanged: what anyone can do to a crc32-protected stream (crc32 is affine, so the
+    32 bits at ``fix_at`` reach every crc32 value; solved over GF(2))."""
+    forged = bytearray(segment)
+    want = zlib.crc32(segment)
+    forged[edit_at] ^= 0xFF
+    base = zlib.crc32(forged)
+    basis: dict[int, tuple[int, int]] = {}  # highest bit -> (crc32 change, the bits flipped for it)
+    for bit in range(32):
+        forged[fix_at + bit // 8] ^= 1 << (bit % 8)
+        vector, combination = zlib.crc32(forged) ^ base, 1 << bit
+        forged[fix_at + bit // 8] ^= 1 << (bit % 8)
+        for pivot in sorted(basis, reverse=True):
+            if vector >> pivot & 1:
+                vector, combination = vector ^ basis[pivot][0], combination ^ basis[pivot][1]
+        if vector:
+            basis[vector.bit_length() - 1] = (vector, combination)
+    target, flips = base ^ want, 0
+    for pivot in sorted(basis, reverse=True):
+        if target >> pivot & 1:
+            target, flips = target ^ basis[pivot][0], flips ^ basis[pivot][1]
+    assert target == 0
+    for bit in range(32):
+        if flips >> bit & 1:
+            forged[fix_at + bit // 8] ^= 1 << (bit % 8)
+    return bytes(forged)
+
+
+def test_a_replica_forged_on_the_path_with_its_crc32s_kept_is_refused(
+    server: ReplicaServer, store: ReplicaStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    push(server.address, SECRET, 0, 2, None, snapshot(2), "two", timeout=SHORT)
+    data = snapshot(3, numel=64 * 1024)
+    view = memoryview(data)
+    announce = Announce(0, 3, None, len(data), None, snapshot_bounds(view))
+    weight = next(e for e in parse_header(view, len(view)).entries if e.name == "weight")
+    begin = parse_header(view, len(view)).data_start + weight.begin
+    end = begin + weight.end - weight.begin
+    forged = forged_keeping_crc32(data[begin:end], edit_at=100, fix_at=200)
+    assert forged != data[begin:end] and zlib.crc32(forged) == zlib.crc32(data[begin:end])  # crc32 is blind to it
+    start = _data_offset(announce) + begin
+    edits = {start + i: forged[i] for i in range(len(forged)) if forged[i] != data[begin + i]}
+    relay = Relay(server.port, edit_up=edits)
+    caplog.set_level(logging.WARNING, logger="resilrun.tiers.peer.server")
+    try:
+        with pytest.raises(ReplicationError, match="MAC"):
+            push_view(relay.address, SECRET, announce, view, Deadline.total(5))
+    finally:
+        relay.close()
+
+    assert not relay._edits[0]  # every forged byte went through the relay
+    assert store.steps(0) == [2] and store.read(0, 2) == (snapshot(2), "two")
+    assert any("not kept" in r.getMessage() and "forged" in r.getMessage() for r in caplog.records)
+
+
+def test_a_request_edited_on_the_path_is_dropped_and_logged(
+    server: ReplicaServer, store: ReplicaStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = snapshot(1)
+    announce = Announce(0, 1, None, len(data), None, snapshot_bounds(memoryview(data)))
+    step_at = json.dumps({"op": "push", **announce.to_message()}, separators=(",", ":")).index('"step":1') + 7
+    relay = Relay(server.port, edit_up={2 * NONCE_BYTES + 4 + step_at: ord("9")})  # step 1 -> step 9
+    caplog.set_level(logging.WARNING, logger="resilrun.tiers.peer.server")
+    try:
+        with pytest.raises(ReplicationError):
+            push(relay.address, SECRET, 0, 1, None, data, None, timeout=SHORT)
+    finally:
+        relay.close()
+
+    assert store.held() == {}
+    assert any("failed its MAC" in r.getMessage() for r in caplog.records)
+
+
+def test_a_reply_edited_on_the_path_is_refused_by_the_client(server: ReplicaServer) -> None:
+    push(server.address, SECRET, 0, 7, None, snapshot(1), None, timeout=SHORT)
+    # the server sends its hello and proof, then the HELD reply: change a digit of it
+    reply = json.dumps({"ok": True, **server.describe()}, separators=(",", ":"))
+    relay = Relay(server.port, edit_down={len(MAGIC) + 2 * NONCE_BYTES + 4 + reply.index("7"): ord("8")})
+    try:
+        with pytest.raises(ReplicationError, match="failed its MAC"):
+            held(relay.address, SECRET, timeout=SHORT)
+    finally:
+        relay.close()
+
+
+def test_a_recorded_push_replayed_later_is_refused(
+    server: ReplicaServer, store: ReplicaStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    relay = Relay(server.port)
+    try:
+        push(relay.address, SECRET, 0, 1, None, snapshot(1), "old", timeout=SHORT)
+    finally:
+        relay.close()
+    push(server.address, SECRET, 0, 2, None, snapshot(2), "new", timeout=SHORT)
+    caplog.set_level(logging.WARNING, logger="resilrun.tiers.peer.server")
+    # The attacker sends every byte the client sent, on a new connection: the server's nonce is new,
+    # so the recorded proof is not one for it
+    with raw_connect(server) as sock:
+        sock.recv(len(MAGIC) + NONCE_BYTES)
+        with contextlib.suppress(OSError):
+            sock.sendall(bytes(relay.sent_up))
+        assert is_closed_by_peer(sock)
+
+    assert store.steps(0) == [2, 1] or store.steps(0) == [2]
+    assert store.read(0, 2) == (snapshot(2), "new")
+    assert any("did not prove the job secret" in r.getMessage() for r in caplog.records)
+
+
+def test_a_message_replayed_reordered_or_reflected_within_a_session_is_refused() -> None:
+    key, deadline = os.urandom(32), Deadline.total(5)
+
+    def pair() -> tuple[Session, Session, socket.socket]:
+        near, far = socket.socketpair()
+        sockets.extend((near, far))
+        return Session(near, key, server=False), Session(far, key, server=True), near
+
+    sockets: list[socket.socket] = []
+    try:
+        client, server, wire_ = pair()
+        first = client.seal(b'{"n":1}')
+        wire_.sendall(first)
+        assert server.recv(deadline) == {"n": 1}
+        wire_.sendall(first)  # replayed
+        with pytest.raises(ReplicationError, match="failed its MAC"):
+            server.recv(deadline)
+        client, server, wire_ = pair()
+        client.seal(b'{"n":1}')
+        wire_.sendall(client.seal(b'{"n":2}'))  # the second message before the first
+        with pytest.raises(ReplicationError, match="failed its MAC"):
+            server.recv(deadline)
+        client, server, wire_ = pair()
+        server.sock.sendall(Session(wire_, key, server=False).seal(b'{"n":1}'))  # a client's message sent back to it
+        with pytest.raises(ReplicationError, match="failed its MAC"):
+            client.recv(deadline)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def test_a_sender_announcing_wrong_checksums_is_rejected(server: ReplicaServer, store: ReplicaStore) -> None:
     data = snapshot(1)
     bounds = snapshot_bounds(memoryview(data))
-    with authenticated(server) as sock:
+    with authenticated(server) as session:
         deadline = Deadline.total(5)
         announce = Announce(0, 1, None, len(data), None, bounds)
-        send_message(sock, {"op": "push", **announce.to_message()}, deadline)
-        assert recv_message(sock, deadline) == {"ok": True}
-        sock.sendall(struct.pack("<I", len(data)) + data + struct.pack("<I", 0))
-        send_message(sock, {"commit": True, "crc32": [0] * (len(bounds) - 1)}, deadline)
-        reply = recv_message(sock, deadline)
+        session.send({"op": "push", **announce.to_message()}, deadline)
+        assert session.recv(deadline) == {"ok": True}
+        session.sock.sendall(struct.pack("<I", len(data)) + data + struct.pack("<I", 0))
+        mac = session.stream_mac(outgoing=True)  # a sender with the secret: its MAC is right
+        mac.update(memoryview(data))
+        session.send({"commit": True, "crc32": [0] * (len(bounds) - 1), "mac": mac.tag().hex()}, deadline)
+        reply = session.recv(deadline)
 
     assert reply["ok"] is False and "crc32" in reply["error"]
     assert store.held() == {}
@@ -387,12 +561,12 @@ def test_a_truncated_push_is_not_visible_and_the_server_keeps_serving(
     server: ReplicaServer, store: ReplicaStore
 ) -> None:
     data = snapshot(1)
-    with authenticated(server) as sock:
+    with authenticated(server) as session:
         deadline = Deadline.total(5)
         announce = Announce(0, 1, None, len(data), None, snapshot_bounds(memoryview(data)))
-        send_message(sock, {"op": "push", **announce.to_message()}, deadline)
-        assert recv_message(sock, deadline) == {"ok": True}
-        sock.sendall(struct.pack("<I", len(data)) + data[: len(data) // 2])  # then the sender dies
+        session.send({"op": "push", **announce.to_message()}, deadline)
+        assert session.recv(deadline) == {"ok": True}
+        session.sock.sendall(struct.pack("<I", len(data)) + data[: len(data) // 2])  # then the sender dies
 
     def pushed_again() -> bool:
         try:
@@ -440,10 +614,10 @@ def test_a_replica_corrupted_at_rest_fails_the_fetchers_checksum_and_is_dropped(
 # -- hostile input ----------------------------------------------------------------------------------
 def test_an_absurd_size_is_refused_before_anything_is_allocated(server: ReplicaServer, store: ReplicaStore) -> None:
     nbytes = 1 << 60
-    with authenticated(server) as sock:
+    with authenticated(server) as session:
         deadline = Deadline.total(5)
-        send_message(sock, {"op": "push", "rank": 0, "step": 1, "nbytes": nbytes, "bounds": [0, nbytes]}, deadline)
-        reply = recv_message(sock, deadline)
+        session.send({"op": "push", "rank": 0, "step": 1, "nbytes": nbytes, "bounds": [0, nbytes]}, deadline)
+        reply = session.recv(deadline)
 
     assert reply["ok"] is False and "memory" in reply["error"]
     assert store.held() == {}
@@ -452,18 +626,19 @@ def test_an_absurd_size_is_refused_before_anything_is_allocated(server: ReplicaS
 @pytest.mark.parametrize(
     "payload",
     [
-        pytest.param(struct.pack("<I", 0xFFFFFFFF), id="message-length-over-the-limit"),
-        pytest.param(struct.pack("<I", 5) + b"\xff{[}x", id="not-json"),
-        pytest.param(struct.pack("<I", 2) + b"[]", id="not-an-object"),
-        pytest.param(struct.pack("<I", 20000) + b"[" * 20000, id="deeply-nested"),
+        pytest.param(None, id="message-length-over-the-limit"),
+        pytest.param(b"\xff{[}x", id="not-json"),
+        pytest.param(b"[]", id="not-an-object"),
+        pytest.param(b"[" * 20000, id="deeply-nested"),
     ],
 )
 def test_malformed_messages_close_the_connection_and_the_server_keeps_serving(
-    server: ReplicaServer, payload: bytes
+    server: ReplicaServer, payload: bytes | None
 ) -> None:
-    with authenticated(server) as sock:
-        sock.sendall(payload)
-        assert is_closed_by_peer(sock)
+    # (from a peer with the secret: the MAC is right, the body is not)
+    with authenticated(server) as session:
+        session.sock.sendall(struct.pack("<I", 0xFFFFFFFF) if payload is None else session.seal(payload))
+        assert is_closed_by_peer(session.sock)
 
     assert held(server.address, SECRET, timeout=SHORT) == {"replicas": {}, "local": {}}
 
@@ -483,10 +658,10 @@ def test_malformed_messages_close_the_connection_and_the_server_keeps_serving(
 def test_bad_requests_get_an_error_reply(
     server: ReplicaServer, store: ReplicaStore, request_: dict[str, object]
 ) -> None:
-    with authenticated(server) as sock:
+    with authenticated(server) as session:
         deadline = Deadline.total(5)
-        send_message(sock, request_, deadline)
-        reply = recv_message(sock, deadline)
+        session.send(request_, deadline)
+        reply = session.recv(deadline)
 
     assert reply["ok"] is False and reply["error"]
     assert store.held() == {}
@@ -505,11 +680,11 @@ def test_data_that_is_not_a_snapshot_is_refused_by_both_ends(server: ReplicaServ
 
 def test_a_second_concurrent_push_for_the_same_rank_is_refused(server: ReplicaServer, store: ReplicaStore) -> None:
     data = snapshot(1)
-    with authenticated(server) as sock:
+    with authenticated(server) as session:
         deadline = Deadline.total(5)
         announce = Announce(0, 1, None, len(data), None, snapshot_bounds(memoryview(data)))
-        send_message(sock, {"op": "push", **announce.to_message()}, deadline)
-        assert recv_message(sock, deadline) == {"ok": True}
+        session.send({"op": "push", **announce.to_message()}, deadline)
+        assert session.recv(deadline) == {"ok": True}
         with pytest.raises(ReplicationError, match="already being received"):
             push(server.address, SECRET, 0, 2, None, snapshot(2), None, timeout=SHORT)
     assert store.held() == {}
@@ -517,11 +692,11 @@ def test_a_second_concurrent_push_for_the_same_rank_is_refused(server: ReplicaSe
 
 def test_the_server_closes_promptly_with_connections_open(store: ReplicaStore, memory: NodeMemoryTier) -> None:
     replica_server = ReplicaServer(SECRET, store, memory)
-    with authenticated(replica_server) as sock:
+    with authenticated(replica_server) as session:
         started = time.monotonic()
         replica_server.close(timeout=timedelta(seconds=3))
         assert time.monotonic() - started < 3
-        assert is_closed_by_peer(sock)
+        assert is_closed_by_peer(session.sock)
     with pytest.raises(ReplicationError, match="could not reach"):
         held(replica_server.address, SECRET, timeout=SHORT)
 
@@ -776,10 +951,10 @@ def test_a_deduplicated_slot_sends_its_complete_copy_when_the_peer_cannot_fill(
 def test_shared_ranges_off_segment_bounds_are_refused(server: ReplicaServer, shared: object) -> None:
     data = snapshot(1)
     announce = Announce(0, 1, None, len(data), None, snapshot_bounds(memoryview(data)))
-    with authenticated(server) as sock:
+    with authenticated(server) as session:
         deadline = Deadline.total(5)
-        send_message(sock, {"op": "push", **announce.to_message(), "shared": shared, "layout": 1}, deadline)
-        reply = recv_message(sock, deadline)
+        session.send({"op": "push", **announce.to_message(), "shared": shared, "layout": 1}, deadline)
+        reply = session.recv(deadline)
     assert reply["ok"] is False and "shared" in reply["error"]
 
 

@@ -2,7 +2,8 @@
 
 Each call opens one connection, authenticates both ways on the job secret (a client never sends
 state to a peer that cannot prove the secret), makes one request under one total deadline, and
-verifies every crc32 of what it receives. Protocol: ``resilrun.tiers.peer.wire``.
+verifies every message's MAC, a received stream's GMAC and every crc32 of what it receives.
+Protocol: ``resilrun.tiers.peer.wire``.
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ from resilrun.tiers.peer.wire import (
     Announce,
     Deadline,
     ReplicationError,
+    Session,
     check_secret,
     client_handshake,
     parse_address,
     parse_announce,
-    recv_message,
-    send_message,
     snapshot_bounds,
 )
 
@@ -41,8 +41,8 @@ _HEADROOM_BYTES = 256 * 1024 * 1024
 @contextlib.contextmanager
 def connection(
     address: str, secret: bytes, deadline: Deadline, on_socket: Callable[[socket.socket | None], None] | None = None
-) -> Iterator[socket.socket]:
-    """An authenticated connection; every OSError inside becomes a ReplicationError naming the peer.
+) -> Iterator[Session]:
+    """An authenticated connection (its session); every OSError inside becomes a ReplicationError naming the peer.
 
     Args:
         on_socket: told the socket once it exists and None once it is closed, so that an owner
@@ -58,8 +58,7 @@ def connection(
         if on_socket is not None:
             on_socket(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_handshake(sock, secret, deadline)
-        yield sock
+        yield client_handshake(sock, secret, deadline)
     except OSError as exc:
         raise ReplicationError(f"connection to peer {address} failed: {exc}") from exc
     except ReplicationError as exc:
@@ -92,9 +91,9 @@ def push_view(
         delay_s: a fault hook (``Replicator(push_delay_s=...)``): wait this long after the peer
             accepted the announce, before the bytes, as a slow link would.
     """
-    with connection(address, secret, deadline, on_socket) as sock:
-        send_message(sock, {"op": "push", **announce.to_message()}, deadline)
-        reply = recv_message(sock, deadline)
+    with connection(address, secret, deadline, on_socket) as session:
+        session.send({"op": "push", **announce.to_message()}, deadline)
+        reply = session.recv(deadline)
         if reply.get("ok") is not True:
             raise ReplicationError(f"refused step {announce.step} of rank {announce.rank}: {reply.get('error')}")
         skip = announce.shared if reply.get("filled") is True else ()  # the peer holds those bytes itself
@@ -103,8 +102,10 @@ def push_view(
         if not skip and whole is not None:
             complete = whole()
             view, is_intact = (complete, None) if complete is not None else (view, lambda: False)
-        sent = send_snapshot(sock, deadline, view, announce.bounds, is_intact, skip=skip, expected_crcs=expected_crcs)
-        reply = recv_message(sock, deadline)
+        sent = send_snapshot(
+            session, deadline, view, announce.bounds, is_intact, skip=skip, expected_crcs=expected_crcs
+        )
+        reply = session.recv(deadline)
         if not sent.committed:
             return False
         if reply.get("ok") is not True:
@@ -157,9 +158,9 @@ def fetch(
         ReplicationError: unreachable, unauthenticated, timed out, or the copy changed while sent.
     """
     deadline = Deadline.total(timeout.total_seconds())
-    with connection(address, secret, deadline) as sock:
-        send_message(sock, {"op": "fetch", "rank": rank, "step": step}, deadline)
-        reply = recv_message(sock, deadline)
+    with connection(address, secret, deadline) as session:
+        session.send({"op": "fetch", "rank": rank, "step": step}, deadline)
+        reply = session.recv(deadline)
         if reply.get("ok") is not True:
             if reply.get("not_found") is True:
                 why = reply.get("error")
@@ -172,7 +173,7 @@ def fetch(
         if announce.nbytes + _HEADROOM_BYTES > psutil.virtual_memory().available:
             raise ReplicationError(f"node memory cannot hold a {announce.nbytes} byte snapshot")
         data = bytearray(announce.nbytes)
-        received = receive_snapshot(sock, deadline, memoryview(data), announce.bounds)
+        received = receive_snapshot(session, deadline, memoryview(data), announce.bounds)
         if received.aborted:
             raise ReplicationError(f"its copy of step {step} of rank {rank} changed while it was sent")
         if received.problem is not None:
@@ -187,9 +188,9 @@ def held(address: str, secret: bytes, timeout: timedelta = DEFAULT_TIMEOUT) -> d
         ReplicationError: unreachable, unauthenticated, timed out, or a malformed reply.
     """
     deadline = Deadline.total(timeout.total_seconds())
-    with connection(address, secret, deadline) as sock:
-        send_message(sock, {"op": "held"}, deadline)
-        reply = recv_message(sock, deadline)
+    with connection(address, secret, deadline) as session:
+        session.send({"op": "held"}, deadline)
+        reply = session.recv(deadline)
     try:
         return {
             kind: {int(rank): [int(step) for step in steps] for rank, steps in reply[kind].items()}
@@ -206,9 +207,9 @@ def inventory(address: str, secret: bytes, timeout: timedelta = DEFAULT_TIMEOUT)
         ReplicationError: unreachable, unauthenticated, timed out, or a malformed reply.
     """
     deadline = Deadline.total(timeout.total_seconds())
-    with connection(address, secret, deadline) as sock:
-        send_message(sock, {"op": "held"}, deadline)
-        reply = recv_message(sock, deadline)
+    with connection(address, secret, deadline) as session:
+        session.send({"op": "held"}, deadline)
+        reply = session.recv(deadline)
     try:
         return [(int(rank), int(step), int(world)) for rank, step, world in reply["entries"]]
     except (KeyError, TypeError, ValueError, AttributeError):

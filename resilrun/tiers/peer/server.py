@@ -44,11 +44,10 @@ from resilrun.tiers.peer.wire import (
     Announce,
     Deadline,
     ReplicationError,
+    Session,
     check_secret,
     format_address,
     parse_announce,
-    recv_message,
-    send_message,
     server_handshake,
     snapshot_bounds,
 )
@@ -119,6 +118,7 @@ class ReplicaServer:
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._refused_hosts: set[str] = set()
+        self._tampered_hosts: set[str] = set()
         self._closed = threading.Event()
         name = f"resilrun-peer-server-{self.port}"
         self._acceptor = threading.Thread(target=self._accept_loop, name=name, daemon=True)
@@ -150,30 +150,45 @@ class ReplicaServer:
     def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not server_handshake(conn, self._secret, Deadline.total(AUTH_TIMEOUT_S)):
+            session = server_handshake(conn, self._secret, Deadline.total(AUTH_TIMEOUT_S))
+            if session is None:
                 self._note_refused(peer)
                 return
             deadline = Deadline.idle(self._io_timeout)
-            request = recv_message(conn, deadline)
+            request = session.recv(deadline)
             op = request.get("op")
             if op == "push":
                 yield_to_training()  # receiving a replica is background work; serving a fetch is not
-                self._push(conn, request, deadline, peer)
+                self._push(session, request, deadline, peer)
             elif op == "fetch":
-                self._fetch(conn, request, deadline)
+                self._fetch(session, request, deadline)
             elif op == "held":
-                send_message(conn, {"ok": True, **self.describe()}, deadline)
+                session.send({"ok": True, **self.describe()}, deadline)
             else:
-                send_message(conn, {"ok": False, "error": f"unknown op {str(op)[:40]!r}"}, deadline)
+                session.send({"ok": False, "error": f"unknown op {str(op)[:40]!r}"}, deadline)
         except (OSError, CheckpointError) as exc:  # ReplicationError is a CheckpointError
             if not self._closed.is_set():
-                logger.debug("peer connection from %s ended: %s", peer, exc)
+                self._note_ended(peer, exc)
         except Exception:  # a bug here must not take the agent down with it, but must be seen
             logger.exception("peer connection from %s failed unexpectedly", peer)
         finally:
             with self._lock:
                 self._connections.pop(conn, None)
             conn.close()
+
+    def _note_ended(self, peer: str, exc: Exception) -> None:
+        """A connection that broke off; one whose message failed its MAC was tampered with on the
+        way (or came from a bug): warned once per host, like a refused handshake."""
+        message = exc.message if isinstance(exc, CheckpointError) else str(exc)
+        if "failed its MAC" not in message:
+            logger.debug("peer connection from %s ended: %s", peer, message)
+            return
+        with self._lock:
+            first = peer not in self._tampered_hosts
+            self._tampered_hosts.add(peer)
+        logger.log(
+            logging.WARNING if first else logging.DEBUG, "dropped a replica connection from %s: %s", peer, message
+        )
 
     def _note_refused(self, peer: str) -> None:
         # Warn once per host: a scanner must not flood the agent's log, but a misconfigured node must be seen.
@@ -184,19 +199,19 @@ class ReplicaServer:
         logger.log(level, "refused a replica connection from %s: it did not prove the job secret", peer)
 
     # -- requests ----------------------------------------------------------------------------------
-    def _push(self, conn: socket.socket, request: dict[str, Any], deadline: Deadline, peer: str) -> None:
+    def _push(self, session: Session, request: dict[str, Any], deadline: Deadline, peer: str) -> None:
         try:
             announce = parse_announce(request)
             self._check_generation(announce, peer)
-            reservation = self._reserve(announce, conn, peer)
+            reservation = self._reserve(announce, session.sock, peer)
         except ReplicationError as exc:
-            send_message(conn, {"ok": False, "error": exc.message}, deadline)
+            session.send({"ok": False, "error": exc.message}, deadline)
             return
         try:
-            self._receive(conn, announce, reservation, deadline)
+            self._receive(session, announce, reservation, deadline, peer)
         finally:
             with self._lock:
-                if self._receiving.get(announce.rank, (0, None))[1] is conn:
+                if self._receiving.get(announce.rank, (0, None))[1] is session.sock:
                     del self._receiving[announce.rank]
 
     def _reserve(self, announce: Announce, conn: socket.socket, peer: str) -> Reservation:
@@ -229,13 +244,15 @@ class ReplicaServer:
             holder[1].shutdown(socket.SHUT_RDWR)  # its thread's next recv fails; it gives the slot back
         return self.replicas.wait_idle(announce.rank, _SUPERSEDE_WAIT_S)
 
-    def _receive(self, conn: socket.socket, announce: Announce, reservation: Reservation, deadline: Deadline) -> None:
+    def _receive(
+        self, session: Session, announce: Announce, reservation: Reservation, deadline: Deadline, peer: str
+    ) -> None:
         token = self.refs.begin(announce.step, announce.round) if announce.shared else None
         try:
             local = self._shared_here(announce, token, reservation.view)
-            send_message(conn, {"ok": True, "filled": True} if local else {"ok": True}, deadline)
+            session.send({"ok": True, "filled": True} if local else {"ok": True}, deadline)
             filled = announce.shared if local else ()
-            received = receive_snapshot(conn, deadline, reservation.view, announce.bounds, filled)
+            received = receive_snapshot(session, deadline, reservation.view, announce.bounds, filled)
             problem = received.problem
             if problem is None:
                 replica = Replica(
@@ -257,12 +274,14 @@ class ReplicaServer:
                 self.refs.end(token)
         # Published or released before replying, so that a sender told the outcome may push again at once.
         if problem is None:
-            send_message(conn, {"ok": True}, deadline)
+            session.send({"ok": True}, deadline)
             return
         self.replicas.release(reservation)
         level = logging.DEBUG if received.aborted else logging.WARNING
-        logger.log(level, "replica of rank %d step %d not kept: %s", announce.rank, announce.step, problem)
-        send_message(conn, {"ok": False, "error": problem}, deadline)
+        logger.log(
+            level, "replica of rank %d step %d from %s not kept: %s", announce.rank, announce.step, peer, problem
+        )
+        session.send({"ok": False, "error": problem}, deadline)
 
     def _superseded(self, announce: Announce) -> str | None:
         """Why a received replica is not kept when this node followed a newer generation than its
@@ -331,10 +350,10 @@ class ReplicaServer:
             return None
         return "this node's copy of the shared segments was rewritten while the push was received"
 
-    def _fetch(self, conn: socket.socket, request: dict[str, Any], deadline: Deadline) -> None:
+    def _fetch(self, session: Session, request: dict[str, Any], deadline: Deadline) -> None:
         rank, step = request.get("rank"), request.get("step")
         if not isinstance(rank, int) or not isinstance(step, int):
-            send_message(conn, {"ok": False, "error": "bad rank or step"}, deadline)
+            session.send({"ok": False, "error": "bad rank or step"}, deadline)
             return
         local = self.memory.read(rank, step)
         if local is not None:
@@ -344,11 +363,11 @@ class ReplicaServer:
                 bounds = snapshot_bounds(view)
             except CheckpointCorruptError as exc:
                 problem = f"this node's copy is not a snapshot: {exc.message}"
-                send_message(conn, {"ok": False, "error": problem}, deadline)
+                session.send({"ok": False, "error": problem}, deadline)
                 return
             announce = Announce(rank, step, None, len(view), values, bounds)
-            send_message(conn, {"ok": True, **announce.to_message()}, deadline)
-            send_snapshot(conn, deadline, view, announce.bounds)
+            session.send({"ok": True, **announce.to_message()}, deadline)
+            send_snapshot(session, deadline, view, announce.bounds)
             return
         listed = self.replicas.replica(rank, step) is not None
         opened = self.replicas.open(rank, step) if self.refs.materialize(rank, step, checksum=False) else None
@@ -358,12 +377,12 @@ class ReplicaServer:
             why = "its shared segments are no longer in this node's memory" if listed else "not held"
             if listed:
                 logger.warning("replica of rank %d step %d could not be served: %s", rank, step, why)
-            send_message(conn, {"ok": False, "not_found": True, "error": why}, deadline)
+            session.send({"ok": False, "not_found": True, "error": why}, deadline)
             return
         view, replica, is_current = opened
         announce = Announce(rank, step, replica.world_size, replica.nbytes, replica.values, replica.bounds)
-        send_message(conn, {"ok": True, **announce.to_message()}, deadline)
-        sent = send_snapshot(conn, deadline, view, replica.bounds, is_current, stored_crcs=replica.crcs)
+        session.send({"ok": True, **announce.to_message()}, deadline)
+        sent = send_snapshot(session, deadline, view, replica.bounds, is_current, stored_crcs=replica.crcs)
         at_rest = [(now, kept) for now, kept in zip(sent.crcs, replica.crcs, strict=True) if kept is not None]
         if sent.committed and any(now != kept for now, kept in at_rest) and is_current():
             logger.error("replica of rank %d step %d is corrupt in this node's memory: dropped", rank, step)

@@ -1,9 +1,12 @@
-"""Checksummed snapshot streams between peers (after ``wire``'s handshake and announce).
+"""Checksummed, authenticated snapshot streams between peers (after ``wire``'s handshake and announce).
 
 A snapshot travels as an announce message (rank, step, world size, nbytes, values, segment bounds),
 then data frames (u32 length + bytes; a zero length ends the data), then a trailer message:
-``{"commit": true, "crc32": [...]}`` with one crc32 per segment, or ``{"commit": false}`` (ABORT)
-when the sender's source was overwritten meanwhile. Segments are the safetensors header and each
+``{"commit": true, "crc32": [...], "mac": hex}`` with one crc32 per segment and the GMAC of every
+data byte under the session's stream key (``wire.Session``), or ``{"commit": false}`` (ABORT)
+when the sender's source was overwritten meanwhile. The receiver counts nothing whose GMAC does
+not verify: a party on the path who changed bytes and kept their crc32s (crc32 is linear: four
+chosen bytes restore it) is caught there. Segments are the safetensors header and each
 tensor, so a replica's crc32s are the same numbers the durable tier's manifests record. The crc32s
 ride in the trailer rather than the announce so that each end reads the bytes once, hashing them
 (on a helper thread) while they move; the receiver verifies before anything becomes visible.
@@ -18,6 +21,7 @@ the network: a reader streaming the replica later hashes them as it sends them.
 
 from __future__ import annotations
 
+import hmac
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -33,10 +37,10 @@ from resilrun.tiers.peer.wire import (
     LEN,
     Deadline,
     ReplicationError,
+    Session,
+    StreamMac,
     recv_exact,
     recv_into_exact,
-    recv_message,
-    send_message,
 )
 
 # Frames the hashing helper may lag behind the one being moved before the mover waits for it. Deep
@@ -96,7 +100,7 @@ class Checksums:
 
 
 class _Hasher:
-    """Checksums computed on a helper thread while the caller moves the next frame.
+    """Checksums and the stream's MAC computed on a helper thread while the caller moves the next frame.
 
     Why: a crc32 pass costs about as much CPU as the socket copy; done in line, each side stops
     moving bytes while it hashes and the two ends run in lock-step. Pipelined, hashing frame i
@@ -104,8 +108,9 @@ class _Hasher:
     hashed in order (one helper), at most ``_PIPELINE_DEPTH`` frames behind.
     """
 
-    def __init__(self, bounds: Sequence[int], total: int) -> None:
+    def __init__(self, bounds: Sequence[int], total: int, mac: StreamMac) -> None:
         self.sums = Checksums(bounds)
+        self.mac = mac
         pipelined = total > CHUNK_BYTES  # one frame: nothing to overlap with
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="resilrun-crc") if pipelined else None
         self._pending: deque[Future[None]] = deque()
@@ -118,7 +123,11 @@ class _Hasher:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
     def feed(self, piece: memoryview) -> None:
-        self._submit(self.sums.update, piece)
+        self._submit(self._hash, piece)
+
+    def _hash(self, piece: memoryview) -> None:
+        self.sums.update(piece)
+        self.mac.update(piece)
 
     def skip(self, count: int) -> None:
         """Bytes left out of the stream: their segments get no crc32 (None)."""
@@ -138,6 +147,10 @@ class _Hasher:
             self._pending.popleft().result()
         return self.sums.values
 
+    def tag(self) -> bytes:
+        """The stream's MAC (after ``finish``)."""
+        return self.mac.tag()
+
 
 # -- snapshot streams -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -147,7 +160,7 @@ class Sent:
 
 
 def send_snapshot(
-    sock: socket.socket,
+    session: Session,
     deadline: Deadline,
     view: memoryview,
     bounds: Sequence[int],
@@ -168,7 +181,8 @@ def send_snapshot(
         expected_crcs: what the source's commit recorded (None: a segment it did not write); a sent
             segment hashing otherwise was torn, however intact the source said it was: ABORT.
     """
-    with _Hasher(bounds, len(view)) as hasher:
+    sock = session.sock
+    with _Hasher(bounds, len(view), session.stream_mac(outgoing=True)) as hasher:
         position = 0
         for begin, end in spans(len(view), skip):
             if begin > position:
@@ -176,7 +190,7 @@ def send_snapshot(
             for offset in range(begin, end, CHUNK_BYTES):
                 if is_intact is not None and not is_intact():
                     hasher.finish()
-                    return _abort(sock, deadline)
+                    return _abort(session, deadline)
                 piece = view[offset : min(offset + CHUNK_BYTES, end)]
                 hasher.feed(piece)
                 deadline.apply(sock)
@@ -186,38 +200,39 @@ def send_snapshot(
         if position < len(view):
             hasher.skip(len(view) - position)
         computed = hasher.finish()  # before the last check: the helper reads the source too
+        tag = hasher.tag()
     if is_intact is not None and not is_intact():
-        return _abort(sock, deadline)
+        return _abort(session, deadline)
     if expected_crcs is not None and any(
         now is not None and wanted is not None and now != wanted
         for now, wanted in zip(computed, expected_crcs, strict=True)
     ):
-        return _abort(sock, deadline)
+        return _abort(session, deadline)
     deadline.apply(sock)
     sock.sendall(LEN.pack(0), _MSG_MORE)
     crcs = computed
     if stored_crcs is not None and not skip:
         crcs = [now if stored is None else stored for stored, now in zip(stored_crcs, computed, strict=True)]
-    send_message(sock, {"commit": True, "crc32": crcs}, deadline)
+    session.send({"commit": True, "crc32": crcs, "mac": tag.hex()}, deadline)
     return Sent(True, tuple(computed))
 
 
-def _abort(sock: socket.socket, deadline: Deadline) -> Sent:
-    deadline.apply(sock)
-    sock.sendall(LEN.pack(0), _MSG_MORE)
-    send_message(sock, {"commit": False, "reason": "the source was overwritten while it was sent"}, deadline)
+def _abort(session: Session, deadline: Deadline) -> Sent:
+    deadline.apply(session.sock)
+    session.sock.sendall(LEN.pack(0), _MSG_MORE)
+    session.send({"commit": False, "reason": "the source was overwritten while it was sent"}, deadline)
     return Sent(False, ())
 
 
 @dataclass(frozen=True, slots=True)
 class Received:
-    problem: str | None  # None: committed, complete, every crc32 matched, and the bytes parse as a snapshot
+    problem: str | None  # None: committed, complete, MAC and every crc32 matched, and the bytes parse as a snapshot
     crcs: tuple[int | None, ...]  # one per segment (None: filled here; empty unless problem is None)
     aborted: bool = False  # the sender sent ABORT: its source changed (expected, not an error)
 
 
 def receive_snapshot(
-    sock: socket.socket,
+    session: Session,
     deadline: Deadline,
     into: memoryview,
     bounds: Sequence[int],
@@ -231,8 +246,8 @@ def receive_snapshot(
             (they may not have been copied in yet); their segments' crc32s are None.
 
     Returns:
-        The verified crc32s, or why the bytes do not count (an ABORT, a short stream, a checksum
-        mismatch naming the segment, bytes that are not a snapshot).
+        The verified crc32s, or why the bytes do not count (an ABORT, a short stream, a MAC that
+        does not verify, a checksum mismatch naming the segment, bytes that are not a snapshot).
 
     Raises:
         ReplicationError, OSError: the stream broke the protocol, closed or timed out.
@@ -242,7 +257,9 @@ def receive_snapshot(
     expected_bytes = sum(end - begin for begin, end in todo)
     offset, received = 0, 0
     computed: list[int | None] = []
-    with _Hasher(bounds, total) as hasher:
+    tag = b""
+    sock = session.sock
+    with _Hasher(bounds, total, session.stream_mac(outgoing=False)) as hasher:
         while True:
             (length,) = LEN.unpack(recv_exact(sock, LEN.size, deadline))
             if length == 0:
@@ -265,7 +282,8 @@ def receive_snapshot(
             if offset < total:
                 hasher.skip(total - offset)  # filled bytes after the last span
             computed = hasher.finish()
-    trailer = recv_message(sock, deadline)
+            tag = hasher.tag()
+    trailer = session.recv(deadline)
     if trailer.get("commit") is not True:
         return Received(f"aborted by the sender ({str(trailer.get('reason'))[:200]})", (), aborted=True)
     crcs = trailer.get("crc32")
@@ -279,6 +297,11 @@ def receive_snapshot(
             continue  # filled here, not sent: nothing to compare with
         if expected != actual:
             return Received(f"bytes {bounds[index]}..{bounds[index + 1]} (segment {index}) fail their crc32", ())
+    # After the crc32s, so that an accident is reported as one; bytes changed with their crc32s kept
+    # (a forgery: crc32 is linear) fail here.
+    mac = trailer.get("mac")
+    if not isinstance(mac, str) or not hmac.compare_digest(mac.encode(), tag.hex().encode()):
+        return Received("the bytes fail their MAC: changed on the way with their crc32s kept (forged)", ())
     try:
         check_snapshot(into)
     except CheckpointCorruptError as exc:
