@@ -3,23 +3,22 @@ old world had at that step (digests of the whole parameters and AdamW moments), 
 
 - A new job on an old ``--checkpoint-uri`` at a bigger (FSDP2: shards resharded) or smaller (DDP)
   world resumes from the persisted step.
-- An elastic job of three nodes (one rank each, FSDP2) loses a node and has no spare node: it goes
-  on with two from the newest step every rank had committed (the lost rank's snapshot from its
-  replica), and when a third node joins it grows back to three, again from the newest step.
+- An elastic job of three hosts (network namespaces; one rank each, FSDP2) loses a host and has no
+  spare node: it goes on with two from the newest step every rank had committed (the lost rank's
+  snapshot from its replica), and when a node joins again it grows back to three, again from the
+  newest step.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
-from tests.integration.conftest import ROOT
+from tests.integration.conftest import PORT, ROOT, drop_off
 
 pytestmark = pytest.mark.integration
 
@@ -79,32 +78,36 @@ def test_a_new_job_at_another_world_size_resumes_the_persisted_step(
     assert [r["step"] for r in _records(record) if r.get("world") == then and "step" in r] == [10, 11]
 
 
-def test_an_elastic_job_shrinks_on_a_lost_node_and_grows_back_without_losing_a_step(launcher, tmp_path: Path) -> None:
+@pytest.mark.timeout(400)
+def test_an_elastic_job_shrinks_on_a_lost_host_and_grows_back_without_losing_a_step(cluster_of, tmp_path: Path) -> None:
     record = tmp_path / "record.jsonl"
-    port = free_port()
+    cluster, start = cluster_of(3)
     args = [
-        "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}",
         "--rdzv-conf", "last_call_timeout=1", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2",
         "--max-restarts", "3", "--shutdown-timeout", "2",
         str(SCRIPT), "--steps", "100000", "--sleep", "0.05", "--record", str(record),
     ]  # fmt: skip
-    # Given an elastic FSDP2 job training on three nodes (the first one hosts the store)
-    nodes = [launcher("resilrun", *args)]
+    # Given an elastic FSDP2 job training on three hosts (h0 hosts the store), replicating to each other
+    nodes = {"h0": start("h0", *args)}
     time.sleep(1)
-    nodes += [launcher("resilrun", *args) for _ in range(2)]
+    nodes.update({name: start(name, *args) for name in ("h1", "h2")})
     world = lambda size: [r for r in _records(record) if r.get("world") == size and "step" in r]  # noqa: E731
-    _wait_for(lambda: len(world(3)) >= 5, 120, "three nodes to train", *nodes)
-    # When one node is lost with its processes (no spare node)
-    lost = nodes.pop()
-    os.killpg(lost.pid, signal.SIGKILL)
-    # Then the other two go on as a world of two from the newest step, its state intact
-    _wait_for(lambda: len(world(2)) >= 3, 120, "the job to go on with two nodes", *nodes)
+    _wait_for(lambda: len(world(3)) >= 5, 150, "three hosts to train", *nodes.values())
+    # When h2 drops off the network and its processes die with it (no spare host)
+    lost = nodes.pop("h2")
+    drop_off(cluster, "h2", lost)
+    # Then the other two go on as a world of two from the newest step, its state intact (the lost
+    # rank's shards from its replica)
+    _wait_for(lambda: len(world(2)) >= 3, 120, "the job to go on with two hosts", *nodes.values())
     _check_resumed(_records(record), 2)
-    # When a new node joins, Then the job grows back to three, again from the newest step
-    nodes.append(launcher("resilrun", *args))
-    _wait_for(lambda: len([r for r in world(3) if "step" in r]) >= 8, 120, "the job to grow back", *nodes)
+    # When h2 comes back and a node joins from it, Then the job grows back to three, again from the
+    # newest step
+    cluster.heal("h2")
+    nodes["h2"] = start("h2", *args)
+    _wait_for(lambda: len(world(3)) >= 8, 150, "the job to grow back", *nodes.values())
     _check_resumed(_records(record), 3)
-    for node in nodes:
+    for node in nodes.values():
         node.popen.send_signal(signal.SIGTERM)
-    for node in nodes:
+    for node in nodes.values():
         node.wait(60)
