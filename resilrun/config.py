@@ -94,6 +94,19 @@ class RdzvConf:
     # Store connect / operation timeout; 60 s as torchrun (a cold cluster's DNS and SYN retries).
     read_timeout_s: float = 60.0
     is_host: bool | None = None
+    # etcd over TLS and with authentication (rendezvous/etcd.py EtcdSecurity): the CA that signed
+    # etcd's certificate (https), a client certificate and key (etcd's --client-cert-auth), and a
+    # user whose password is in a private file or RESILRUN_ETCD_PASSWORD.
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    user: str | None = None
+    password_file: str | None = None
+
+    def etcd_security_keys(self) -> list[str]:
+        """The etcd-only keys given (an error on another backend)."""
+        names = ("ca_file", "cert_file", "key_file", "user", "password_file")
+        return [name for name in names if getattr(self, name) is not None]
 
 
 # Keys torchrun accepts that have no effect here; accepted so torchrun command lines keep working.
@@ -127,14 +140,27 @@ def parse_rdzv_conf(value: str) -> RdzvConf:
             kwargs[f"{key}_s"] = _positive_float(f"--rdzv-conf {key}", raw)
         elif key == "is_host":
             kwargs["is_host"] = _parse_bool(f"--rdzv-conf {key}", raw)
+        elif key in ("ca_file", "cert_file", "key_file", "user", "password_file"):
+            if not raw:
+                raise ConfigError(f"--rdzv-conf {key} is empty", hint=f"give {key}=VALUE")
+            kwargs[key] = raw
         elif key == "store_type" and raw != "tcp":
             raise ConfigError(
                 f"--rdzv-conf store_type '{raw}' is not supported",
                 hint="resilrun's c10d backend uses a TCPStore (store_type=tcp)",
             )
         elif key not in _ACCEPTED_RDZV_KEYS:
-            known = "join_timeout, last_call_timeout, close_timeout, read_timeout, is_host"
+            known = (
+                "join_timeout, last_call_timeout, close_timeout, read_timeout, is_host; for etcd: ca_file, "
+                "cert_file, key_file, user, password_file"
+            )
             raise ConfigError(f"--rdzv-conf key '{key}' is unknown", hint=f"known keys: {known}")
+    if ("cert_file" in kwargs) != ("key_file" in kwargs):
+        raise ConfigError(
+            "--rdzv-conf cert_file and key_file go together", hint="give both (etcd's client certificate and its key)"
+        )
+    if "password_file" in kwargs and "user" not in kwargs:
+        raise ConfigError("--rdzv-conf password_file needs user", hint="give user=NAME too")
     return RdzvConf(**kwargs)
 
 

@@ -71,6 +71,12 @@ def job_secret(run_id: str) -> str:
     return f"{_base(run_id)}/secret"
 
 
+def secret_check(run_id: str) -> str:
+    """A constant sealed under the job's store key by the first agent: a node given another secret
+    finds it does not verify and stops at once (instead of fighting over every document)."""
+    return f"{_base(run_id)}/secret_check"
+
+
 def job_lease(run_id: str) -> str:
     """The id of the etcd lease every key of the job is attached to (expires after the last agent)."""
     return f"{_base(run_id)}/lease"

@@ -49,6 +49,7 @@ from resilrun.errors import (
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.factory import open_backend
 from resilrun.rendezvous.protocol import NodeInfo
+from resilrun.rendezvous.sealed import SealedBackend, store_key
 from resilrun.storage.api import Storage
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.slots import REPLICATED_SLOTS, SLOTS
@@ -97,6 +98,19 @@ def _job_secret(config: Config, max_nodes: int) -> bytes | None:
     return secret
 
 
+# What the first agent seals at keys.secret_check (any constant: only its MAC matters).
+_SECRET_CHECK = b"resilrun job secret check"
+
+
+def _forged_document(key: str) -> None:
+    logger.warning(
+        "refused a document in the rendezvous store that does not carry this job's MAC (%s): written by "
+        "someone without the job secret, or by a job with another secret under the same --rdzv-id; "
+        "read as absent",
+        key,
+    )
+
+
 def run(config: Config) -> None:
     """Run this node's part of the job; returns on success.
 
@@ -111,7 +125,27 @@ def run(config: Config) -> None:
     previous = {sig: signal.signal(sig, signals.handler) for sig in HANDLED_SIGNALS}
     try:
         opened = open_backend(config)
-        backend, endpoint, hosting = opened.backend, opened.endpoint, opened.hosting
+        endpoint, hosting = opened.endpoint, opened.hosting
+        if secret is None:  # a multi-node job without a secret from outside: one kept in the store
+            secret = job_secret(opened.backend, config.rdzv_id)
+            logger.warning(
+                "no job secret given: it is kept in the rendezvous store, where anyone who can reach %s can "
+                "read it and then forge this job's rendezvous and status documents%s; give every node the same "
+                "--job-secret-file (mode 0600) or %s (README: Security)",
+                endpoint,
+                " and read or forge its replicas" if config.replicas > 0 else "",
+                SECRET_ENV,
+            )
+        # Every document this agent writes is sealed under the secret, and what it reads verified:
+        # a party with store access but not the secret cannot join, reassign, declare lost or fake status.
+        backend = SealedBackend(opened.backend, store_key(secret), on_forged=_forged_document)
+        if not backend.check_key(keys.secret_check(config.rdzv_id), _SECRET_CHECK):
+            raise ConfigError(
+                f"the job secrets differ: job {config.rdzv_id}'s documents in the rendezvous store at {endpoint} "
+                "are sealed under another job secret than this node's",
+                hint="give every node the same --job-secret-file (or use another --rdzv-id); if every node has "
+                "the same one, someone with access to the store wrote there",
+            )
         # As torchrun: the FQDN unless --local-addr says otherwise (workers reach rank 0 there),
         # except where the host name means loopback in a multi-host job (addressing.py).
         advertised = choose_address(
@@ -179,17 +213,9 @@ def run(config: Config) -> None:
         supervisor = Supervisor(config, setup, rdzv, signals, control, telemetry)
         peers = None
         if replicated:
-            if secret is None:
-                logger.warning(
-                    "no job secret given: it is kept in the rendezvous store, where anyone who can reach %s can "
-                    "read it and then read or forge this job's replicas; give every node the same "
-                    "--job-secret-file (mode 0600) or %s (README: Security)",
-                    endpoint,
-                    SECRET_ENV,
-                )
             peers = PeerTier(
                 memory,
-                secret if secret is not None else job_secret(backend, config.rdzv_id),
+                secret,
                 config.rdzv_id,
                 addr,
                 targets=supervisor.replica_targets,

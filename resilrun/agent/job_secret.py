@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 from resilrun.errors import ConfigError
+from resilrun.private_file import read_private
 
 SECRET_ENV = "RESILRUN_JOB_SECRET"
 MIN_CHARS = 16
@@ -53,29 +53,7 @@ def external_secret(path: str | None, environ: Mapping[str, str]) -> bytes | Non
 
 
 def _read_private(path: Path) -> str:
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"--job-secret-file {path} does not exist", hint=_HINT_MAKE) from None
-    except OSError as exc:
-        raise ConfigError(f"--job-secret-file {path} cannot be read: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"--job-secret-file {path} is not a regular file", hint=_HINT_MAKE)
-    if info.st_mode & 0o077:
-        mode = stat.S_IMODE(info.st_mode)
-        raise ConfigError(
-            f"--job-secret-file {path} can be read by others (mode {mode:04o}): refusing a secret that has leaked",
-            hint=f"chmod 600 {path}, then make a new secret if others may have read it",
-        )
-    if info.st_uid != os.geteuid():
-        raise ConfigError(
-            f"--job-secret-file {path} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})",
-            hint="the job's user must own its secret file",
-        )
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--job-secret-file {path} cannot be read: {exc}") from None
+    return read_private(path, "--job-secret-file", hint=_HINT_MAKE)
 
 
 def random_secret() -> bytes:

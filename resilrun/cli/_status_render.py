@@ -186,9 +186,20 @@ def _table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return [fmt.format(*columns).rstrip(), *(fmt.format(*row).rstrip() for row in rows)]
 
 
+def store_line(doc: dict[str, Any]) -> str:
+    """Whether the documents shown were verified with the job secret, and which were refused."""
+    store = doc.get("store") or {}
+    if not store.get("verified"):
+        return "store documents: not verified (give the job's --job-secret-file to verify them)"
+    refused = store.get("refused") or []
+    if not refused:
+        return "store documents: verified with the job secret"
+    return f"store documents: verified; {len(refused)} refused (no valid MAC: forged): {', '.join(refused[:3])}"
+
+
 def text_lines(doc: dict[str, Any]) -> list[str]:
     """The document as plain lines (no colour, no box drawing): for pipes, files and logs."""
-    lines = [summary(doc), f"endpoint {doc['endpoint']} ({doc['backend']})", "", "NODES"]
+    lines = [summary(doc), f"endpoint {doc['endpoint']} ({doc['backend']})", store_line(doc), "", "NODES"]
     lines += _table(NODE_COLUMNS, node_rows(doc))
     lines += ["", "RANKS"] + (_table(RANK_COLUMNS, rank_rows(doc)) if doc["ranks"] else ["(no ranks running)"])
     lines += ["", snapshot_line(doc), "", "HISTORY"]
@@ -216,6 +227,8 @@ def rich_view(doc: dict[str, Any]) -> Any:
 
     head = Text(summary(doc), style=f"bold {colour(doc['job']['state'])}")
     parts: list[Any] = [head, Text(f"endpoint {doc['endpoint']} ({doc['backend']})", style="dim")]
+    refused = (doc.get("store") or {}).get("refused")
+    parts.append(Text(store_line(doc), style="bold red" if refused else "dim"))
     parts.append(table("Nodes", NODE_COLUMNS, node_rows(doc), 2))
     parts.append(table("Ranks", RANK_COLUMNS, rank_rows(doc), 4))
     parts.append(Text(snapshot_line(doc)))

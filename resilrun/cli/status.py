@@ -76,11 +76,38 @@ def status(
         float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the endpoint before giving up.")
     ] = DEFAULT_TIMEOUT_S,
     history: Annotated[int, typer.Option("--history", min=0, max=64, help="Failures and recoveries shown.")] = 10,
+    rdzv_conf: Annotated[
+        str,
+        typer.Option(
+            "--rdzv-conf",
+            "--rdzv_conf",
+            envvar=["RESILRUN_RDZV_CONF", "PET_RDZV_CONF"],
+            metavar="K=V,...",
+            help="etcd's TLS and user, as the job gives them: ca_file, cert_file, key_file, user, password_file.",
+        ),
+    ] = "",
+    job_secret_file: Annotated[
+        str | None,
+        typer.Option(
+            "--job-secret-file",
+            envvar="RESILRUN_JOB_SECRET_FILE",
+            metavar="PATH",
+            help="The job's secret file (or RESILRUN_JOB_SECRET): the store's documents are then verified.",
+        ),
+    ] = None,
 ) -> None:
     """Show a running job: nodes, ranks, spares, snapshot progress, failures and recoveries."""
+    import os
+
+    from resilrun.agent.job_secret import external_secret
+    from resilrun.config import parse_rdzv_conf
+    from resilrun.rendezvous.factory import etcd_security
+
     out = Output(json_mode=json_output)
     try:
-        reader = _Reader(rdzv_backend.strip().lower(), rdzv_endpoint, rdzv_id, timeout, history)
+        secret = external_secret(job_secret_file, os.environ)
+        security = etcd_security(parse_rdzv_conf(rdzv_conf), os.environ)
+        reader = _Reader(rdzv_backend.strip().lower(), rdzv_endpoint, rdzv_id, timeout, history, secret, security)
         if watch is None:
             _show(out, reader.read(), json_output, tty=sys.stdout.isatty())
             return
@@ -94,13 +121,25 @@ def status(
 class _Reader:
     """Opens the backend once and reads the job's document on demand."""
 
-    def __init__(self, kind: str, endpoint: str, run_id: str | None, timeout_s: float, history: int) -> None:
+    def __init__(
+        self,
+        kind: str,
+        endpoint: str,
+        run_id: str | None,
+        timeout_s: float,
+        history: int,
+        secret: bytes | None,
+        security: Any = None,
+    ) -> None:
         self.kind = kind
         self.endpoint = endpoint
         self.requested_id = run_id
         self.timeout = timedelta(seconds=timeout_s)
         self.history = history
+        self.secret = secret
+        self.security = security  # etcd's TLS and user (rendezvous/etcd.py EtcdSecurity), or None
         self.backend: Any = None
+        self.refused: list[str] = []  # keys whose documents did not verify (shown, never trusted)
 
     def read(self) -> dict[str, Any]:
         """The composed document (see docs/status.md).
@@ -114,7 +153,12 @@ class _Reader:
         from resilrun.status import view as status_view
 
         if self.backend is None:
-            self.backend, self.endpoint = open_readonly(self.kind, self.endpoint, self.timeout)
+            from resilrun.rendezvous.sealed import SealedBackend, store_key
+
+            opened, self.endpoint = open_readonly(self.kind, self.endpoint, self.timeout, self.security)
+            # Without the secret, documents are shown unverified (and the view says so).
+            key = store_key(self.secret) if self.secret is not None else None
+            self.backend = SealedBackend(opened, key, on_forged=self.refused.append)
         run_id = self.requested_id or history.latest_run(self.backend) or "none"
         raw = status_view.read_raw(self.backend, run_id, self.history)
         if raw["rdzv"] is None and not raw["nodes"]:
@@ -122,7 +166,8 @@ class _Reader:
                 f"no job '{run_id}' at {self.endpoint}",
                 hint="pass the job's --rdzv-id" if self.requested_id else "is the job running at this endpoint?",
             )
-        return status_view.compose(raw, endpoint=self.endpoint, backend=self.kind)
+        store = {"verified": self.backend.verified, "refused": sorted(set(self.refused))}
+        return status_view.compose(raw, endpoint=self.endpoint, backend=self.kind, store=store)
 
 
 def _show(out: Output, doc: dict[str, Any], json_output: bool, *, tty: bool) -> None:

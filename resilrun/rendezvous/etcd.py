@@ -27,6 +27,14 @@ a per-request HTTP timeout); connection failures move to the next endpoint of
 (at-least-once): heartbeats and change hints do not care, and only a member dying mid-request can
 cause it. Nothing that must count each node once is a counter: barriers are one key per node.
 
+Security (``EtcdSecurity``, from ``--rdzv-conf``): over https with ``ca_file`` (etcd's certificate is
+verified against it, never against the machine's CA bundle, whatever ``REQUESTS_CA_BUNDLE`` says:
+requests lets that variable override a session's CA); a client certificate for etcd's
+``--client-cert-auth``; and etcd's own users: the backend authenticates with ``user`` and the
+password, sends the token with every request, and authenticates again when etcd says the token
+expired. etcd's gateway ignores a client certificate's common name when auth is on (and refuses
+such a request), so a user goes with TLS and a password, a client certificate with mutual TLS alone.
+
 Cleanup: every key this backend writes is attached to one *job lease* (``attach_job_lease``), which
 every agent of the job keeps alive; when the last agent is gone etcd deletes the job's keys after
 the lease's TTL, so a cluster that runs many jobs is not polluted and a rerun with the same
@@ -40,6 +48,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -77,15 +86,33 @@ class _GatewayError(Exception):
     """A non-200 answer of etcd's gateway (kept as the cause of the StoreConnectionError)."""
 
 
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """How to reach a protected etcd (see the module docstring); empty: plain http, no user."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @property
+    def tls(self) -> bool:
+        return self.ca_file is not None or self.cert_file is not None
+
+
 class EtcdBackend(RendezvousBackend):
     """See base class. Talks to an etcd v3 cluster through its JSON gateway (``etcd3gw``)."""
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], *, timeout: timedelta) -> None:
+    def __init__(
+        self, endpoints: Sequence[tuple[str, int]], *, timeout: timedelta, security: EtcdSecurity | None = None
+    ) -> None:
         """Build the clients; no request is made until the first call.
 
         Args:
             endpoints: one or more ``(host, port)`` of the same etcd cluster, tried in order.
             timeout: bound of each call, retries and failovers included.
+            security: TLS and authentication (None: plain http).
         """
         if not endpoints:
             raise ValueError("EtcdBackend needs at least one endpoint")
@@ -93,8 +120,26 @@ class EtcdBackend(RendezvousBackend):
 
         self.endpoints = [f"{host}:{port}" for host, port in endpoints]
         self.timeout_s = timeout.total_seconds()
+        self.security = security or EtcdSecurity()
+        protocol = "https" if self.security.tls else "http"
+        # Passed with every request: a session's own verify loses to REQUESTS_CA_BUNDLE in requests.
+        self._verify: str | bool = self.security.ca_file or True
+        cert = (self.security.cert_file, self.security.key_file)
         # etcd >= 3.4 serves the gateway at /v3/; naming it skips a discovery request per endpoint.
-        self._clients = [etcd3gw.Etcd3Client(host=host, port=port, api_path="/v3/") for host, port in endpoints]
+        self._clients = [
+            etcd3gw.Etcd3Client(
+                host=host,
+                port=port,
+                protocol=protocol,
+                ca_cert=self.security.ca_file,
+                cert_cert=cert[0],
+                cert_key=cert[1],
+                api_path="/v3/",
+            )
+            for host, port in endpoints
+        ]
+        self._token: str | None = None  # etcd's auth token, once authenticated (with a user)
+        self._token_lock = threading.Lock()
         self._current = 0
         self._lock = threading.Lock()  # guards _current and _revisions, not the requests
         self._revisions: dict[str, tuple[int, int]] = {}  # key -> (value, mod_revision) last seen by add
@@ -234,15 +279,50 @@ class EtcdBackend(RendezvousBackend):
         return int(self._post("/kv/lease/timetolive", {"ID": str(lease_id)}).get("TTL", -1))
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One gateway request (JSON in, JSON out), with failover and retries."""
-        return self._call(path, body)
+        """One gateway request (JSON in, JSON out), with failover and retries; with a user, under its
+        token, authenticating first (and again once when etcd says the token is no longer valid)."""
+        if self.security.user is None:
+            return self._call(path, body)
+        token = self._token or self._authenticate(None)
+        try:
+            return self._call(path, body, token)
+        except _TokenRejected:
+            return self._call(path, body, self._authenticate(token))
+
+    def _authenticate(self, stale: str | None) -> str:
+        """A token for the user (a new one unless another thread already replaced ``stale``).
+
+        Raises:
+            StoreConnectionError: etcd refused the user or the password, or could not be reached.
+        """
+        with self._token_lock:
+            if self._token is not None and self._token != stale:
+                return self._token
+            body = {"name": self.security.user, "password": self.security.password or ""}
+            try:
+                token = self._call("/auth/authenticate", body).get("token")
+            except StoreConnectionError as exc:
+                if "authentication failed" in exc.message:
+                    raise StoreConnectionError(
+                        f"etcd at {self.endpoint_list} refused user '{self.security.user}': wrong user or password",
+                        hint="check --rdzv-conf user=NAME and the password (password_file=PATH, or "
+                        "RESILRUN_ETCD_PASSWORD)",
+                    ) from None
+                raise
+            if not isinstance(token, str) or not token:
+                raise StoreConnectionError(
+                    f"etcd at {self.endpoint_list} gave user '{self.security.user}' no token",
+                    hint="is authentication enabled on this etcd (etcdctl auth enable)?",
+                )
+            self._token = token
+            return token
 
     @property
     def endpoint_list(self) -> str:
         """The members, as ``--rdzv-endpoint`` names them (for logs and messages)."""
         return ",".join(self.endpoints)
 
-    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, path: str, body: dict[str, Any], token: str | None = None) -> dict[str, Any]:
         """POST ``body`` to the gateway's ``path``, failing over and retrying until the deadline.
 
         Each attempt has its own read timeout, short at first, then doubling: a request a dead leader
@@ -263,14 +343,32 @@ class EtcdBackend(RendezvousBackend):
             remaining = max(deadline - time.monotonic(), 0.05)
             try:
                 response = client.session.post(
-                    client.get_url(path), json=body, timeout=(_CONNECT_TIMEOUT_S, min(attempt_timeout, remaining))
+                    client.get_url(path),
+                    json=body,
+                    timeout=(_CONNECT_TIMEOUT_S, min(attempt_timeout, remaining)),
+                    verify=self._verify,
+                    headers={"Authorization": token} if token else None,
                 )
                 if response.status_code == 200:
                     result: dict[str, Any] = response.json()
                     return result
+                if response.status_code == 401 and token is not None:
+                    raise _TokenRejected(response.text[:200])  # expired: the caller authenticates again
                 last = _GatewayError(f"HTTP {response.status_code} from {self.endpoints[index]}: {response.text[:200]}")
+                if response.status_code == 403:
+                    raise StoreConnectionError(
+                        f"etcd at {self.endpoint_list} denied user '{self.security.user}' a request on {path}",
+                        hint="grant the user's role readwrite on the key prefix resilrun/ "
+                        "(etcdctl role grant-permission ROLE --prefix=true readwrite resilrun/)",
+                    )
                 if response.status_code not in _RETRYABLE_STATUS:
                     break  # a bug or not an etcd gateway: retrying cannot help
+            except requests.exceptions.SSLError as exc:  # a certificate problem: no retry fixes it
+                raise StoreConnectionError(
+                    f"TLS with etcd at {self.endpoints[index]} failed: {str(exc)[:300]}",
+                    hint="check --rdzv-conf ca_file (the CA that signed etcd's certificate) and, where etcd "
+                    "asks for one, cert_file and key_file",
+                ) from exc
             except requests.Timeout as exc:
                 last = exc
                 timeouts += 1
@@ -288,11 +386,19 @@ class EtcdBackend(RendezvousBackend):
                 time.sleep(min(backoff, max(deadline - time.monotonic(), 0.0)))
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
         detail = str(last).splitlines()[0][:300] if last is not None and str(last) else type(last).__name__
+        hint = (
+            "check --rdzv-endpoint (etcd's client URLs, host:2379[,host:2379]), that a quorum of etcd "
+            "members is up, and firewalls; raise the wait with --rdzv-conf read_timeout=SECONDS"
+        )
+        if not self.security.tls and "closed connection without response" in detail:
+            hint = "etcd closes plain-http connections when it speaks https: give --rdzv-conf ca_file=PATH; " + hint
         raise StoreConnectionError(
-            f"etcd at {self.endpoint_list} did not answer within {self.timeout_s:g} s: {detail}",
-            hint="check --rdzv-endpoint (etcd's client URLs, host:2379[,host:2379]), that a quorum of etcd "
-            "members is up, and firewalls; raise the wait with --rdzv-conf read_timeout=SECONDS",
+            f"etcd at {self.endpoint_list} did not answer within {self.timeout_s:g} s: {detail}", hint=hint
         ) from last
+
+
+class _TokenRejected(Exception):
+    """etcd answered 401: the auth token expired or was revoked (authenticate again)."""
 
 
 def _b64(data: str | bytes) -> str:
@@ -317,18 +423,20 @@ def _failure_kvs(result: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
-def open_etcd(endpoint: str, *, timeout: timedelta) -> EtcdBackend:
+def open_etcd(endpoint: str, *, timeout: timedelta, security: EtcdSecurity | None = None) -> EtcdBackend:
     """An :class:`EtcdBackend` for ``--rdzv-endpoint host:2379[,host:2379...]``, checked reachable.
 
     Raises:
-        StoreConnectionError: no endpoint answered within ``timeout``.
+        StoreConnectionError: no endpoint answered within ``timeout`` (or TLS or the user failed).
     """
-    backend = EtcdBackend(parse_endpoints(endpoint), timeout=timeout)
+    backend = EtcdBackend(parse_endpoints(endpoint), timeout=timeout, security=security)
     try:
         backend._post("/maintenance/status", {})
     except StoreConnectionError as exc:
         with contextlib.suppress(Exception):
             backend.close()
+        if "did not answer" not in exc.message:
+            raise  # TLS, the user or its permissions: the message says which
         raise StoreConnectionError(
             f"could not reach etcd at {backend.endpoint_list} within {timeout.total_seconds():g} s",
             hint=exc.hint,

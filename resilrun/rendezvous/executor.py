@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -65,26 +66,64 @@ class RendezvousClient:
         self.refresh_s = refresh_s
         # (version, state, raw document, when it was read) of the last full read, when gated.
         self._cached: tuple[int, RdzvState, bytes | None, float] | None = None
+        # The newest document read or written (by seq) and its raw bytes: what a replayed older one
+        # is replaced with.
+        self._newest: tuple[RdzvState, bytes] | None = None
+        self.replayed = 0  # replayed documents refused
 
     # -- reads ----------------------------------------------------------------------------------
     def read(self) -> tuple[RdzvState, bytes | None]:
         """The current state and its raw bytes (the compare-and-set's expected value)."""
         if self.refresh_s is None:
-            raw = self.backend.get(self._key)
-            return RdzvState.from_bytes(raw), raw
+            return self._fresh(self.backend.get(self._key))
         version = self.backend.add(self._version_key, 0)
         now = self.clock.monotonic()
         cached = self._cached
         if cached is not None and cached[0] == version and now - cached[3] < self.refresh_s:
             return cached[1], cached[2]
-        raw = self.backend.get(self._key)
-        state = RdzvState.from_bytes(raw)
+        state, raw = self._fresh(self.backend.get(self._key))
         self._cached = (version, state, raw, now)
         return state, raw
 
+    def _fresh(self, raw: bytes | None) -> tuple[RdzvState, bytes | None]:
+        """The document read, unless it is older than one this node saw: a replay (every write
+        bumps ``seq``), which is refused, said, and replaced in the store by the newest one."""
+        state = RdzvState.from_bytes(raw)
+        newest = self._newest
+        if newest is None or state.seq >= newest[0].seq:
+            if raw is not None:
+                self._newest = (state, raw)
+            return state, raw
+        self.replayed += 1
+        if raw is None:  # deleted, or forged (the sealed store reads a forgery as absent)
+            logger.warning(
+                "the rendezvous document is gone or forged: putting back the newest one this node read (seq %d)",
+                newest[0].seq,
+            )
+        else:
+            logger.warning(
+                "refused a replayed rendezvous document (seq %d, round %d): this node has read seq %d (round %d); "
+                "someone with access to the store wrote back an old one",
+                state.seq,
+                state.round,
+                newest[0].seq,
+                newest[0].round,
+            )
+        if self.backend.compare_set(self._key, raw, newest[1]) and self.refresh_s is not None:
+            self.backend.add(self._version_key, 1)
+        return newest[0], newest[1]
+
     def _write(self, raw: bytes | None, proposed: RdzvState) -> bool:
-        """Compare-and-set the document; on success bump the version so gated readers re-read it."""
-        written = self.backend.compare_set(self._key, raw, proposed.to_bytes())
+        """Compare-and-set the document (its ``seq`` one past the one replaced); on success bump
+        the version so gated readers re-read it."""
+        current = self._newest[0].seq if self._newest is not None and self._newest[1] == raw else None
+        if current is None:
+            current = RdzvState.from_bytes(raw).seq
+        proposed = replace(proposed, seq=current + 1)
+        document = proposed.to_bytes()
+        written = self.backend.compare_set(self._key, raw, document)
+        if written:
+            self._newest = (proposed, document)
         if self.refresh_s is not None:
             self._cached = None  # ours or a newer one: read it afresh either way
             if written:
@@ -103,7 +142,8 @@ class RendezvousClient:
             if proposed is None:
                 return state
             if self._write(raw, proposed):
-                return proposed
+                assert self._newest is not None
+                return self._newest[0]  # as written: its seq bumped
 
     def join(self, on_wait: Callable[[], None] | None = None) -> RdzvState:
         """Block until this node is a participant of a complete round, or a spare node of a full one.

@@ -7,12 +7,23 @@ store is an external, replicated service, and every agent attaches its writes to
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from resilrun import keys
-from resilrun.config import Config
+from resilrun.config import Config, RdzvConf
+from resilrun.errors import ConfigError
+from resilrun.private_file import read_private
 from resilrun.rendezvous.api import RendezvousBackend
+
+if TYPE_CHECKING:
+    from resilrun.rendezvous.etcd import EtcdSecurity
+
+ETCD_PASSWORD_ENV = "RESILRUN_ETCD_PASSWORD"
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +33,30 @@ class OpenedBackend:
     backend: RendezvousBackend
     endpoint: str
     hosting: bool
+
+
+def etcd_security(conf: RdzvConf, environ: Mapping[str, str]) -> EtcdSecurity | None:
+    """TLS and the user for etcd from ``--rdzv-conf`` (None: plain http); the password from
+    ``password_file`` (private to the job's user) or ``RESILRUN_ETCD_PASSWORD``.
+
+    Raises:
+        ConfigError: a user without a password, or a lax or missing password file.
+    """
+    from resilrun.rendezvous.etcd import EtcdSecurity
+
+    if not conf.etcd_security_keys():
+        return None
+    password = None
+    if conf.password_file is not None:
+        password = read_private(Path(conf.password_file), "--rdzv-conf password_file").strip()
+    elif environ.get(ETCD_PASSWORD_ENV):
+        password = environ[ETCD_PASSWORD_ENV]
+    if conf.user is not None and not password:
+        raise ConfigError(
+            f"--rdzv-conf user={conf.user} without a password",
+            hint=f"give password_file=PATH (mode 0600) or set {ETCD_PASSWORD_ENV}",
+        )
+    return EtcdSecurity(conf.ca_file, conf.cert_file, conf.key_file, conf.user, password)
 
 
 def open_backend(config: Config) -> OpenedBackend:
@@ -34,9 +69,14 @@ def open_backend(config: Config) -> OpenedBackend:
     if config.rdzv_backend == "etcd":
         from resilrun.rendezvous.etcd import open_etcd
 
-        etcd = open_etcd(config.rdzv_endpoint, timeout=timeout)
+        etcd = open_etcd(config.rdzv_endpoint, timeout=timeout, security=etcd_security(config.rdzv, os.environ))
         etcd.attach_job_lease(keys.job_lease(config.rdzv_id))
         return OpenedBackend(etcd, f"etcd://{etcd.endpoint_list}", hosting=False)
+    if config.rdzv.etcd_security_keys():
+        raise ConfigError(
+            f"--rdzv-conf {', '.join(config.rdzv.etcd_security_keys())}: only for --rdzv-backend etcd",
+            hint="c10d's TCPStore has no TLS or users: keep its port on a private network",
+        )
     from resilrun.rendezvous.c10d import C10dBackend, open_store
 
     host, port = config.endpoint

@@ -68,6 +68,9 @@ class RdzvState:
     # recovery was decided, and how many were decided in a row without a newer one.
     progress_step: int = -1
     stalled_recoveries: int = 0
+    # Bumped by every write (rendezvous/executor.py): a reader that saw seq n refuses a document of
+    # seq < n, so replaying an old (validly sealed) document cannot roll the job back.
+    seq: int = 0
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()

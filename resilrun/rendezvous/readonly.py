@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from resilrun.errors import ConfigError, StoreConnectionError
 from resilrun.rendezvous.api import RendezvousBackend
+
+if TYPE_CHECKING:
+    from resilrun.rendezvous.etcd import EtcdSecurity
 
 # static jobs keep their rendezvous in a TCPStore too (at --master-addr:--master-port).
 BACKENDS = ("c10d", "static", "etcd")
 
 
-def open_readonly(kind: str, endpoint: str, timeout: timedelta) -> tuple[RendezvousBackend, str]:
+def open_readonly(
+    kind: str, endpoint: str, timeout: timedelta, security: EtcdSecurity | None = None
+) -> tuple[RendezvousBackend, str]:
     """A client of the backend at ``endpoint`` whose every call is bounded by ``timeout``.
 
     ``endpoint`` is ``host[:port]`` (c10d, static; port 29400 by default) or etcd's
-    ``host[:port][,host[:port]...]``. Returns the backend and the endpoint as it was resolved.
+    ``host[:port][,host[:port]...]``; ``security``: etcd's TLS and user. Returns the backend and
+    the endpoint as it was resolved.
 
     Raises:
         StoreConnectionError: nothing answers at the endpoint within ``timeout``.
@@ -33,7 +40,8 @@ def open_readonly(kind: str, endpoint: str, timeout: timedelta) -> tuple[Rendezv
     if kind == "etcd":
         from resilrun.rendezvous.etcd import open_etcd
 
-        etcd = open_etcd(endpoint, timeout=timeout)  # reads only: no lease is attached, nothing written
+        # reads only: no lease is attached, nothing written
+        etcd = open_etcd(endpoint, timeout=timeout, security=security)
         return etcd, etcd.endpoint_list
     from resilrun.config import parse_endpoint
 

@@ -54,8 +54,13 @@ def read_raw(backend: RendezvousBackend, run_id: str, history_limit: int = 20) -
     }
 
 
-def compose(raw: dict[str, Any], *, endpoint: str = "", backend: str = "") -> dict[str, Any]:
-    """The job status document from :func:`read_raw`'s records (pure)."""
+def compose(
+    raw: dict[str, Any], *, endpoint: str = "", backend: str = "", store: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The job status document from :func:`read_raw`'s records (pure).
+
+    ``store``: whether the records were verified with the job secret, and the keys whose documents
+    were refused (rendezvous/sealed.py); unverified when not given."""
     rdzv: RdzvState | None = raw["rdzv"]
     participants = [p.node_id for p in rdzv.participants] if rdzv is not None else []
     waiting = set(rdzv.waiting) if rdzv is not None else set()
@@ -103,6 +108,7 @@ def compose(raw: dict[str, Any], *, endpoint: str = "", backend: str = "") -> di
         "run_id": raw["run_id"],
         "endpoint": endpoint,
         "backend": backend,
+        "store": store if store is not None else {"verified": False, "refused": []},
         "job": job,
         "nodes": nodes,
         "ranks": ranks,

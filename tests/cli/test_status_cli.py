@@ -8,24 +8,39 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from resilrun import keys
+from resilrun.agent.job_secret import external_secret
 from resilrun.cli import _status_render as view
 from resilrun.cli.status import normalize_argv
 from resilrun.errors import ExitCode
+from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.rendezvous.c10d import C10dBackend, host_store
+from resilrun.rendezvous.sealed import SealedBackend, store_key
 from tests.cli.test_cli import invoke
 from tests.conftest import free_port
 from tests.unit.test_status_view import RUN, job, status
 
+SECRET_TEXT = "status-test-secret-" + "s" * 16
+UNVERIFIED = {"verified": False, "refused": []}
+
+
+def sealed(backend: RendezvousBackend) -> SealedBackend:
+    """The backend as the job's agents write to it: every document sealed under the job secret."""
+    secret = external_secret(None, {"RESILRUN_JOB_SECRET": SECRET_TEXT})
+    assert secret is not None
+    return SealedBackend(backend, store_key(secret))
+
 
 @pytest.fixture
-def store() -> Iterator[tuple[C10dBackend, int]]:
+def store() -> Iterator[tuple[SealedBackend, int]]:
     """A TCPStore hosted by the test (as a job's agent would), holding a 2-node job's records."""
     server = host_store("127.0.0.1", 0, timedelta(seconds=10))
-    backend = C10dBackend(server, f"127.0.0.1:{server.port}")
+    backend = sealed(C10dBackend(server, f"127.0.0.1:{server.port}"))
     job(backend, lost_round=None)  # type: ignore[arg-type]  # any RendezvousBackend
     yield backend, server.port
 
@@ -66,18 +81,19 @@ def test_a_silent_host_fails_within_the_timeout(capsys: pytest.CaptureFixture[st
 
 
 def test_json_is_the_composed_document_of_the_newest_job(
-    capsys: pytest.CaptureFixture[str], store: tuple[C10dBackend, int]
+    capsys: pytest.CaptureFixture[str], store: tuple[SealedBackend, int]
 ) -> None:
     backend, port = store
     result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--json")
     assert result.code == 0, result.err
     doc = json.loads(result.out)["data"]
     assert doc == {**status(backend), "endpoint": f"127.0.0.1:{port}"}  # type: ignore[arg-type]
+    assert doc["store"] == UNVERIFIED
     assert doc["run_id"] == RUN and [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
 
 
 def test_text_output_off_a_terminal_is_plain_tables(
-    capsys: pytest.CaptureFixture[str], store: tuple[C10dBackend, int]
+    capsys: pytest.CaptureFixture[str], store: tuple[SealedBackend, int]
 ) -> None:
     _, port = store
     result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN)
@@ -90,14 +106,42 @@ def test_text_output_off_a_terminal_is_plain_tables(
     assert "recovery" in history and "0.63s" in history and "steps redone 0" in history
 
 
-def test_an_unknown_job_id_is_exit_3(capsys: pytest.CaptureFixture[str], store: tuple[C10dBackend, int]) -> None:
+def test_with_the_job_secret_documents_are_verified_and_a_forged_one_is_refused_and_named(
+    capsys: pytest.CaptureFixture[str],
+    store: tuple[SealedBackend, int],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend, port = store
+    secret_file = tmp_path / "job.secret"
+    secret_file.write_text(SECRET_TEXT)
+    secret_file.chmod(0o600)
+    monkeypatch.delenv("RESILRUN_JOB_SECRET", raising=False)
+    argv = ["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN, "--job-secret-file", str(secret_file)]
+    # Given a party with access to the store but not the secret, who writes a status for node b
+    forged = keys.node_status(RUN, "b")
+    backend.inner.set(forged, json.dumps({"state": "failed", "host": "attacker", "ranks": []}).encode())
+    # Then status with the secret verifies the rest, refuses it and names it
+    result = invoke(capsys, *argv, "--json")
+    assert result.code == 0, result.err
+    doc = json.loads(result.out)["data"]
+    assert doc["store"] == {"verified": True, "refused": [forged]}
+    assert all(node["host"] != "attacker" for node in doc["nodes"])
+    text = invoke(capsys, *argv).out.splitlines()
+    assert text[2] == f"store documents: verified; 1 refused (no valid MAC: forged): {forged}"
+    # and without the secret it says the documents were not verified
+    unverified = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN).out.splitlines()
+    assert unverified[2].startswith("store documents: not verified")
+
+
+def test_an_unknown_job_id_is_exit_3(capsys: pytest.CaptureFixture[str], store: tuple[SealedBackend, int]) -> None:
     _, port = store
     result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "other")
     assert result.code == 3 and "no job 'other'" in result.err
 
 
 def test_watch_with_json_prints_one_document_per_line_until_interrupted(
-    capsys: pytest.CaptureFixture[str], store: tuple[C10dBackend, int], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], store: tuple[SealedBackend, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, port = store
     ticks = iter([None])
@@ -146,7 +190,7 @@ def test_status_reads_a_job_from_etcd_as_from_a_tcpstore(capsys: pytest.CaptureF
     backend = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=5))
     run_id = f"etcd-{uuid.uuid4().hex[:8]}"  # the session's etcd is shared: a fresh job id
     try:
-        job(backend, run_id=run_id)  # type: ignore[arg-type]  # any RendezvousBackend
+        job(sealed(backend), run_id=run_id)  # type: ignore[arg-type]  # any RendezvousBackend
         argv = ["status", "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]
         result = invoke(capsys, *argv, "--json")
         assert result.code == 0, result.err

@@ -1,4 +1,5 @@
-"""Rendezvous backends for the contract suites: memory, c10d (TCPStore on port 0) and etcd (real server)."""
+"""Rendezvous backends for the contract suites: memory, c10d (TCPStore on port 0), etcd (real server),
+and c10d behind the SealedBackend the agents write through (every value carrying its MAC)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.rendezvous.memory import MemoryBackend
+from resilrun.rendezvous.sealed import SealedBackend
 
-BACKENDS = ["memory", "c10d", "etcd"]
+BACKENDS = ["memory", "c10d", "etcd", "sealed-c10d"]
+SEALING_KEY = b"k" * 32
 
 
 @dataclass
@@ -49,6 +52,8 @@ def backend(request: pytest.FixtureRequest) -> RendezvousBackend:
         etcd: RendezvousBackend = request.getfixturevalue("etcd_backend")
         return etcd
     hosted: HostedStore = request.getfixturevalue("hosted_store")
+    if request.param == "sealed-c10d":
+        return SealedBackend(hosted.client, SEALING_KEY)
     return hosted.client
 
 
@@ -62,14 +67,16 @@ def connect(request: pytest.FixtureRequest) -> Iterator[Any]:
         def make() -> RendezvousBackend:
             return shared
 
-    elif request.param == "c10d":
+    elif request.param in ("c10d", "sealed-c10d"):
         from resilrun.rendezvous.c10d import C10dBackend, connect_store
 
         hosted: HostedStore = request.getfixturevalue("hosted_store")
+        sealing = request.param == "sealed-c10d"
 
         def make() -> RendezvousBackend:
             store = connect_store("127.0.0.1", hosted.port, timedelta(seconds=5))
-            return C10dBackend(store, f"127.0.0.1:{hosted.port}")
+            client = C10dBackend(store, f"127.0.0.1:{hosted.port}")
+            return SealedBackend(client, SEALING_KEY) if sealing else client
 
     else:
         from resilrun.rendezvous.etcd import open_etcd

@@ -1,0 +1,131 @@
+"""Authenticated values in the rendezvous store: every document resilrun writes carries a MAC.
+
+Why: the store (a TCPStore, an etcd) lets anyone who reaches its port read and write every key.
+Without this layer such a party could write the rendezvous state (join the job, reassign ranks,
+open a round), mark a node lost, or fake a node's status. With the job secret from outside the
+store, each value goes in as ``MAGIC | HMAC-SHA256(store key, key name | value)[:16] | value``:
+bound to its key (it cannot be moved to another one), deterministic (so compare-and-set still
+compares equal values as equal). A reader takes a value that does not verify for an absent one,
+overwrites it at its next compare-and-set of that key, and reports it (``on_forged``, once per
+key and per forged value), so the job goes on as if the forgery had never been written.
+
+What it does not do, on purpose:
+- Counters (``add``) carry no MAC: they only say "something moved" (heartbeats, change hints)
+  or hand out indices; a party at the store can bump a dead node's heartbeat and so delay its
+  detection (denial of service, like deleting keys), but cannot make a live node look lost.
+- Replay: a MAC cannot tell an old valid value from a new one. The documents whose replay could
+  roll the job back carry their own version, checked by their readers (the rendezvous state's
+  ``seq``: rendezvous/executor.py); the others are keyed by round, index or node.
+- With the secret kept in the store itself (no ``--job-secret-file``), the MACs prove nothing to
+  whoever reads it there; the agent says so at start-up.
+
+``key=None`` gives a reader without the secret (``resilrun status`` without one): values are
+unwrapped unverified, and ``verified`` says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import threading
+from collections.abc import Callable, Sequence
+
+from resilrun.rendezvous.api import RendezvousBackend
+
+MAGIC = b"RSM1"
+TAG_BYTES = 16
+_LABEL = b"resilrun rendezvous store v1"
+
+
+def store_key(secret: bytes) -> bytes:
+    """The store's MAC key, derived from the job secret (never the secret itself: the peer tier's
+    handshakes use that, and a key per purpose keeps one use from helping an attack on the other)."""
+    return hmac.new(secret, _LABEL, hashlib.sha256).digest()
+
+
+class SealedBackend(RendezvousBackend):
+    """Wraps a backend: values written are sealed, values read are verified (see the module doc)."""
+
+    def __init__(
+        self,
+        inner: RendezvousBackend,
+        key: bytes | None,
+        on_forged: Callable[[str], None] | None = None,
+    ) -> None:
+        self.inner = inner
+        self._key = key
+        self._on_forged = on_forged
+        self._lock = threading.Lock()
+        self._forged: dict[str, bytes] = {}  # key -> the forged raw value last read there
+        self.refused = 0  # forged values read (each distinct one counted once)
+
+    @property
+    def verified(self) -> bool:
+        """Whether reads are verified (a key was given)."""
+        return self._key is not None
+
+    # -- sealing ---------------------------------------------------------------------------------
+    def seal(self, key: str, value: bytes) -> bytes:
+        return MAGIC + self._tag(key, value) + value
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        if self._key is None:
+            raise PermissionError("a reader without the job secret cannot write to the store")
+        name = key.encode()
+        message = len(name).to_bytes(4, "little") + name + value
+        return hmac.new(self._key, message, hashlib.sha256).digest()[:TAG_BYTES]
+
+    def _open(self, key: str, raw: bytes | None) -> bytes | None:
+        if raw is None:
+            return None
+        header = len(MAGIC) + TAG_BYTES
+        if raw[: len(MAGIC)] == MAGIC and len(raw) >= header:
+            value = raw[header:]
+            if self._key is None or hmac.compare_digest(raw[len(MAGIC) : header], self._tag(key, value)):
+                with self._lock:
+                    self._forged.pop(key, None)
+                return value
+        with self._lock:
+            new = self._forged.get(key) != raw
+            self._forged[key] = raw
+            if new:
+                self.refused += 1
+        if new and self._on_forged is not None:
+            self._on_forged(key)
+        return None
+
+    def check_key(self, key: str, value: bytes) -> bool:
+        """Write ``value`` at ``key`` unless something is there already; whether what is there is
+        ``value`` sealed under this key (False: sealed under another key, or forged). Never
+        overwrites what it finds, unlike ``compare_set``."""
+        sealed = self.seal(key, value)
+        self.inner.compare_set(key, None, sealed)
+        return self.inner.get(key) == sealed
+
+    # -- the backend contract --------------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        return self._open(key, self.inner.get(key))
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self._open(key, raw) for key, raw in zip(keys, self.inner.get_many(keys), strict=True)]
+
+    def set(self, key: str, value: bytes) -> None:
+        self.inner.set(key, self.seal(key, value))
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
+        if expected is not None:
+            want: bytes | None = self.seal(key, expected)
+        else:
+            with self._lock:
+                want = self._forged.get(key)  # a forgery read as absent is overwritten as absent
+        written = self.inner.compare_set(key, want, self.seal(key, desired))
+        if written and want is not None and expected is None:
+            with self._lock:
+                self._forged.pop(key, None)
+        return written
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def close(self) -> None:
+        self.inner.close()
