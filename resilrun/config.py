@@ -366,7 +366,7 @@ class Config:
         default="127.0.0.1", metadata=_meta("--metrics-addr", OBS, "Address the metrics endpoint binds.", pet=False)
     )
     # Security (resilrun's own). The secret itself never goes on a command line: a file, or the
-    # environment (RESILRUN_JOB_SECRET, read by the agent; see agent/job_secret.py).
+    # environment (RESILRUN_JOB_SECRET, read by the agent; see job_secret.py).
     job_secret_file: str | None = field(
         default=None,
         metadata=_meta(

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 # A worker exits with this code when its state is in no tier (StateLostError): retrying cannot help,
 # so the agent stops the job at once instead of spending restarts on it.
 STATE_LOST_EXIT_CODE = 76
+# ... and this one when the only copy of it was refused (StateRefusedError: checksums or MACs fail).
+STATE_REFUSED_EXIT_CODE = 77
+STOP_EXIT_CODES = (STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

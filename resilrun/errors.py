@@ -99,6 +99,11 @@ class StateLostError(CheckpointError):
     persistent tier): resuming is impossible and starting over would silently drop every step."""
 
 
+class StateRefusedError(StateLostError):
+    """The only copy of some rank's state fails its checksums or its MACs (a damaged or forged
+    persisted step): training on it, or quietly on an older step, would hide that."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A snapshot's bytes do not match its header or its checksums (or were forged)."""
 

@@ -28,7 +28,6 @@ from resilrun.agent.events import EVENTS_FILE, EventLog
 from resilrun.agent.fault_hooks import PERSIST_DELAY_ENV, delay_s
 from resilrun.agent.fence import WriteFence
 from resilrun.agent.heartbeat import HeartbeatSender
-from resilrun.agent.job_secret import SECRET_ENV, external_secret, random_secret
 from resilrun.agent.persister import Persister
 from resilrun.agent.procs import HANDLED_SIGNALS
 from resilrun.agent.replication import PeerTier, job_secret
@@ -46,11 +45,13 @@ from resilrun.errors import (
     ShutdownRequested,
     WorkerGroupFailed,
 )
+from resilrun.job_secret import SECRET_ENV, external_secret, random_secret
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.factory import open_backend
 from resilrun.rendezvous.protocol import NodeInfo
 from resilrun.rendezvous.sealed import SealedBackend, store_key
 from resilrun.storage.api import Storage
+from resilrun.tiers._authentic import durable_key
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.slots import REPLICATED_SLOTS, SLOTS
 
@@ -120,12 +121,15 @@ def run(config: Config) -> None:
     nproc = resolve_nproc(config.nproc_per_node)
     min_nodes, max_nodes = config.node_range
     rdzv_conf = config.rdzv
+    outside = external_secret(config.job_secret_file, os.environ)  # (checked again, cheaply, just below)
     secret = _job_secret(config, max_nodes)
     signals = SignalFlag()
     previous = {sig: signal.signal(sig, signals.handler) for sig in HANDLED_SIGNALS}
     try:
         opened = open_backend(config)
         endpoint, hosting = opened.endpoint, opened.hosting
+        # The persistent tier's MACs need a key that later jobs have too: only a secret from outside.
+        mac_key = durable_key(outside) if outside is not None else None
         if secret is None:  # a multi-node job without a secret from outside: one kept in the store
             secret = job_secret(opened.backend, config.rdzv_id)
             logger.warning(
@@ -196,7 +200,7 @@ def run(config: Config) -> None:
             slots=REPLICATED_SLOTS if replicated else SLOTS,
         )
         control = WorkerControl()
-        tiers = NodeTiers(memory, storage)
+        tiers = NodeTiers(memory, storage, mac_key=mac_key, require_mac=config.require_auth)
         events = EventLog(log_root / EVENTS_FILE, node_id=me.node_id, host=me.hostname)
         publisher: list[StatusPublisher] = []  # set below; the metrics read its latest document
         metrics = _metrics(config, lambda: publisher[0].latest if publisher else None)
@@ -240,6 +244,7 @@ def run(config: Config) -> None:
                 ).allows,
                 on_persisted=telemetry.persisted,
                 upload_delay_s=delay_s(PERSIST_DELAY_ENV, "every upload to the persistent tier"),
+                mac_key=mac_key,
             )
         publisher.append(
             StatusPublisher(

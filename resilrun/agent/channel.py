@@ -126,7 +126,8 @@ class AgentChannel:
                 try:
                     response, fds = self.handle(request)
                 except ResilrunError as exc:
-                    response, fds = {"ok": False, "error": exc.message, "hint": exc.hint}, []
+                    response = {"ok": False, "error": exc.message, "hint": exc.hint, "code": type(exc).__name__}
+                    fds = []
                 except (KeyError, TypeError, ValueError) as exc:
                     response, fds = {"ok": False, "error": f"bad request: {exc}"}, []
                 try:

@@ -47,11 +47,13 @@ class Persister:
         may_write: Callable[[], bool] = lambda: True,
         on_persisted: Callable[[int, int, int, float, bool], None] | None = None,
         upload_delay_s: float = 0.0,
+        mac_key: bytes | None = None,
     ) -> None:
         """``may_write``: asked before each upload and before it counts towards its step's commit
         (the write fence, ``agent.fence``: a node cut off and replaced must not write).
         ``on_persisted(rank, step, bytes, seconds, step_complete)`` runs after each upload (events, metrics).
-        ``upload_delay_s``: a fault hook (``fault_hooks.PERSIST_DELAY_ENV``): each upload waits this long first."""
+        ``upload_delay_s``: a fault hook (``fault_hooks.PERSIST_DELAY_ENV``): each upload waits this long first.
+        ``mac_key``: the durable key (tiers/_authentic.py): files and COMPLETE.json then carry MACs."""
         self.memory = memory
         self.storage = storage
         self.every = every
@@ -61,6 +63,7 @@ class Persister:
         self._may_write = may_write
         self._upload_delay_s = upload_delay_s
         self._on_persisted = on_persisted
+        self._mac_key = mac_key
         self._due: deque[tuple[int, int, bytes, Any]] = deque()  # (rank, step, bytes, values)
         self._cond = threading.Condition()
         self._closed = False
@@ -70,8 +73,8 @@ class Persister:
         self._thread.start()
 
     def _on_commit(self, rank: int, committed: Committed) -> None:
-        if (committed.step + 1) % self.every:
-            return
+        if (committed.step + 1) % self.every or committed.origin == "persistent":
+            return  # (a step restored from storage is there already)
         snapshot = self.memory.read(rank, committed.step)  # the worker waits for this copy only
         if snapshot is None:
             return
@@ -110,7 +113,7 @@ class Persister:
             logger.info("step %d of rank %d not persisted: this node may not write (see above)", step, rank)
             return
         started = time.monotonic()
-        durable.write_rank(self.storage, step, rank, world, data, values)
+        durable.write_rank(self.storage, step, rank, world, data, values, mac_key=self._mac_key)
         seconds = time.monotonic() - started
         logger.debug("rank %d step %d persisted (%d bytes, %.2f s)", rank, step, len(data), seconds)
         if not self._may_write():  # the upload outlasted the lease: it must not complete a step
@@ -120,7 +123,7 @@ class Persister:
         try:
             if self._count(step) >= world:
                 try:
-                    durable.commit_step(self.storage, step, world)
+                    durable.commit_step(self.storage, step, world, mac_key=self._mac_key)
                 except CheckpointNotFoundError:
                     return  # another rank's upload is still missing; whoever finishes it commits
                 except CheckpointError as exc:  # e.g. a size the storage reports differs from the upload's

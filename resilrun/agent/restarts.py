@@ -20,8 +20,8 @@ from resilrun.agent.rounds import Round, RoundEnd
 from resilrun.agent.specs import NodeSetup
 from resilrun.agent.telemetry import Telemetry
 from resilrun.config import Config
-from resilrun.env import STATE_LOST_EXIT_CODE
-from resilrun.errors import RendezvousClosedError, StateLostError, WorkerGroupFailed
+from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE
+from resilrun.errors import RendezvousClosedError, StateLostError, StateRefusedError, WorkerGroupFailed
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
 
@@ -136,11 +136,17 @@ class Restarts:
             f"the job was stopped by another node{': ' + detail if detail else ''}", outcome=state.outcome or "stopped"
         )
 
-    def _failed(self, state: RdzvState) -> WorkerGroupFailed | StateLostError:
+    def _failed(self, state: RdzvState) -> WorkerGroupFailed | StateLostError:  # (StateRefusedError is one)
         failures = self._ledger.read(state.round)
         if not failures and state.failure:
             failures = [ProcessFailure.from_dict(state.failure)]
         cause = root_cause(failures)
+        if cause is not None and cause.exit_code == STATE_REFUSED_EXIT_CODE:
+            return StateRefusedError(
+                f"the job's state was refused: {cause.message.splitlines()[0] if cause.message else '?'}",
+                hint="check the step with resilrun inspect-checkpoint --verify (and the job's --job-secret-file); "
+                "to resume from the step before, move the refused step's folder away",
+            )
         if cause is not None and cause.exit_code == STATE_LOST_EXIT_CODE:
             return StateLostError(
                 f"the job's state is lost: {cause.message.splitlines()[0] if cause.message else '?'}",

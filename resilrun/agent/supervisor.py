@@ -37,7 +37,7 @@ from resilrun.agent.specs import NodeSetup, worker_specs
 from resilrun.agent.telemetry import Telemetry
 from resilrun.agent.worker_verdicts import HungWorkers, RaisedVerdict
 from resilrun.config import Config
-from resilrun.env import STATE_LOST_EXIT_CODE
+from resilrun.env import STOP_EXIT_CODES
 from resilrun.errors import ShutdownRequested
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
@@ -244,7 +244,7 @@ class Supervisor:
                 failures = self.node_watch.failures(state, lost, judge)
                 return self.restarts.after_node_loss(state, failures, everyone)
             if action is Action.RESTART_JOB:
-                if any(code == STATE_LOST_EXIT_CODE for code in codes):
+                if any(code in STOP_EXIT_CODES for code in codes):
                     return self.restarts.stop_state_lost(round_)
                 if self.in_process.recover(round_):
                     continue

@@ -39,8 +39,15 @@ class NodeTiers:
         peer_held: PeerHeld | None = None,
         peer_fetch: PeerFetch | None = None,
         peer_inventory: PeerInventory | None = None,
+        *,
+        mac_key: bytes | None = None,
+        require_mac: bool = False,
     ) -> None:
+        """``mac_key``: the durable key (tiers/_authentic.py): persisted steps are checked against
+        their MACs; ``require_mac``: a step without them is refused (--require-auth)."""
         self.memory = memory
+        self.mac_key = mac_key
+        self.require_mac = require_mac
         self.storage = storage
         self.peer_held = peer_held
         self.peer_fetch = peer_fetch
@@ -94,7 +101,7 @@ class NodeTiers:
             if found is not None and world_of(found[1]) != world_size:
                 found = None  # the same step number trained at another world size
             if found is None and self.storage is not None and self._persisted_at(step) == world_size:
-                _, data, manifest = durable.read_rank(self.storage, step, rank, verify=True)
+                _, data, manifest = self._read_persisted(step, rank)
                 found, tier = (data, manifest.get("values")), "persistent"
             if found is None:
                 raise CheckpointNotFoundError(f"no tier holds step {step} of rank {rank} (world size {world_size})")
@@ -130,6 +137,15 @@ class NodeTiers:
         except CheckpointError:
             return -1
 
+    def _read_persisted(self, step: int, rank: int) -> tuple[Any, bytes, dict[str, Any]]:
+        assert self.storage is not None
+        found = durable.read_rank(
+            self.storage, step, rank, verify=True, mac_key=self.mac_key, require_mac=self.require_mac
+        )
+        if self.mac_key is not None and not found[2].get("authentic"):
+            logger.warning("persisted step %d carries no MAC: restored without an authenticity check", step)
+        return found
+
     def lend(self, rank: int, step: int) -> tuple[Borrowed, dict[int, SharedBuffer]]:
         """The other local ranks' slots ``rank``'s node-memory snapshot of ``step`` borrows from.
 
@@ -152,11 +168,11 @@ class NodeTiers:
         elif tier == "persistent":
             if self.storage is None:
                 raise CheckpointNotFoundError("no --checkpoint-uri: nothing persistent to restore from")
-            _, data, manifest = durable.read_rank(self.storage, step, rank, verify=True)
+            _, data, manifest = self._read_persisted(step, rank)
             values = manifest.get("values")
         else:
             raise CheckpointError(f"unknown tier {tier!r}")
-        self.memory.install(rank, step, data, values)
+        self.memory.install(rank, step, data, values, origin=tier)
         seconds = time.monotonic() - started
         logger.info(
             "rank %d step %d restored from the %s tier (%d bytes, %.2f s)", rank, step, tier, len(data), seconds

@@ -6,7 +6,9 @@ as plain nested state dicts with whole tensors: FSDP2/DTensor shards are consoli
 rank's file by their saved placements; unsharded tensors come from one rank (rank 0 by default,
 which under DDP holds what every rank holds).
 
-Reading never unpickles and never trusts a file beyond its checksums (see ``consolidate``).
+Reading never unpickles and never trusts a file beyond its checksums (see ``consolidate``). Given
+the job's secret (``job_secret_file``), every file is also checked against the MACs the run wrote
+(``tiers._authentic``): a step changed by anyone without the secret, or one carrying no MACs, is refused.
 
 Example::
 
@@ -37,8 +39,11 @@ Progress = Callable[[int, int], None]
 class Step:
     """One complete persisted step: its world size and what its ranks tracked."""
 
-    def __init__(self, storage: Any, step: int, complete: dict[str, Any], first: RankFile) -> None:
+    def __init__(
+        self, storage: Any, step: int, complete: dict[str, Any], first: RankFile, mac_key: bytes | None = None
+    ) -> None:
         self.storage, self.step, self.world_size, self._complete = storage, step, int(complete["world_size"]), complete
+        self.mac_key = mac_key
         self.first = first
         meta = first.meta if isinstance(first.meta, dict) else {}
         objects, values = meta.get("objects"), meta.get("values", {})
@@ -54,11 +59,8 @@ class Step:
         return [n for n in [*self._objects, *self._values] if not str(n).startswith("_")]
 
     def read_rank(self, rank: int) -> RankFile:
-        """One rank's file, every checksum verified."""
-        from resilrun.tiers import durable
-
-        layout, data, manifest = durable.read_rank(self.storage, self.step, rank, verify=True, complete=self._complete)
-        return RankFile(rank, layout, data, manifest.get("values"))
+        """One rank's file, every checksum (and, with the secret, every MAC) verified."""
+        return _read(self.storage, self.step, rank, self._complete, self.mac_key)
 
     def load(self, names: Sequence[str] | None = None, *, rank: int = 0, progress: Progress | None = None) -> dict:
         """The tracked objects ``names`` (default: all) as nested state dicts of whole tensors.
@@ -118,16 +120,20 @@ def open_step(
     *,
     s3_endpoint_url: str | None = None,
     s3_expected_owner: str | None = None,
+    job_secret_file: str | None = None,
 ) -> Step:
-    """The complete step ``step`` (default: the newest complete one) of the checkpoint at ``uri``.
+    """The complete step ``step`` (default: the newest complete one) of the checkpoint at ``uri``;
+    with ``job_secret_file`` (the run's ``--job-secret-file``), only if it is authentic.
 
     Raises:
-        ConfigError: the URI is unusable.
+        ConfigError: the URI is unusable, or the secret file is (missing, readable by others).
         CheckpointNotFoundError: no checkpoint there, or the step is missing or incomplete.
-        CheckpointCorruptError, StorageError: as reading fails.
+        CheckpointCorruptError, StorageError: as reading fails; not authentic under the secret.
     """
     from resilrun.storage import create_storage
     from resilrun.tiers import durable
+
+    mac_key = _mac_key(job_secret_file)
 
     storage = create_storage(uri, s3_endpoint_url=s3_endpoint_url, s3_expected_owner=s3_expected_owner)
     steps = durable.list_steps(storage)
@@ -152,8 +158,27 @@ def open_step(
             hint=newest,
         )
     record = durable.read_complete(storage, step)
-    layout, data, manifest = durable.read_rank(storage, step, 0, verify=True, complete=record)
-    return Step(storage, step, record, RankFile(0, layout, data, manifest.get("values")))
+    return Step(storage, step, record, _read(storage, step, 0, record, mac_key), mac_key)
+
+
+def _mac_key(job_secret_file: str | None) -> bytes | None:
+    if job_secret_file is None:
+        return None
+    from resilrun.job_secret import external_secret
+    from resilrun.tiers._authentic import durable_key
+
+    secret = external_secret(job_secret_file, {})
+    assert secret is not None  # (a path was given)
+    return durable_key(secret)
+
+
+def _read(storage: Any, step: int, rank: int, complete: dict[str, Any], mac_key: bytes | None) -> RankFile:
+    from resilrun.tiers import durable
+
+    layout, data, manifest = durable.read_rank(
+        storage, step, rank, verify=True, complete=complete, mac_key=mac_key, require_mac=mac_key is not None
+    )
+    return RankFile(rank, layout, data, manifest.get("values"))
 
 
 def load(
@@ -164,6 +189,7 @@ def load(
     rank: int = 0,
     s3_endpoint_url: str | None = None,
     s3_expected_owner: str | None = None,
+    job_secret_file: str | None = None,
 ) -> dict[str, Any]:
     """What a script tracked at ``step`` (default: the newest complete one), as plain state dicts.
 
@@ -172,6 +198,8 @@ def load(
         step: a complete step; the newest complete one when None.
         names: the tracked names to load (``job.track(model=...)`` tracks ``"model"``); all when None.
         rank: the rank whose unsharded tensors are returned (sharded ones are whole regardless).
+        job_secret_file: the run's ``--job-secret-file``: every file is then checked against the
+            MACs the run wrote, and a step without them is refused.
 
     Returns:
         ``{name: state}``: each tracked object's state dict (as its ``state_dict()`` returned it,
@@ -179,11 +207,18 @@ def load(
 
     Raises:
         CheckpointNotFoundError: no such checkpoint, step or name.
-        CheckpointCorruptError: a file fails its checksums, or its contents do not hold together.
+        CheckpointCorruptError: a file fails its checksums or (with the secret) its MACs, or its
+            contents do not hold together.
         StorageError: storage failed.
         ConfigError: the URI is unusable.
     """
-    opened = open_step(uri, step, s3_endpoint_url=s3_endpoint_url, s3_expected_owner=s3_expected_owner)
+    opened = open_step(
+        uri,
+        step,
+        s3_endpoint_url=s3_endpoint_url,
+        s3_expected_owner=s3_expected_owner,
+        job_secret_file=job_secret_file,
+    )
     return opened.load(names, rank=rank)
 
 

@@ -4,7 +4,8 @@ The safetensors file holds one tracked module (``--object``, default the one mod
 tracked) under the model's own parameter names (DDP's ``module.`` and torch.compile's ``_orig_mod.``
 removed), loadable with ``safetensors.torch.load_file`` and ``model.load_state_dict``. A DCP
 directory holds every tracked object (or those named), readable by ``torch.distributed.checkpoint.load``.
-FSDP2/DTensor shards are consolidated from every rank's file. Every checksum is verified; nothing
+FSDP2/DTensor shards are consolidated from every rank's file. Every checksum is verified (and, with
+``--job-secret-file``, every MAC: a step changed since, or without MACs, is refused); nothing
 from the checkpoint is unpickled. Progress is drawn on a terminal only.
 
 ``--json`` prints ``{"data": {"path", "format", "step", "names", "tensors", "bytes", "skipped"}}``.
@@ -45,6 +46,15 @@ def export(
     ] = None,
     force: Annotated[bool, typer.Option("--force", metavar="", help="Replace what is at --to.")] = False,
     json_output: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON document on stdout.")] = False,
+    job_secret_file: Annotated[
+        str | None,
+        typer.Option(
+            "--job-secret-file",
+            envvar="RESILRUN_JOB_SECRET_FILE",
+            metavar="PATH",
+            help="The run's secret file: export only a step whose every MAC verifies.",
+        ),
+    ] = None,
     s3_endpoint_url: Annotated[
         str | None,
         typer.Option(
@@ -71,7 +81,13 @@ def export(
         if fmt not in exporter.FORMATS:
             raise ConfigError(f"--format {fmt!r} is not one of {', '.join(exporter.FORMATS)}")
         target = exporter.check_target(to, fmt, force)  # before any download
-        opened = open_step(uri, step, s3_endpoint_url=s3_endpoint_url, s3_expected_owner=s3_expected_owner)
+        opened = open_step(
+            uri,
+            step,
+            s3_endpoint_url=s3_endpoint_url,
+            s3_expected_owner=s3_expected_owner,
+            job_secret_file=job_secret_file or None,
+        )
         names = exporter.choose_names(opened, tuple(objects or ()), fmt)
         with progress(f"reading step {opened.step}", opened.world_size) as bar:
             done = exporter.export(opened, names, fmt, target, force=force, progress=bar.update)

@@ -2,8 +2,10 @@
 
 Lists every step (complete or partial) and, for one step (``--step N``, else the newest complete
 one), every rank's tensors with dtype, shape and size, and totals. ``--verify`` downloads every file
-and checks every crc32. Reading a checkpoint never executes anything from it: corrupt, truncated or
-forged files end as one error line with a hint and exit code 4 (5 when storage fails, 2 for usage).
+and checks every crc32; ``--job-secret-file`` (the run's) also checks every MAC the run wrote and
+says whether the step is authentic (written by the job, unchanged since). Reading a checkpoint
+never executes anything from it: corrupt, truncated or forged files end as one error line with a
+hint and exit code 4 (5 when storage fails, 2 for usage).
 
 ``--json`` prints one document on stdout with this stable shape (fields are only ever added)::
 
@@ -13,6 +15,7 @@ forged files end as one error line with a hint and exit code 4 (5 when storage f
       "latest_complete_step": int | null,
       "selected": null | {                                                       # null: nothing complete
         "step": int, "complete": bool, "world_size": int | null, "verified": bool,
+        "authentic": bool | null,     # null: not checked (no secret); false: the step carries no MACs
         "ranks": [{"rank": int, "file": str, "file_bytes": int, "tensor_bytes": int,
                    "tensors": [{"name": str, "dtype": str, "shape": [int, ...], "bytes": int, "crc32": int}],
                    "values": <the tracked non-tensor values, any JSON>}],
@@ -52,6 +55,15 @@ def inspect_checkpoint(
         bool, typer.Option("--verify", metavar="", help="Download every file and check every checksum.")
     ] = False,
     json_output: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON document on stdout.")] = False,
+    job_secret_file: Annotated[
+        str | None,
+        typer.Option(
+            "--job-secret-file",
+            envvar="RESILRUN_JOB_SECRET_FILE",
+            metavar="PATH",
+            help="The run's secret file: also check every MAC (implies --verify) and say if it is authentic.",
+        ),
+    ] = None,
     s3_endpoint_url: Annotated[
         str | None,
         typer.Option(
@@ -71,7 +83,8 @@ def inspect_checkpoint(
     """List a checkpoint's steps, ranks and tensors; --verify checks every checksum."""
     out = Output(json_mode=json_output)
     try:
-        report = _inspect(uri, step, verify, s3_endpoint_url, s3_expected_owner)
+        mac_key = _mac_key(job_secret_file)
+        report = _inspect(uri, step, verify or mac_key is not None, mac_key, s3_endpoint_url, s3_expected_owner)
     except Exception as exc:
         if not json_output:
             raise  # main() renders it as one line + hint
@@ -84,8 +97,23 @@ def inspect_checkpoint(
 
 
 # -- gathering -------------------------------------------------------------------------------------
+def _mac_key(job_secret_file: str | None) -> bytes | None:
+    if not job_secret_file:
+        return None
+    from resilrun.job_secret import external_secret
+    from resilrun.tiers._authentic import durable_key
+
+    secret = external_secret(job_secret_file, {})
+    return None if secret is None else durable_key(secret)
+
+
 def _inspect(
-    uri: str, step: int | None, verify: bool, endpoint_url: str | None, expected_owner: str | None
+    uri: str,
+    step: int | None,
+    verify: bool,
+    mac_key: bytes | None,
+    endpoint_url: str | None,
+    expected_owner: str | None,
 ) -> dict[str, Any]:
     from resilrun.storage import create_storage
     from resilrun.tiers import durable
@@ -117,21 +145,33 @@ def _inspect(
     if info is None:
         shown = ", ".join(str(s.step) for s in steps[-5:])
         raise CheckpointNotFoundError(f"step {chosen} is not in {storage.uri}", hint=f"the newest steps are {shown}")
-    report["selected"] = _describe(storage, info, verify)
+    report["selected"] = _describe(storage, info, verify, mac_key)
     return report
 
 
-def _describe(storage: Any, info: Any, verify: bool) -> dict[str, Any]:
+def _describe(storage: Any, info: Any, verify: bool, mac_key: bytes | None) -> dict[str, Any]:
     from resilrun.tiers import durable
 
     complete = durable.read_complete(storage, info.step) if info.complete else None
     ranks = list(range(complete["world_size"])) if complete else list(info.ranks)
     total = sum(complete["ranks"][str(r)]["file_bytes"] for r in ranks) if complete and verify else len(ranks)
 
+    if mac_key is not None and complete is None:
+        raise CheckpointNotFoundError(
+            f"step {info.step} is partial: it has no COMPLETE.json, whose MAC vouches for its ranks",
+            hint="drop --job-secret-file to check the checksums of a partial step",
+        )
+
     def read(rank: int) -> tuple[Any, dict[str, Any], int]:
         if verify:
             layout, data, manifest = durable.read_rank(
-                storage, info.step, rank, verify=True, complete=complete, require_complete=info.complete
+                storage,
+                info.step,
+                rank,
+                verify=True,
+                complete=complete,
+                require_complete=info.complete,
+                mac_key=mac_key,
             )
             return layout, manifest, len(data) if complete else 1
         layout, manifest = durable.read_layout(
@@ -150,6 +190,7 @@ def _describe(storage: Any, info: Any, verify: bool) -> dict[str, Any]:
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # the first corrupt rank ends the run at once
     world_size = complete["world_size"] if complete else (described[0]["world_size"] if described else None)
+    marks = {entry.pop("authentic") for entry in described}
     for entry in described:
         entry.pop("world_size")
     return {
@@ -157,6 +198,7 @@ def _describe(storage: Any, info: Any, verify: bool) -> dict[str, Any]:
         "complete": info.complete,
         "world_size": world_size,
         "verified": verify,
+        "authentic": None if mac_key is None else marks == {True},
         "ranks": described,
         "totals": {
             "ranks": len(described),
@@ -186,6 +228,7 @@ def _describe_rank(rank: int, layout: Any, manifest: dict[str, Any]) -> dict[str
         "tensor_bytes": sum(t["bytes"] for t in tensors),
         "tensors": tensors,
         "values": manifest["values"],
+        "authentic": manifest.get("authentic"),
     }
 
 
@@ -205,6 +248,10 @@ def _human(report: dict[str, Any]) -> Iterator[str]:
         return
     state = "complete" if selected["complete"] else "partial (not committed)"
     checked = "every checksum verified" if selected["verified"] else "checksums not verified (use --verify)"
+    if selected.get("authentic") is True:
+        checked += "; authentic: every MAC verifies under the job secret"
+    elif selected.get("authentic") is False:
+        checked += "; NOT authenticated: the step carries no MACs (its run had no secret from outside the store)"
     yield ""
     yield f"step {selected['step']}: {state}, world size {selected['world_size']}, {checked}"
     for rank in selected["ranks"]:

@@ -34,6 +34,7 @@ from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointN
 from resilrun.snapshot._crc import crc32
 from resilrun.snapshot.layout import FORMAT, MAX_HEADER_BYTES, Layout, parse_header
 from resilrun.storage.api import Storage
+from resilrun.tiers import _authentic as authentic
 from resilrun.tiers import _manifest as m
 from resilrun.tiers._manifest import COMPLETE_NAME, complete_key, data_key, manifest_key, step_prefix
 
@@ -69,7 +70,14 @@ class StepInfo:
 
 # -- write -----------------------------------------------------------------------------------------
 def write_rank(
-    storage: Storage, step: int, rank: int, world_size: int, snapshot: bytes | memoryview, values: Any
+    storage: Storage,
+    step: int,
+    rank: int,
+    world_size: int,
+    snapshot: bytes | memoryview,
+    values: Any,
+    *,
+    mac_key: bytes | None = None,
 ) -> dict[str, Any]:
     """Upload one rank's snapshot, then its manifest (the snapshot first, so a manifest never names
     bytes that are not there yet).
@@ -80,6 +88,8 @@ def write_rank(
         snapshot: a safetensors buffer laid out by ``resilrun.snapshot.layout``; bytes after the last
             tensor (the unused tail of a reused, larger slot) are not written.
         values: the tracked non-tensor values, any JSON document (NaN and infinities allowed).
+        mac_key: the durable key (``_authentic.durable_key``): the manifest then records the file's
+            GMAC, so a reader with the secret can tell a forged file.
 
     Returns:
         The manifest that was written.
@@ -117,14 +127,17 @@ def write_rank(
         "values": values,
         "created_unix": time.time(),
     }
+    if mac_key is not None:
+        manifest["mac"] = authentic.file_mac(mac_key, data)
     encoded = m.encode(manifest)  # before any upload: bad values must not leave an orphan file
     storage.put(data_key(step, rank), data)
     storage.put(manifest_key(step, rank), encoded)
     return manifest
 
 
-def commit_step(storage: Storage, step: int, world_size: int) -> dict[str, Any]:
-    """Write COMPLETE.json for ``step`` once every rank's manifest and file are in place.
+def commit_step(storage: Storage, step: int, world_size: int, *, mac_key: bytes | None = None) -> dict[str, Any]:
+    """Write COMPLETE.json for ``step`` once every rank's manifest and file are in place (with
+    ``mac_key``, each manifest's SHA-256 and an HMAC of the whole: see ``_authentic``).
 
     Returns:
         The COMPLETE.json document written.
@@ -147,10 +160,15 @@ def commit_step(storage: Storage, step: int, world_size: int) -> dict[str, Any]:
             raise CheckpointCorruptError(
                 f"{data_key(step, rank)} is {size} bytes but its manifest says {manifest['file_bytes']}"
             )
-        return str(rank), {"file_bytes": size, "manifest_crc32": crc32(raw)}
+        entry: dict[str, Any] = {"file_bytes": size, "manifest_crc32": crc32(raw)}
+        if mac_key is not None:
+            entry["manifest_sha256"] = authentic.manifest_hash(raw)
+        return str(rank), entry
 
     ranks = dict(_parallel(check, range(world_size)))
-    complete = {"format": FORMAT, "step": step, "world_size": world_size, "ranks": ranks}
+    complete: dict[str, Any] = {"format": FORMAT, "step": step, "world_size": world_size, "ranks": ranks}
+    if mac_key is not None:
+        complete["mac"] = authentic.complete_mac(mac_key, complete)
     storage.put(complete_key(step), m.encode(complete))
     return complete
 
@@ -247,7 +265,7 @@ def read_layout(
             does not exist.
         CheckpointCorruptError: anything disagrees.
     """
-    manifest = _read_manifest(storage, step, rank, complete, require_complete)
+    manifest, _ = _read_manifest(storage, step, rank, complete, require_complete)
     key = data_key(step, rank)
     size = _checked_size(storage, key, manifest["file_bytes"])
     prefix = storage.get_range(key, 0, 8)
@@ -268,8 +286,12 @@ def read_rank(
     verify: bool = True,
     complete: dict[str, Any] | None = None,
     require_complete: bool = True,
+    mac_key: bytes | None = None,
+    require_mac: bool = False,
 ) -> tuple[Layout, bytes, dict[str, Any]]:
-    """Read one rank's snapshot of a complete step, checked against its manifest and COMPLETE.json.
+    """Read one rank's snapshot of a complete step, checked against its manifest and COMPLETE.json
+    (and, with ``mac_key``, against its MACs: ``_authentic``; the manifest then says
+    ``authentic`` True, or False for a step written without MACs, refused with ``require_mac``).
 
     Args:
         verify: also check every tensor's crc32 (2+ GB/s; skip only when the bytes are re-checked).
@@ -285,7 +307,9 @@ def read_rank(
         CheckpointCorruptError: naming the file and, for a checksum mismatch, the tensor.
         StorageError: storage failed.
     """
-    manifest = _read_manifest(storage, step, rank, complete, require_complete)
+    if mac_key is not None and complete is None:
+        complete = read_complete(storage, step)
+    manifest, manifest_raw = _read_manifest(storage, step, rank, complete, require_complete)
     key, file_bytes = data_key(step, rank), manifest["file_bytes"]
     _checked_size(storage, key, file_bytes)  # before the download, so a replaced file is not fetched
     try:
@@ -298,13 +322,20 @@ def read_rank(
     m.check_layout(layout, manifest, where=key)
     if verify:
         m.check_tensor_crcs(layout, data, manifest, where=key)
+    if mac_key is not None and complete is not None:
+        manifest["authentic"] = authentic.check(mac_key, complete, rank, manifest_raw, manifest, data, key)
+        if require_mac and not manifest["authentic"]:
+            raise CheckpointCorruptError(
+                f"step {step} carries no MAC: it cannot be told from a forgery (--require-auth)",
+                hint="a job without a job secret from outside the store wrote it; restore it without --require-auth",
+            )
     return layout, data, manifest
 
 
 # -- helpers ---------------------------------------------------------------------------------------
 def _read_manifest(
     storage: Storage, step: int, rank: int, complete: dict[str, Any] | None, require_complete: bool
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], bytes]:
     if complete is None and require_complete:
         complete = read_complete(storage, step)
     key = manifest_key(step, rank)
@@ -319,9 +350,9 @@ def _read_manifest(
         manifest = m.parse_manifest(raw, step, rank, world_size, where=key)
         if manifest["file_bytes"] != expected["file_bytes"]:
             raise CheckpointCorruptError(f"{key} and {COMPLETE_NAME} disagree on the file size")
-        return manifest
+        return manifest, raw
     raw = _get_small(storage, key, m.MAX_MANIFEST_BYTES, missing=CheckpointNotFoundError)
-    return m.parse_manifest(raw, step, rank, None, where=key)
+    return m.parse_manifest(raw, step, rank, None, where=key), raw
 
 
 def _checked_size(storage: Storage, key: str, file_bytes: int) -> int:

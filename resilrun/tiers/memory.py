@@ -211,6 +211,7 @@ class NodeMemoryTier:
         round: int = -1,
         *,
         announce: bool = True,
+        origin: str = "worker",
     ) -> bool:
         """Record a worker's commit; returns whether its next snapshot should be written whole.
 
@@ -234,7 +235,7 @@ class NodeMemoryTier:
         with self._lock:
             if memory.slots[slot] is not buffer:
                 raise CheckpointError(f"rank {rank}'s slot {slot} was reallocated while step {step} was committed")
-            committed = Committed(step, slot, nbytes, values, seq, borrowed, layout, shared, round, crcs)
+            committed = Committed(step, slot, nbytes, values, seq, borrowed, layout, shared, round, crcs, origin)
             first = not memory.committed
             memory.committed[slot] = committed
             released = memory.committed.get(memory.after(slot)) if memory.after(slot) != slot else None
@@ -459,8 +460,18 @@ class NodeMemoryTier:
                 return rank
         return None
 
-    def install(self, rank: int, step: int, data: bytes | memoryview, values: Any, *, announce: bool = True) -> None:
-        """Place a snapshot fetched from another tier into a free slot, as if the worker committed it.
+    def install(
+        self,
+        rank: int,
+        step: int,
+        data: bytes | memoryview,
+        values: Any,
+        *,
+        announce: bool = True,
+        origin: str = "peer",
+    ) -> None:
+        """Place a snapshot fetched from another tier (``origin``) into a free slot, as if the worker
+        committed it.
 
         ``announce=False``: the listeners (replication, persistence) are not told, for a snapshot
         that is only read by a restore (one written at another world size)."""
@@ -480,7 +491,7 @@ class NodeMemoryTier:
         memory.seq.begin(slot)
         buffer.view()[: len(data)] = data
         memory.seq.end(slot)
-        self.commit(rank, step, slot, len(data), values, layout=layout_hash(data), announce=announce)
+        self.commit(rank, step, slot, len(data), values, layout=layout_hash(data), announce=announce, origin=origin)
 
     def describe(self, rank: int) -> dict[str, Any]:
         """What this node holds for ``rank``: the committed steps per slot, and whether each is complete."""

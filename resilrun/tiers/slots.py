@@ -51,6 +51,10 @@ class Committed:
     # whatever lies between borrowed ranges), hashed by the agent while the bytes cannot change: a
     # reader's copy is of this step only if it has these crc32s (see tiers/memory.py).
     crcs: tuple[tuple[int, int, int], ...] = ()
+    # Where the bytes came from: "worker" (trained here), or the tier a restore brought them from
+    # ("peer", "persistent"). The persister does not write back what it would read: a step restored
+    # from storage rewritten rank by rank would leave it torn until every rank had rewritten it.
+    origin: str = "worker"
 
 
 class RankMemory:

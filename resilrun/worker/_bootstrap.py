@@ -35,8 +35,8 @@ import sys
 import time
 import traceback
 
-from resilrun.env import STATE_LOST_EXIT_CODE
-from resilrun.errors import StateLostError
+from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE
+from resilrun.errors import StateLostError, StateRefusedError
 
 
 def write_error_file(exc: BaseException) -> None:
@@ -269,7 +269,7 @@ def main(argv: list[str]) -> None:
             # the agent to stop the job now instead of spending restarts.
             write_error_file(exc)
             traceback.print_exception(exc)
-            _exit_now(STATE_LOST_EXIT_CODE)
+            _exit_now(STATE_REFUSED_EXIT_CODE if isinstance(exc, StateRefusedError) else STATE_LOST_EXIT_CODE)
         except BaseException as exc:
             env = _next_generation(exc)
             if env is None:

@@ -8,11 +8,15 @@ import socket
 from typing import Any
 
 from resilrun import wire
-from resilrun.errors import CheckpointError
+from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
 # The agent answers from memory in microseconds; allocation pre-faults a buffer (a fraction of a
 # second per GiB). A minute means the agent is gone or wedged, not busy.
 _TIMEOUT_S = 60.0
+# The agent's refusals by class name: a restore tells "gone" (plan again) from "refused" (stop).
+_ERRORS: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls for cls in (CheckpointCorruptError, CheckpointNotFoundError, CheckpointError)
+}
 
 
 class AgentClient:
@@ -91,7 +95,8 @@ class AgentClient:
         if not response.get("ok"):
             for fd in fds:
                 os.close(fd)
-            raise CheckpointError(str(response.get("error", "agent refused")), hint=response.get("hint"))
+            kind = _ERRORS.get(str(response.get("code")), CheckpointError)
+            raise kind(str(response.get("error", "agent refused")), hint=response.get("hint"))
         return response, fds
 
     def interrupt(self) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
-from resilrun.errors import CheckpointError, StateLostError
+from resilrun.errors import CheckpointCorruptError, CheckpointError, StateLostError, StateRefusedError
 from resilrun.log import rank_ranges
 from resilrun.snapshot.restore import MEMORY_STEPS, PEER_STEPS, ReshardPlan, RestorePlan, Tier, plan_restore
 from resilrun.snapshot.tree import Joiner, flatten, unflatten
@@ -221,14 +221,27 @@ class Job:
                     transfer = snapshotter.fetch(plan.step, "peer" if tier is Tier.PEER else "persistent")
             except CheckpointError as exc:
                 error = exc
+            # 1: restored; 0: plan again; -1: refused for good (a persisted step failing its checks
+            # or MACs stays so: the job stops, saying why, rather than train on another step quietly)
+            final = tier is Tier.PERSISTENT and isinstance(error, CheckpointCorruptError)
+            if error is not None:
                 logger.warning(
-                    "rank %d could not restore step %d from %s: %s; planning the restore again",
+                    "rank %d could not restore step %d from %s: %s; %s",
                     self._rank,
                     plan.step,
                     _TIER_NAMES[tier],
-                    exc.message,
+                    error.message,
+                    "the job stops" if final else "planning the restore again",
                 )
-            if min(row[0] for row in _all_gather_ints([int(error is None)], self._world_size, self._device)):
+            outcome = 1 if error is None else -1 if final else 0
+            worst = min(row[0] for row in _all_gather_ints([outcome], self._world_size, self._device))
+            if worst < 0:
+                raise StateRefusedError(
+                    error.message if final and error is not None else f"another rank's copy of step {plan.step} "
+                    "was refused (see its log)",
+                    hint="resilrun inspect-checkpoint --verify tells which file",
+                )
+            if worst:
                 loaded = self._load(snapshotter, plan.step)
                 snapshotter.unborrow()  # the load made its own copies: unmap the other ranks' slots
                 logger.warning("rank %d resumed from step %d (%s)", self._rank, plan.step, _TIER_NAMES[tier])

@@ -14,9 +14,11 @@ import torch
 
 from resilrun.cli import main
 from resilrun.errors import ExitCode
+from resilrun.job_secret import external_secret
 from resilrun.storage import LocalStorage, Storage
 from resilrun.tiers import _manifest as m
 from resilrun.tiers import durable
+from resilrun.tiers._authentic import durable_key
 from tests.conftest import FAKE_ACCESS_KEY_ID, FAKE_SECRET_ACCESS_KEY, S3Server, make_snapshot
 
 
@@ -24,12 +26,13 @@ def tensors(rank: int) -> dict[str, torch.Tensor]:
     return {"model/w": torch.full((2, 3), float(rank)), "step": torch.tensor([rank], dtype=torch.int64)}
 
 
-def write_checkpoint(storage: Storage, world_size: int = 2) -> None:
+def write_checkpoint(storage: Storage, world_size: int = 2, mac_key: bytes | None = None) -> None:
     """Steps 10 and 20 complete, step 30 partial (rank 0 only)."""
     for step in (10, 20):
         for rank in range(world_size):
-            durable.write_rank(storage, step, rank, world_size, make_snapshot(tensors(rank)), {"epoch": step})
-        durable.commit_step(storage, step, world_size)
+            snapshot = make_snapshot(tensors(rank))
+            durable.write_rank(storage, step, rank, world_size, snapshot, {"epoch": step}, mac_key=mac_key)
+        durable.commit_step(storage, step, world_size, mac_key=mac_key)
     durable.write_rank(storage, 30, 0, world_size, make_snapshot(tensors(0)), {"epoch": 30})
 
 
@@ -74,7 +77,7 @@ def test_json_output_has_the_documented_shape(ckpt: Path, capsys: pytest.Capture
     ]
     assert data["latest_complete_step"] == 20
     selected = data["selected"]
-    assert set(selected) == {"step", "complete", "world_size", "verified", "ranks", "totals"}
+    assert set(selected) == {"step", "complete", "world_size", "verified", "authentic", "ranks", "totals"}
     assert (selected["step"], selected["complete"], selected["world_size"], selected["verified"]) == (10, True, 2, True)
     rank = selected["ranks"][1]
     assert set(rank) == {"rank", "file", "file_bytes", "tensor_bytes", "tensors", "values"}
@@ -114,6 +117,47 @@ def test_verify_reports_a_corrupt_tensor_in_one_line_with_exit_code_4(
     lines = err.strip().splitlines()
     assert lines[0].startswith("resilrun: error: ") and "rank_00001.safetensors" in lines[0]
     assert "fails its crc32" in lines[0]
+
+
+def test_with_the_job_secret_verify_says_authentic_unsigned_or_refuses_a_forgery(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret_file = tmp_path / "job.secret"
+    secret_file.write_text("a job secret of enough characters")
+    secret_file.chmod(0o600)
+    secret = external_secret(str(secret_file), {})
+    assert secret is not None
+    root = tmp_path / "signed"
+    write_checkpoint(LocalStorage(root), mac_key=durable_key(secret))
+    code, out, err = run([str(root), "--job-secret-file", str(secret_file)], capsys)  # implies --verify
+    assert code == ExitCode.OK, err
+    assert "every checksum verified; authentic: every MAC verifies under the job secret" in out
+    code, out, _ = run([str(root), "--verify", "--json"], capsys)
+    assert json.loads(out)["data"]["selected"]["authentic"] is None  # no secret: not checked
+    code, out, _ = run([str(root), "--job-secret-file", str(secret_file), "--json"], capsys)
+    assert json.loads(out)["data"]["selected"]["authentic"] is True
+    code, out, _ = run([str(tmp_path_unsigned(tmp_path)), "--job-secret-file", str(secret_file)], capsys)
+    assert code == ExitCode.OK and "NOT authenticated: the step carries no MACs" in out
+    manifest = root / m.manifest_key(20, 1)
+    forged = json.loads(manifest.read_text())
+    forged["values"] = {"epoch": 99}
+    raw = m.encode(forged)
+    complete = json.loads((root / m.complete_key(20)).read_text())
+    complete["ranks"]["1"]["manifest_crc32"] = zlib.crc32(raw)  # every checksum redone
+    manifest.write_bytes(raw)
+    (root / m.complete_key(20)).write_bytes(m.encode(complete))
+    assert run([str(root), "--verify"], capsys)[0] == ExitCode.OK
+    code, _, err = run([str(root), "--job-secret-file", str(secret_file)], capsys)
+    assert code == ExitCode.CHECKPOINT and "not authentic" in err and err.count("\n") <= 2
+    secret_file.chmod(0o644)
+    code, _, err = run([str(root), "--job-secret-file", str(secret_file)], capsys)
+    assert code == ExitCode.USAGE and "can be read by" in err
+
+
+def tmp_path_unsigned(tmp_path: Path) -> Path:
+    root = tmp_path / "unsigned"
+    write_checkpoint(LocalStorage(root))
+    return root
 
 
 def test_json_errors_are_a_single_error_document(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from resilrun import keys
-from resilrun.agent.job_secret import external_secret
 from resilrun.cli import _status_render as view
 from resilrun.cli.status import normalize_argv
 from resilrun.errors import ExitCode
+from resilrun.job_secret import external_secret
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.rendezvous.c10d import C10dBackend, host_store
 from resilrun.rendezvous.sealed import SealedBackend, store_key

@@ -42,6 +42,7 @@ from resilrun.tiers.peer.wire import (
     snapshot_bounds,
 )
 from tests.conftest import make_snapshot
+from tests.helpers.forgery import forged_keeping_crc32
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -383,35 +384,6 @@ def test_a_byte_flipped_in_transit_is_rejected_and_the_newest_replica_survives(
 def _data_offset(announce: Announce) -> int:
     body = json.dumps({"op": "push", **announce.to_message()}, separators=(",", ":")).encode()
     return 2 * NONCE_BYTES + 4 + len(body) + MAC_BYTES + 4
-
-
-def forged_keeping_crc32(segment: bytes, edit_at: int, fix_at: int) -> bytes:
-    """``segment`` with its byte at ``edit_at`` changed and the 4 bytes at ``fix_at`` chosen so that
-    its crc32 is unchanged: what anyone can do to a crc32-protected stream (crc32 is affine, so the
-    32 bits at ``fix_at`` reach every crc32 value; solved over GF(2))."""
-    forged = bytearray(segment)
-    want = zlib.crc32(segment)
-    forged[edit_at] ^= 0xFF
-    base = zlib.crc32(forged)
-    basis: dict[int, tuple[int, int]] = {}  # highest bit -> (crc32 change, the bits flipped for it)
-    for bit in range(32):
-        forged[fix_at + bit // 8] ^= 1 << (bit % 8)
-        vector, combination = zlib.crc32(forged) ^ base, 1 << bit
-        forged[fix_at + bit // 8] ^= 1 << (bit % 8)
-        for pivot in sorted(basis, reverse=True):
-            if vector >> pivot & 1:
-                vector, combination = vector ^ basis[pivot][0], combination ^ basis[pivot][1]
-        if vector:
-            basis[vector.bit_length() - 1] = (vector, combination)
-    target, flips = base ^ want, 0
-    for pivot in sorted(basis, reverse=True):
-        if target >> pivot & 1:
-            target, flips = target ^ basis[pivot][0], flips ^ basis[pivot][1]
-    assert target == 0
-    for bit in range(32):
-        if flips >> bit & 1:
-            forged[fix_at + bit // 8] ^= 1 << (bit % 8)
-    return bytes(forged)
 
 
 def test_a_replica_forged_on_the_path_with_its_crc32s_kept_is_refused(

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from resilrun.errors import ExitCode
+from resilrun.snapshot.layout import parse_header
 from resilrun.storage import LocalStorage
+from resilrun.tiers import _manifest as m
 from resilrun.tiers import durable
+from tests.helpers.forgery import forged_keeping_crc32
+from tests.integration.conftest import ROOT
 from tests.integration.test_tier1_restore import ARGS, EXAMPLE, _clean_checksum
 
 pytestmark = pytest.mark.integration
@@ -59,3 +66,38 @@ def test_uploads_still_due_when_the_job_ends_are_written_under_the_fence(launche
     assert run.wait(150) == 0, run.stderr()[-3000:]
     assert "not writing to the persistent tier" not in run.stderr()
     assert durable.latest_complete_step(LocalStorage(ckpt)) == 9
+
+
+def test_with_a_job_secret_the_bucket_is_authenticated_and_a_forged_step_is_refused(launcher, tmp_path: Path) -> None:
+    # Given a job run with a secret file, which persisted steps 4-19 with MACs and then died at 22
+    secret = tmp_path / "job.secret"
+    secret.write_text("s" * 40 + "\n")
+    secret.chmod(0o600)
+    root = tmp_path / "ckpt"
+    flags = ["--standalone", "--nproc-per-node", "2", "--checkpoint-uri", str(root), "--persist-every", "5"]
+    flags += ["--job-secret-file", str(secret)]
+    plan = "exit:rank=0,step=22,code=3; exit:rank=0,step=22,attempt=1,code=3"
+    first = launcher("resilrun", *flags, str(EXAMPLE), *ARGS, env={"RESILRUN_FAULTS": plan})
+    assert first.wait(150) == 1, first.stderr()[-3000:]
+    # Then inspect-checkpoint given the secret calls the newest step authentic
+    inspect = [sys.executable, "-m", "resilrun", "inspect-checkpoint", str(root), "--job-secret-file", str(secret)]
+    shown = subprocess.run(inspect, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert shown.returncode == 0 and "authentic: every MAC verifies" in shown.stdout, shown.stderr
+    # When someone who can write the bucket, but has no secret, changes a weight of step 19's rank 1
+    # and keeps every crc32 (crc32 is affine: 4 bytes chosen make any change pass)
+    file = root / m.data_key(19, 1)
+    data = file.read_bytes()
+    layout = parse_header(memoryview(data), len(data))
+    entry = max(layout.entries, key=lambda e: e.end - e.begin)
+    at = layout.data_start + entry.begin
+    file.write_bytes(forged_keeping_crc32(data, at, at + 8))
+    assert durable.read_rank(LocalStorage(root), 19, 1, verify=True)  # every checksum still passes
+    # Then a new job given the secret refuses the step: nothing forged is trained on
+    resumed = launcher("resilrun", *flags, str(EXAMPLE), *ARGS)
+    assert resumed.wait(150) == ExitCode.CHECKPOINT
+    err = resumed.stderr()
+    assert "rank 1's file is not authentic" in err and "resumed from step" not in err, err[-3000:]
+    assert err.count("could not restore step 19") == 1  # refused at once: not retried, no spare tried
+    assert "the job's state was refused" in err and "inspect-checkpoint --verify" in err
+    shown = subprocess.run(inspect, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert shown.returncode == 4 and "not authentic" in shown.stderr

@@ -18,10 +18,14 @@ import resilrun.checkpoint as checkpoint
 from resilrun.checkpoint import export as exporter
 from resilrun.cli import main
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ConfigError, ExitCode
+from resilrun.job_secret import external_secret
 from resilrun.snapshot.sharding import MeshSpec, ShardSpec, local_block
 from resilrun.storage import LocalStorage
+from resilrun.tiers import _manifest as m
 from resilrun.tiers import durable
+from resilrun.tiers._authentic import durable_key
 from tests.conftest import make_snapshot
+from tests.helpers.forgery import forged_keeping_crc32
 
 WEIGHT = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4) / 7
 BIAS = torch.arange(5, dtype=torch.float64)  # 5 over 2 shards: 3 and 2
@@ -90,16 +94,18 @@ def _mesh(world: int, replicate: int, rank: int) -> tuple[MeshSpec, tuple[str, .
     return MeshSpec("cpu", shape, tuple(range(world)), ("replicate", "shard"), coord), ("R", "S0")
 
 
-def write(root: Path, world: int = 2, replicate: int = 1, step: int = 9, forge=None, commit: bool = True) -> Path:  # noqa: ANN001
+def write(  # noqa: ANN001
+    root: Path, world: int = 2, replicate: int = 1, step: int = 9, forge=None, commit: bool = True, mac_key=None
+) -> Path:
     storage = LocalStorage(root)
     for rank in range(world):
         mesh, placements = _mesh(world, replicate, rank)
         tensors, meta = rank_snapshot(rank, mesh, placements)
         if forge is not None:
             forge(rank, tensors, meta)
-        durable.write_rank(storage, step, rank, world, make_snapshot(tensors), meta)
+        durable.write_rank(storage, step, rank, world, make_snapshot(tensors), meta, mac_key=mac_key)
     if commit:
-        durable.commit_step(storage, step, world)
+        durable.commit_step(storage, step, world, mac_key=mac_key)
     return root
 
 
@@ -292,3 +298,33 @@ def test_the_export_command_refuses_bad_input_in_one_line(
     got, out, err = _cli([str(root), *(a.format(tmp=tmp_path) for a in args)], capsys)
     assert got == code, err
     assert message in err and err.count("resilrun: error:") == 1
+
+
+# -- with the job secret (issue 19): only an authentic step is loaded or exported ------------------
+def _secret_file(tmp_path: Path) -> tuple[str, bytes]:
+    path = tmp_path / "job.secret"
+    path.write_text("a job secret of enough characters\n")
+    path.chmod(0o600)
+    secret = external_secret(str(path), {})
+    assert secret is not None
+    return str(path), durable_key(secret)
+
+
+def test_with_the_secret_an_authentic_step_loads_and_a_forged_or_unsigned_one_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret_file, key = _secret_file(tmp_path)
+    root = write(tmp_path / "ckpt", mac_key=key)
+    state = checkpoint.load(str(root), job_secret_file=secret_file)
+    assert torch.equal(state["model"]["module.w"], WEIGHT)
+    file = root / m.data_key(9, 1)
+    data = file.read_bytes()
+    file.write_bytes(forged_keeping_crc32(data, len(data) - 40, len(data) - 20))  # in a tensor, crc32 kept
+    assert torch.is_tensor(checkpoint.load(str(root))["model"]["module.w"])  # the checksums cannot tell
+    with pytest.raises(CheckpointCorruptError, match="rank 1's file is not authentic"):
+        checkpoint.load(str(root), job_secret_file=secret_file)
+    code, _, err = _cli([str(root), "--to", str(tmp_path / "m.safetensors"), "--job-secret-file", secret_file], capsys)
+    assert code == ExitCode.CHECKPOINT and "not authentic" in err and not (tmp_path / "m.safetensors").exists()
+    unsigned = write(tmp_path / "unsigned")
+    with pytest.raises(CheckpointCorruptError, match="carries no MAC"):
+        checkpoint.load(str(unsigned), job_secret_file=secret_file)

@@ -1,4 +1,4 @@
-"""Where the job secret comes from (agent/job_secret.py): a private file, the environment, or none."""
+"""Where the job secret comes from (job_secret.py): a private file, the environment, or none."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from resilrun.agent import _job_secret
-from resilrun.agent.job_secret import SECRET_ENV, external_secret, random_secret
 from resilrun.config import Config
 from resilrun.errors import ConfigError
+from resilrun.job_secret import SECRET_ENV, external_secret, random_secret
 
 TEXT = "0123456789abcdef0123456789abcdef"
 

@@ -102,3 +102,26 @@ def test_a_node_the_fence_refuses_neither_uploads_nor_counts_and_one_refused_mid
     # Step 1 never reached storage; step 2 did, but was not counted: it has no COMPLETE.json
     assert [(info.step, info.complete) for info in durable.list_steps(storage)] == [(2, False)]
     assert counted == []
+
+
+def test_a_step_restored_from_storage_is_not_uploaded_again_but_the_next_one_is() -> None:
+    # Given storage holding step 0 of a one-rank job (a new job resuming on an old --checkpoint-uri)
+    from resilrun.agent.tiers import NodeTiers
+
+    storage = MemoryStorage()
+    durable.write_rank(storage, 0, 0, 1, make_snapshot({"w": torch.zeros(64)}), {"step": 0})
+    durable.commit_step(storage, 0, 1)
+    before = {key: storage.get(key) for key in storage.list("step_")}
+    memory = NodeMemoryTier("persister-restored")
+    persister = Persister(memory, storage, every=1, keep_last=5, count_persisted=lambda step: 1, world_size=lambda: 1)
+    try:
+        # When the step is restored from storage into node memory, and the worker then trains step 1
+        NodeTiers(memory, storage).fetch(0, 0, "persistent")
+        _commit(memory, 1)
+    finally:
+        persister.close(10)
+        memory.close()
+    # Then step 0's objects are those it was restored from (a rewrite would leave its manifests out
+    # of step with COMPLETE.json until every rank rewrote: a torn step if the job died meanwhile),
+    assert {key: storage.get(key) for key in before} == before
+    assert durable.latest_complete_step(storage) == 1  # and what the worker trained is persisted

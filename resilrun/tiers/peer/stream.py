@@ -3,13 +3,15 @@
 A snapshot travels as an announce message (rank, step, world size, nbytes, values, segment bounds),
 then data frames (u32 length + bytes; a zero length ends the data), then a trailer message:
 ``{"commit": true, "crc32": [...], "mac": hex}`` with one crc32 per segment and the GMAC of every
-data byte under the session's stream key (``wire.Session``), or ``{"commit": false}`` (ABORT)
-when the sender's source was overwritten meanwhile. The receiver counts nothing whose GMAC does
-not verify: a party on the path who changed bytes and kept their crc32s (crc32 is linear: four
-chosen bytes restore it) is caught there. Segments are the safetensors header and each
-tensor, so a replica's crc32s are the same numbers the durable tier's manifests record. The crc32s
-ride in the trailer rather than the announce so that each end reads the bytes once, hashing them
-(on a helper thread) while they move; the receiver verifies before anything becomes visible.
+data byte under the session's stream key (``wire.Session``), or ``{"commit": false}`` (ABORT) when
+the sender's source was overwritten meanwhile. On an encrypted session (``--peer-encryption``) the
+frames are AES-256-GCM ciphertext, encrypted and decrypted in line, and the tag covers them. The
+receiver counts nothing whose GMAC does not verify: a party on the path who changed bytes and kept
+their crc32s (crc32 is linear: four chosen bytes restore it) is caught there. Segments are the
+safetensors header and each tensor, so a replica's crc32s are the same numbers the durable tier's
+manifests record. The crc32s ride in the trailer rather than the announce so that each end reads
+the bytes once, hashing them (on a helper thread) while they move; the receiver verifies before
+anything becomes visible.
 
 An announce may name *shared* segments (DDP's parameters and optimizer state, equal on every rank)
 with the snapshot's layout and generation. A receiver whose own ranks hold the same step of the
@@ -27,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from resilrun.errors import CheckpointCorruptError
 from resilrun.snapshot._crc import crc32
@@ -38,7 +40,7 @@ from resilrun.tiers.peer.wire import (
     Deadline,
     ReplicationError,
     Session,
-    StreamMac,
+    StreamCipher,
     recv_exact,
     recv_into_exact,
 )
@@ -99,6 +101,10 @@ class Checksums:
                 self._crc, self._skipped = 0, False
 
 
+class _Fed(Protocol):
+    def update(self, piece: memoryview) -> None: ...
+
+
 class _Hasher:
     """Checksums and the stream's MAC computed on a helper thread while the caller moves the next frame.
 
@@ -108,7 +114,7 @@ class _Hasher:
     hashed in order (one helper), at most ``_PIPELINE_DEPTH`` frames behind.
     """
 
-    def __init__(self, bounds: Sequence[int], total: int, mac: StreamMac) -> None:
+    def __init__(self, bounds: Sequence[int], total: int, mac: _Fed) -> None:
         self.sums = Checksums(bounds)
         self.mac = mac
         pipelined = total > CHUNK_BYTES  # one frame: nothing to overlap with
@@ -149,7 +155,7 @@ class _Hasher:
 
     def tag(self) -> bytes:
         """The stream's MAC (after ``finish``)."""
-        return self.mac.tag()
+        return self.mac.tag()  # type: ignore[attr-defined]
 
 
 # -- snapshot streams -------------------------------------------------------------------------------
@@ -182,7 +188,10 @@ def send_snapshot(
             segment hashing otherwise was torn, however intact the source said it was: ABORT.
     """
     sock = session.sock
-    with _Hasher(bounds, len(view), session.stream_mac(outgoing=True)) as hasher:
+    cipher = session.stream_cipher(outgoing=True) if session.encrypt else None
+    scratch = memoryview(bytearray(min(CHUNK_BYTES, len(view)))) if cipher is not None else None
+    mac = cipher.helper_mac if cipher is not None else session.stream_mac(outgoing=True)
+    with _Hasher(bounds, len(view), mac) as hasher:
         position = 0
         for begin, end in spans(len(view), skip):
             if begin > position:
@@ -193,14 +202,15 @@ def send_snapshot(
                     return _abort(session, deadline)
                 piece = view[offset : min(offset + CHUNK_BYTES, end)]
                 hasher.feed(piece)
+                frame = piece if cipher is None or scratch is None else cipher.seal(piece, scratch)
                 deadline.apply(sock)
-                sock.sendall(LEN.pack(len(piece)), _MSG_MORE)
-                sock.sendall(piece)
+                sock.sendall(LEN.pack(len(frame)), _MSG_MORE)
+                sock.sendall(frame)
             position = end
         if position < len(view):
             hasher.skip(len(view) - position)
         computed = hasher.finish()  # before the last check: the helper reads the source too
-        tag = hasher.tag()
+        tag = hasher.tag() if cipher is None else cipher.tag()
     if is_intact is not None and not is_intact():
         return _abort(session, deadline)
     if expected_crcs is not None and any(
@@ -259,7 +269,9 @@ def receive_snapshot(
     computed: list[int | None] = []
     tag = b""
     sock = session.sock
-    with _Hasher(bounds, total, session.stream_mac(outgoing=False)) as hasher:
+    cipher: StreamCipher | None = session.stream_cipher(outgoing=False) if session.encrypt else None
+    mac = cipher.helper_mac if cipher is not None else session.stream_mac(outgoing=False)
+    with _Hasher(bounds, total, mac) as hasher:
         while True:
             (length,) = LEN.unpack(recv_exact(sock, LEN.size, deadline))
             if length == 0:
@@ -275,6 +287,8 @@ def receive_snapshot(
                 raise ReplicationError(f"a data frame of {length} bytes overruns the announced {total} bytes")
             piece = into[offset : offset + length]
             recv_into_exact(sock, piece, deadline)
+            if cipher is not None:
+                cipher.open(piece)
             hasher.feed(piece)
             offset += length
             received += length
@@ -282,7 +296,7 @@ def receive_snapshot(
             if offset < total:
                 hasher.skip(total - offset)  # filled bytes after the last span
             computed = hasher.finish()
-            tag = hasher.tag()
+            tag = hasher.tag() if cipher is None else b""
     trailer = session.recv(deadline)
     if trailer.get("commit") is not True:
         return Received(f"aborted by the sender ({str(trailer.get('reason'))[:200]})", (), aborted=True)
@@ -300,10 +314,21 @@ def receive_snapshot(
     # After the crc32s, so that an accident is reported as one; bytes changed with their crc32s kept
     # (a forgery: crc32 is linear) fail here.
     mac = trailer.get("mac")
-    if not isinstance(mac, str) or not hmac.compare_digest(mac.encode(), tag.hex().encode()):
+    if cipher is not None:
+        authentic = isinstance(mac, str) and _verify_hex(cipher, mac)
+    else:
+        authentic = isinstance(mac, str) and hmac.compare_digest(mac.encode(), tag.hex().encode())
+    if not authentic:
         return Received("the bytes fail their MAC: changed on the way with their crc32s kept (forged)", ())
     try:
         check_snapshot(into)
     except CheckpointCorruptError as exc:
         return Received(f"the bytes are not a snapshot: {exc.message}", ())
     return Received(None, tuple(computed))
+
+
+def _verify_hex(cipher: StreamCipher, mac: str) -> bool:
+    try:
+        return cipher.verify(bytes.fromhex(mac))
+    except ValueError:
+        return False

@@ -24,7 +24,13 @@ operation runs under a deadline; every size a peer announces is checked before a
 allocated for it; the role labels in the HMACs stop a client's proof from being replayed as a
 server's (a reflection attack), so a client never sends state to a peer that lacks the secret; no
 message is acted upon before its MAC verified, and no received snapshot counts before its GMAC did.
-Not covered: confidentiality (the bytes travel in clear).
+
+Confidentiality is optional (``--peer-encryption``, ``PeerKey.encrypt``): the data frames are then
+AES-256-GCM ciphertext under the same stream key and nonce, the trailer's tag covering them, so
+the same check that refuses a forgery refuses a changed ciphertext. Control messages (ranks,
+steps, segment bounds, values trees) stay in clear. The server's hello names its mode
+(``MAGIC`` or ``MAGIC_ENCRYPTED``) and the mode is bound into the session key, so a mismatch is
+named at once and an on-path party cannot strip the encryption by rewriting the hello.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from resilrun.errors import CheckpointError
 from resilrun.snapshot.layout import parse_header
 
 MAGIC = b"RSLRPR01"
+MAGIC_ENCRYPTED = b"RSLRPE01"  # the same protocol, its snapshot streams encrypted
 NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
 # Snapshot data moves in frames of this size: measured here, 4 MiB sendall/recv_into calls reach
@@ -143,39 +150,75 @@ def _parse_message(raw: bytes) -> dict[str, Any]:
 
 
 # -- authentication ---------------------------------------------------------------------------------
-def check_secret(secret: bytes) -> None:
+@dataclass(frozen=True, slots=True)
+class PeerKey:
+    """The job secret and whether snapshot streams are encrypted (every node of a job alike)."""
+
+    secret: bytes
+    encrypt: bool = False
+
+    @property
+    def magic(self) -> bytes:
+        return MAGIC_ENCRYPTED if self.encrypt else MAGIC
+
+
+# Where a plain secret is given, streams are authenticated only.
+Credential = bytes | PeerKey
+
+
+def as_key(credential: Credential) -> PeerKey:
+    return credential if isinstance(credential, PeerKey) else PeerKey(credential)
+
+
+def check_secret(credential: Credential) -> None:
     """Raises ValueError for a secret too short to authenticate anyone (a programmer error)."""
+    secret = as_key(credential).secret
     if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"the job secret must be at least {MIN_SECRET_BYTES} bytes")
+
+
+def _session_label(key: PeerKey) -> bytes:
+    return b"session encrypted" if key.encrypt else b"session"
 
 
 def _proof(secret: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.new(secret, role + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, secret: bytes, deadline: Deadline) -> Session | None:
+def server_handshake(sock: socket.socket, credential: Credential, deadline: Deadline) -> Session | None:
     """Challenge the client; its session once it proved the secret (the server then proved it
     back), None when it did not."""
+    key = as_key(credential)
+    secret = key.secret
     server_nonce = os.urandom(NONCE_BYTES)
     deadline.apply(sock)
-    sock.sendall(MAGIC + server_nonce)
+    sock.sendall(key.magic + server_nonce)
     answer = recv_exact(sock, 2 * NONCE_BYTES, deadline)
     client_nonce, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
     if not hmac.compare_digest(proof, _proof(secret, b"client", server_nonce, client_nonce)):
         return None
     deadline.apply(sock)
     sock.sendall(_proof(secret, b"server", server_nonce, client_nonce))
-    return Session(sock, _proof(secret, b"session", server_nonce, client_nonce), server=True)
+    session_key = _proof(secret, _session_label(key), server_nonce, client_nonce)
+    return Session(sock, session_key, server=True, encrypt=key.encrypt)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, deadline: Deadline) -> Session:
+def client_handshake(sock: socket.socket, credential: Credential, deadline: Deadline) -> Session:
     """Prove the secret and make the server prove it too, before any state is sent; the session.
 
     Raises:
         ReplicationError: the peer is not a resilrun peer, refused us, or could not prove the secret.
     """
+    key = as_key(credential)
+    secret = key.secret
     hello = recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
-    if hello[: len(MAGIC)] != MAGIC:
+    if hello[: len(MAGIC)] != key.magic:
+        if hello[: len(MAGIC)] in (MAGIC, MAGIC_ENCRYPTED):
+            theirs, ours = ("does", "does not") if hello[: len(MAGIC)] == MAGIC_ENCRYPTED else ("does not", "does")
+            raise ReplicationError(
+                f"the peer {theirs} encrypt its replica streams and this node {ours}: "
+                "give every node the same --peer-encryption"
+            )
         raise ReplicationError("the peer is not a resilrun replica server")
     server_nonce, client_nonce = hello[len(MAGIC) :], os.urandom(NONCE_BYTES)
     deadline.apply(sock)
@@ -186,7 +229,8 @@ def client_handshake(sock: socket.socket, secret: bytes, deadline: Deadline) -> 
         raise ReplicationError("the peer refused our secret (the job secrets differ)") from None
     if not hmac.compare_digest(proof, _proof(secret, b"server", server_nonce, client_nonce)):
         raise ReplicationError("the peer could not prove the job secret: not sending it anything")
-    return Session(sock, _proof(secret, b"session", server_nonce, client_nonce), server=False)
+    session_key = _proof(secret, _session_label(key), server_nonce, client_nonce)
+    return Session(sock, session_key, server=False, encrypt=key.encrypt)
 
 
 class StreamMac:
@@ -203,6 +247,48 @@ class StreamMac:
         return self._gcm.tag
 
 
+class _NoTag:
+    """The helper's share of an encrypted stream: nothing (the cipher authenticates in line)."""
+
+    def update(self, piece: memoryview) -> None:
+        pass
+
+
+class StreamCipher:
+    """AES-256-GCM of one encrypted snapshot stream: each frame is encrypted (or decrypted) in
+    place, in the order frames travel; the tag covers the ciphertext (see ``Session``)."""
+
+    def __init__(self, key: bytes, nonce: bytes, *, outgoing: bool) -> None:
+        cipher = Cipher(algorithms.AES(key), modes.GCM(nonce))
+        self._ctx = cipher.encryptor() if outgoing else cipher.decryptor()
+        self._outgoing = outgoing
+        self.helper_mac = _NoTag()
+
+    def seal(self, plain: memoryview, out: memoryview) -> memoryview:
+        """``plain`` encrypted into ``out`` (at least as long): the frame to send."""
+        count = self._ctx.update_into(plain, out)
+        return out[:count]
+
+    def open(self, piece: memoryview) -> None:
+        """Decrypt a received frame where it lies (AES-GCM is a stream mode: in place is safe)."""
+        self._ctx.update_into(piece, piece)
+
+    def tag(self) -> bytes:
+        """The sender's tag, to put in the trailer."""
+        self._ctx.finalize()
+        return self._ctx.tag  # type: ignore[union-attr]
+
+    def verify(self, tag: bytes) -> bool:
+        """Whether the received ciphertext carried ``tag``; the plaintext counts only then."""
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            self._ctx.finalize_with_tag(tag)  # type: ignore[union-attr]
+        except (InvalidTag, ValueError):
+            return False
+        return True
+
+
 class Session:
     """An authenticated connection: its socket and the keys both ends derived in the handshake.
 
@@ -211,8 +297,9 @@ class Session:
     streams so far, unique because the session key is fresh for every connection.
     """
 
-    def __init__(self, sock: socket.socket, key: bytes, *, server: bool) -> None:
+    def __init__(self, sock: socket.socket, key: bytes, *, server: bool, encrypt: bool = False) -> None:
         self.sock = sock
+        self.encrypt = encrypt
         self._message_key = hmac.new(key, b"messages", hashlib.sha256).digest()
         self._stream_key = hmac.new(key, b"streams", hashlib.sha256).digest()
         self._out, self._in = (b"srv>", b"cli>") if server else (b"cli>", b"srv>")
@@ -256,13 +343,20 @@ class Session:
 
     def stream_mac(self, *, outgoing: bool) -> StreamMac:
         """The GMAC of the next stream this end sends (``outgoing``) or receives."""
+        return StreamMac(self._stream_key, self._stream_nonce(outgoing))
+
+    def stream_cipher(self, *, outgoing: bool) -> StreamCipher:
+        """The cipher of the next encrypted stream this end sends (``outgoing``) or receives."""
+        return StreamCipher(self._stream_key, self._stream_nonce(outgoing), outgoing=outgoing)
+
+    def _stream_nonce(self, outgoing: bool) -> bytes:
         if outgoing:
             direction, count = self._out, self._streams_out
             self._streams_out += 1
         else:
             direction, count = self._in, self._streams_in
             self._streams_in += 1
-        return StreamMac(self._stream_key, direction + _SEQ.pack(count))
+        return direction + _SEQ.pack(count)
 
 
 # -- snapshot announce and segments -----------------------------------------------------------------
