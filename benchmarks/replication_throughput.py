@@ -11,6 +11,8 @@ on one machine would, so the two cores are shared the same way. Paths:
   ends, written straight into the replica slot);
 - ``push, crc32 only``: the same with the stream's GMAC left out on both ends (what the stream
   carried before issue 19): the MAC's cost, in the same run;
+- ``push, encrypted``: the same to a server run with ``--peer-encryption`` (AES-256-GCM over the
+  data frames, in line on both ends): confidentiality's cost, in the same run;
 - ``replicator``: a commit into node memory until ``Replicator.status()`` reports it replicated,
   streamed from the memfd slot under its seqlock (what the agent does every step).
 
@@ -145,6 +147,8 @@ def main() -> None:
     peer_memory = NodeMemoryTier(f"benchpeer{uuid.uuid4().hex[:6]}")
     store = ReplicaStore("bench")
     server = ReplicaServer(SECRET, store, peer_memory)
+    sealed = wire.PeerKey(SECRET, encrypt=True)
+    encrypted_server = ReplicaServer(sealed, store, peer_memory)
     replicator_path = ReplicatorPath(data, server.address)
     try:
         started = time.perf_counter()
@@ -159,6 +163,11 @@ def main() -> None:
             push(server.address, SECRET, 1, next(step), 2, data, None, timeout=timedelta(seconds=120))
             return time.perf_counter() - started
 
+        def push_encrypted() -> float:
+            started = time.perf_counter()
+            push(encrypted_server.address, sealed, 1, next(step), 2, data, None, timeout=timedelta(seconds=120))
+            return time.perf_counter() - started
+
         def push_crc32_only() -> float:
             with crc32_only():
                 return push_once()
@@ -167,6 +176,7 @@ def main() -> None:
             "plain loopback copy": lambda: plain_copy(data),
             "push (GMAC + crc32: the default)": push_once,
             "push, crc32 only (no MAC)": push_crc32_only,
+            "push, encrypted (--peer-encryption)": push_encrypted,
             "replicator (memfd slot -> peer)": replicator_path,
         }
         seconds: dict[str, list[float]] = {name: [] for name in paths}
@@ -177,6 +187,7 @@ def main() -> None:
     finally:
         replicator_path.close()
         server.close()
+        encrypted_server.close()
         store.close()
         peer_memory.close()
 

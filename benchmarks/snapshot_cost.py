@@ -19,7 +19,7 @@ Two parts, at each state size (MiB of params + Adam moments per rank):
 
 Peer replication: ``--replicas K`` adds a variant that runs the resilrun job as two agents
 (``--nnodes 2``) on loopback with ``--replicas K``, so each snapshot has a peer to go to; it is
-off by default until replication is wired into the agent (then it is the §3 "1 replica" row).
+the §3 "1 replica" row; ``--encrypted`` adds the same with ``--peer-encryption``.
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         found.append(Variant("torchrun, 2 nodes", TORCHRUN, nodes=2))
         launcher = ["-m", "resilrun", "--replicas", str(args.replicas)]
         found.append(Variant(f"resilrun --replicas {args.replicas}, 2 nodes", launcher, nodes=2))
+        if args.encrypted:  # the same with the replica streams encrypted (AES-256-GCM)
+            name = f"resilrun --replicas {args.replicas} --peer-encryption, 2 nodes"
+            found.append(Variant(name, [*launcher, "--peer-encryption"], nodes=2))
     return found
 
 
@@ -266,6 +269,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="part 2: samples per rank per step")
     parser.add_argument("--nproc", type=int, default=2, help="part 2: ranks (--nproc-per-node)")
     parser.add_argument("--replicas", type=int, default=0, help="part 2: add a 2-node row with --replicas K")
+    parser.add_argument("--encrypted", action="store_true", help="part 2: with --replicas, add a --peer-encryption row")
     parser.add_argument("--skip", choices=["inproc", "jobs"], default=None, help="leave one part out")
     parser.add_argument("--timeout", type=float, default=240.0, help="per subprocess, seconds")
     parser.add_argument("--budget", type=float, default=480.0, help="no new launch after this many seconds")

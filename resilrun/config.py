@@ -382,6 +382,15 @@ class Config:
             "--require-auth", SEC, "Refuse to run a multi-node job whose secret would be kept in the store.", pet=False
         ),
     )
+    peer_encryption: bool = field(
+        default=False,
+        metadata=_meta(
+            "--peer-encryption",
+            SEC,
+            "Encrypt replica and fetch streams (AES-256-GCM) for untrusted networks; every node alike.",
+            pet=False,
+        ),
+    )
     # What to run
     script: str = ""
     script_args: tuple[str, ...] = ()

@@ -53,6 +53,7 @@ from resilrun.rendezvous.sealed import SealedBackend, store_key
 from resilrun.storage.api import Storage
 from resilrun.tiers._authentic import durable_key
 from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.peer.wire import PeerKey
 from resilrun.tiers.slots import REPLICATED_SLOTS, SLOTS
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ def run(config: Config) -> None:
         if replicated:
             peers = PeerTier(
                 memory,
-                secret,
+                PeerKey(secret, encrypt=config.peer_encryption),
                 config.rdzv_id,
                 addr,
                 targets=supervisor.replica_targets,

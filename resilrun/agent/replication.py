@@ -20,6 +20,7 @@ from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError, Res
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator, fetch, held, inventory
+from resilrun.tiers.peer.wire import Credential
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class PeerTier:
     def __init__(
         self,
         memory: NodeMemoryTier,
-        secret: bytes,
+        secret: Credential,
         run_id: str,
         host: str,
         targets: Callable[[], list[str]],

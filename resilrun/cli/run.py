@@ -79,6 +79,7 @@ def run(
     metrics_addr: o.MetricsAddr = "127.0.0.1",
     job_secret_file: o.JobSecretFile = None,
     require_auth: o.RequireAuth = False,
+    peer_encryption: o.PeerEncryption = False,
 ) -> None:
     """Launch SCRIPT on this node's workers and supervise them (torchrun's flags and semantics)."""
     from resilrun.config import Config
@@ -125,6 +126,7 @@ def run(
         metrics_addr=metrics_addr,
         job_secret_file=job_secret_file,
         require_auth=require_auth,
+        peer_encryption=peer_encryption,
         script=script,
         script_args=tuple(script_args or ()),
     )

@@ -37,6 +37,7 @@ from resilrun.tiers.peer.wire import (
     NONCE_BYTES,
     Announce,
     Deadline,
+    PeerKey,
     Session,
     client_handshake,
     snapshot_bounds,
@@ -145,6 +146,7 @@ class Relay:
         self._cut_down_at = cut_down_at
         self._edits = (dict(edit_up or {}), dict(edit_down or {}))
         self.sent_up = bytearray()
+        self.sent_down = bytearray()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._threads: list[threading.Thread] = []
@@ -156,7 +158,7 @@ class Relay:
         upstream = socket.create_connection(("127.0.0.1", self._upstream), timeout=5)
         for source, sink, flip, cut, edits, kept in (
             (client, upstream, self._flip_up_at, None, self._edits[0], self.sent_up),
-            (upstream, client, None, self._cut_down_at, self._edits[1], bytearray()),
+            (upstream, client, None, self._cut_down_at, self._edits[1], self.sent_down),
         ):
             args = (source, sink, flip, cut, edits, kept)
             thread = threading.Thread(target=self._pump, args=args, daemon=True)
@@ -994,3 +996,84 @@ def test_a_push_whose_sender_was_superseded_during_the_transfer_is_not_kept(
         assert store.steps(0) == []
     finally:
         server.close()
+
+
+# -- encrypted streams (--peer-encryption) ----------------------------------------------------------
+ENCRYPTED = PeerKey(SECRET, encrypt=True)
+
+
+@pytest.fixture
+def encrypted_server(store: ReplicaStore, memory: NodeMemoryTier) -> Iterator[ReplicaServer]:
+    replica_server = ReplicaServer(ENCRYPTED, store, memory, io_timeout=timedelta(seconds=5))
+    yield replica_server
+    replica_server.close()
+
+
+def _weight_bytes(data: bytes) -> bytes:
+    view = memoryview(data)
+    header = parse_header(view, len(view))
+    weight = next(e for e in header.entries if e.name == "weight")
+    return data[header.data_start + weight.begin : header.data_start + weight.end]
+
+
+def test_encrypted_pushes_and_fetches_carry_no_plaintext_and_arrive_intact(
+    encrypted_server: ReplicaServer, store: ReplicaStore
+) -> None:
+    data = snapshot(5, numel=CHUNK_BYTES // 4 + 1000)  # more than one frame
+    relay = Relay(encrypted_server.port)
+    try:
+        push(relay.address, ENCRYPTED, 0, 5, 4, data, {"v": 1}, timeout=SHORT)
+    finally:
+        relay.close()
+    assert store.read(0, 5) == (data, {"v": 1})
+    plain = _weight_bytes(data)
+    assert plain[:64] not in relay.sent_up and len(relay.sent_up) > len(data)  # every data byte went, none in clear
+    relay = Relay(encrypted_server.port)
+    try:
+        got, values = fetch(relay.address, ENCRYPTED, 0, 5, timeout=SHORT)
+    finally:
+        relay.close()
+    assert bytes(got) == data and values == {"v": 1}
+    assert plain[:64] not in relay.sent_down and len(relay.sent_down) > len(data)
+
+
+def test_a_ciphertext_byte_changed_on_the_path_is_refused(
+    encrypted_server: ReplicaServer, store: ReplicaStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = snapshot(6, numel=64 * 1024)
+    view = memoryview(data)
+    announce = Announce(0, 6, None, len(data), None, snapshot_bounds(view))
+    relay = Relay(encrypted_server.port, flip_up_at=_data_offset(announce) + len(data) // 2)
+    caplog.set_level(logging.WARNING, logger="resilrun.tiers.peer.server")
+    try:
+        with pytest.raises(ReplicationError, match="MAC|crc32"):
+            push_view(relay.address, ENCRYPTED, announce, view, Deadline.total(5))
+    finally:
+        relay.close()
+    assert store.held() == {}
+
+
+@pytest.mark.parametrize("client_encrypts", [True, False])
+def test_nodes_that_disagree_on_encryption_say_so(
+    server: ReplicaServer, encrypted_server: ReplicaServer, store: ReplicaStore, client_encrypts: bool
+) -> None:
+    target = server if client_encrypts else encrypted_server
+    key = ENCRYPTED if client_encrypts else SECRET
+    with pytest.raises(ReplicationError, match="give every node the same --peer-encryption"):
+        push(target.address, key, 0, 1, None, snapshot(1), None, timeout=SHORT)
+    assert store.held() == {}
+
+
+def test_the_encryption_cannot_be_stripped_by_rewriting_the_servers_hello(
+    encrypted_server: ReplicaServer, store: ReplicaStore
+) -> None:
+    # An on-path party makes the encrypting server look like a plain one to a plain client: the
+    # mode is bound into the session key, so the first message fails its MAC and nothing is kept.
+    edits = {i: MAGIC[i] for i in range(len(MAGIC))}
+    relay = Relay(encrypted_server.port, edit_down=edits)
+    try:
+        with pytest.raises(ReplicationError):
+            push(relay.address, SECRET, 0, 1, None, snapshot(1), None, timeout=SHORT)
+    finally:
+        relay.close()
+    assert store.held() == {}

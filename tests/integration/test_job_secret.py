@@ -49,12 +49,16 @@ def _peer_lag(port: int, run_id: str) -> list[int | None]:
 
 
 @pytest.mark.timeout(300)
-def test_with_a_secret_file_nothing_secret_is_in_the_store_and_replicas_flow(launcher, tmp_path: Path) -> None:
-    # Given two nodes replicating to each other, each given the same secret file (0600)
+@pytest.mark.parametrize("encrypted", [False, True], ids=["mac", "peer-encryption"])
+def test_with_a_secret_file_nothing_secret_is_in_the_store_and_replicas_flow(
+    launcher, tmp_path: Path, encrypted: bool
+) -> None:
+    # Given two nodes replicating to each other, each given the same secret file (0600), with their
+    # replica streams authenticated (the default) or also encrypted
     port, run_id = free_port(), "secret-file"
     secret = _secret_file(tmp_path, "job.secret", "f" * 64)
     target = tmp_path / "out.sha"
-    flags = [*_flags(port, run_id), "--job-secret-file", str(secret)]
+    flags = [*_flags(port, run_id), "--job-secret-file", str(secret), *(["--peer-encryption"] if encrypted else [])]
     nodes = [launcher("resilrun", *flags, str(EXAMPLE), *TRAIN, "--checksum-file", str(target)) for _ in range(2)]
     wait_for(lambda: any("step 10 loss" in n.stdout() for n in nodes), 150, "training to pass step 10")
     # Then the replicas are taken (both nodes' replicas keep up with training),

@@ -499,6 +499,7 @@ def test_bad_endpoint_is_reported_by_from_cli(script: str) -> None:
 _RESILRUN_ONLY = {
     "job_secret_file",
     "require_auth",
+    "peer_encryption",
     "spares",
     "hang_timeout_s",
     "first_step_timeout_s",

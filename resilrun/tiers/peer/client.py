@@ -21,6 +21,7 @@ from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError
 from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot
 from resilrun.tiers.peer.wire import (
     Announce,
+    Credential,
     Deadline,
     ReplicationError,
     Session,
@@ -40,7 +41,10 @@ _HEADROOM_BYTES = 256 * 1024 * 1024
 
 @contextlib.contextmanager
 def connection(
-    address: str, secret: bytes, deadline: Deadline, on_socket: Callable[[socket.socket | None], None] | None = None
+    address: str,
+    secret: Credential,
+    deadline: Deadline,
+    on_socket: Callable[[socket.socket | None], None] | None = None,
 ) -> Iterator[Session]:
     """An authenticated connection (its session); every OSError inside becomes a ReplicationError naming the peer.
 
@@ -71,7 +75,7 @@ def connection(
 
 def push_view(
     address: str,
-    secret: bytes,
+    secret: Credential,
     announce: Announce,
     view: memoryview,
     deadline: Deadline,
@@ -115,7 +119,7 @@ def push_view(
 
 def push(
     address: str,
-    secret: bytes,
+    secret: Credential,
     rank: int,
     step: int,
     world_size: int | None,
@@ -144,7 +148,7 @@ def push(
 
 
 def fetch(
-    address: str, secret: bytes, rank: int, step: int, timeout: timedelta = DEFAULT_TIMEOUT
+    address: str, secret: Credential, rank: int, step: int, timeout: timedelta = DEFAULT_TIMEOUT
 ) -> tuple[bytearray, Any]:
     """A peer's copy of ``rank``'s snapshot of ``step`` (from its replicas or its own memory), verified.
 
@@ -181,7 +185,7 @@ def fetch(
         return data, announce.values
 
 
-def held(address: str, secret: bytes, timeout: timedelta = DEFAULT_TIMEOUT) -> dict[str, dict[int, list[int]]]:
+def held(address: str, secret: Credential, timeout: timedelta = DEFAULT_TIMEOUT) -> dict[str, dict[int, list[int]]]:
     """What the peer holds: ``{"replicas": {rank: steps}, "local": {rank: steps}}``, newest step first.
 
     Raises:
@@ -200,7 +204,7 @@ def held(address: str, secret: bytes, timeout: timedelta = DEFAULT_TIMEOUT) -> d
         raise ReplicationError(f"peer {address} sent a malformed HELD reply") from None
 
 
-def inventory(address: str, secret: bytes, timeout: timedelta = DEFAULT_TIMEOUT) -> list[tuple[int, int, int]]:
+def inventory(address: str, secret: Credential, timeout: timedelta = DEFAULT_TIMEOUT) -> list[tuple[int, int, int]]:
     """Every snapshot the peer holds (its own ranks' and replicas) as (rank, step, world size).
 
     Raises:

@@ -30,7 +30,15 @@ from resilrun.snapshot.shm import SharedBuffer
 from resilrun.tiers._priority import yield_to_training
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer.client import DEFAULT_TIMEOUT, push_view
-from resilrun.tiers.peer.wire import Announce, Deadline, ReplicationError, check_secret, parse_address, snapshot_bounds
+from resilrun.tiers.peer.wire import (
+    Announce,
+    Credential,
+    Deadline,
+    ReplicationError,
+    check_secret,
+    parse_address,
+    snapshot_bounds,
+)
 from resilrun.tiers.slots import Committed, RankMemory, crcs_at
 
 logger = logging.getLogger(__name__)
@@ -91,7 +99,7 @@ class Replicator:
     def __init__(
         self,
         memory: NodeMemoryTier,
-        secret: bytes,
+        secret: Credential,
         targets: Callable[[], list[str]],
         *,
         world_size: Callable[[], int | None] | None = None,

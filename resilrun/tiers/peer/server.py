@@ -42,6 +42,7 @@ from resilrun.tiers.peer.store import LocalRef, Replica, ReplicaStore, Reservati
 from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot
 from resilrun.tiers.peer.wire import (
     Announce,
+    Credential,
     Deadline,
     ReplicationError,
     Session,
@@ -76,7 +77,7 @@ class ReplicaServer:
 
     def __init__(
         self,
-        secret: bytes,
+        secret: Credential,
         replicas: ReplicaStore,
         memory: NodeMemoryTier,
         host: str = "127.0.0.1",
