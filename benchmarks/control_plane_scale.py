@@ -15,6 +15,11 @@ tick and every other agent's counter every interval: O(N^2) store traffic); ``sc
 document only when its version counter moves (``RendezvousClient(refresh_s=...)``) and watches two
 ring successors (``heartbeat.watched_nodes``): O(N).
 
+``--backends torchrun`` runs the same N agents through **torchrun's own** c10d rendezvous handler
+(``torch.distributed.elastic.rendezvous.dynamic_rendezvous``, unchanged; ``_torchrun_rdzv_agents.py``)
+against the same kind of hosted TCPStore, for the rendezvous row's ratio: its agents are threads
+in ``TORCHRUN_PROCS`` processes (its API blocks), started together on a ``go`` key.
+
 Agents are tasks on a small pool of threads (one store connection per thread), scheduled on the
 monotonic clock; when the store (or this 2-core machine) cannot keep up, ticks run late and the
 lag is reported. Every phase has a deadline and the whole run a budget, so it stops by itself.
@@ -56,6 +61,8 @@ WARMUP_S, MEASURE_S = 2.0, 4.0
 DETECT_DEADLINE_S = TIMEOUT_S + 20.0
 REFRESH_S = 10.0  # the scalable mode's safety-net re-read of the whole document
 FANOUT = 2
+TORCHRUN_PROCS = 8  # processes the torchrun agents' threads are spread over (at most N)
+TORCHRUN_MODE = "torchrun's handler"
 
 
 class CountingBackend(RendezvousBackend):
@@ -316,15 +323,19 @@ _HOST_STORE = (
 )
 
 
-def c10d_store() -> tuple[Callable[[], RendezvousBackend], int, Callable[[], None]]:
-    """A TCPStore hosted by a child process, as an agent would host it, so its CPU can be measured."""
+def _hosted_store() -> tuple[int, Any]:
     import subprocess
-
-    from resilrun.rendezvous.c10d import C10dBackend, connect_store
 
     child = subprocess.Popen([sys.executable, "-c", _HOST_STORE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert child.stdout is not None
-    port = int(child.stdout.readline())
+    return int(child.stdout.readline()), child
+
+
+def c10d_store() -> tuple[Callable[[], RendezvousBackend], int, Callable[[], None]]:
+    """A TCPStore hosted by a child process, as an agent would host it, so its CPU can be measured."""
+    from resilrun.rendezvous.c10d import C10dBackend, connect_store
+
+    port, child = _hosted_store()
 
     def connect() -> RendezvousBackend:
         return C10dBackend(connect_store("127.0.0.1", port, timedelta(seconds=30)), "bench")
@@ -334,6 +345,65 @@ def c10d_store() -> tuple[Callable[[], RendezvousBackend], int, Callable[[], Non
         child.wait(10)
 
     return connect, child.pid, stop
+
+
+def torchrun_cell(n: int) -> dict[str, Any]:
+    """N agents through torchrun's DynamicRendezvousHandler on a fresh hosted TCPStore: the time from
+    the common start until the last one's ``next_rendezvous()`` returned."""
+    import subprocess
+
+    from torch.distributed import TCPStore
+
+    port, child = _hosted_store()
+    run_id = f"torchrun-{uuid.uuid4().hex[:8]}"
+    procs = min(TORCHRUN_PROCS, n)
+    script = str(Path(__file__).with_name("_torchrun_rdzv_agents.py"))
+    workers = []
+    result: dict[str, Any] = {"n": n, "mode": TORCHRUN_MODE}
+    try:
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=RENDEZVOUS_DEADLINE_S))
+        first = 0
+        for p in range(procs):
+            count = n // procs + (1 if p < n % procs else 0)
+            argv = [sys.executable, script, str(port), run_id, str(n), str(first), str(count)]
+            workers.append(
+                subprocess.Popen([*argv, str(RENDEZVOUS_DEADLINE_S)], stdout=subprocess.PIPE, text=True)
+            )
+            first += count
+        ready_by = time.monotonic() + RENDEZVOUS_DEADLINE_S
+        while store.add(f"{run_id}/ready", 0) < n:
+            if time.monotonic() > ready_by or any(w.poll() is not None for w in workers):
+                result["note"] = "torchrun's agents did not all start"
+                return result
+            time.sleep(0.1)
+        cpu0 = _cpu(child.pid)
+        started = time.time()
+        store.set(f"{run_id}/go", "1")
+        lines: list[str] = []
+        for worker in workers:
+            try:
+                out, _ = worker.communicate(timeout=max(1.0, started + RENDEZVOUS_DEADLINE_S + 30 - time.time()))
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                out, _ = worker.communicate()
+            lines += [line for line in out.splitlines() if line.strip()]
+        done = [json.loads(line) for line in lines]
+        finished = [d["t"] for d in done if "t" in d]
+        errors = [d["error"] for d in done if "error" in d]
+        if len(finished) < n:
+            why = f": {errors[0]}" if errors else ""
+            result["note"] = f"rendezvous not complete in {RENDEZVOUS_DEADLINE_S:g} s ({len(finished)}/{n}){why}"
+            return result
+        result["rendezvous_s"] = max(finished) - started
+        result["store_cpu_pct"] = 100 * (_cpu(child.pid) - cpu0) / result["rendezvous_s"]
+        return result
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(10)
+        child.kill()
+        child.wait(10)
 
 
 def etcd_store() -> tuple[Callable[[], RendezvousBackend], int, Callable[[], None]]:
@@ -375,13 +445,17 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['backend']} | {r['mode']} | {r['n']} | {_fmt(r.get('rendezvous_s'))} | {_fmt(r.get('detect_s'))} "
             f"| {_fmt(r.get('decide_s'))} | {_fmt(r.get('ops_per_s'), 0)} "
-            f"| {_fmt(r.get('ops_per_agent_s'), 1)} ({demand(r['mode'], r['n']):.0f}) "
+            f"| {_fmt(r.get('ops_per_agent_s'), 1)} ({_demanded(r)}) "
             f"| {_fmt(r.get('kib_read_per_agent_s'), 1)} | {_fmt(r.get('tick_lag_p99_ms'), 0)} "
             f"| {_fmt(r.get('store_cpu_pct'), 0)} | {_fmt(r.get('store_cpu_us_per_op'), 0)} "
             f"| {_fmt(r.get('sim_cpu_pct'), 0)} |"
             + (f" {r['note']}" if r.get("note") else "")
         )
     return "\n".join(lines)
+
+
+def _demanded(row: dict[str, Any]) -> str:
+    return "—" if row["mode"] == TORCHRUN_MODE else f"{demand(row['mode'], row['n']):.0f}"
 
 
 def demand(mode: str, n: int) -> float:
@@ -410,6 +484,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         ("c10d", "scalable"): ("tab:orange", "s-"),
         ("etcd", "all-to-all"): ("tab:green", "^-"),
         ("etcd", "scalable"): ("tab:red", "v-"),
+        ("c10d", TORCHRUN_MODE): ("black", "x--"),
     }
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, (metric, title) in zip(axes.flat, metrics, strict=True):
@@ -418,7 +493,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
             points = [(r["n"], r[metric]) for r in mine if r.get(metric)]
             if points:
                 ax.plot(*zip(*points, strict=True), style, color=color, label=f"{backend}, {mode}")
-            if metric == "ops_per_agent_s" and backend == "c10d" and mine:
+            if metric == "ops_per_agent_s" and backend == "c10d" and mode != TORCHRUN_MODE and mine:
                 sizes = [r["n"] for r in mine]
                 ax.plot(sizes, [demand(mode, n) for n in sizes], ":", color="gray")
         ax.set_xscale("log", base=2)
@@ -451,6 +526,18 @@ def main() -> None:
     deadline = time.monotonic() + args.budget_s
     rows: list[dict[str, Any]] = []
     for backend in args.backends.split(","):
+        if backend == "torchrun":
+            saturated = False
+            for n in sizes:
+                if time.monotonic() > deadline or saturated:
+                    why = "budget spent" if not saturated else "skipped: smaller N already saturated"
+                    rows.append({"backend": "c10d", "mode": TORCHRUN_MODE, "n": n, "note": why})
+                    continue
+                row = {"backend": "c10d", **torchrun_cell(n)}
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                saturated = row.get("rendezvous_s") is None
+            continue
         connect, store_pid, stop = {"c10d": c10d_store, "etcd": etcd_store}[backend]()
         try:
             for mode in args.modes.split(","):
