@@ -108,8 +108,14 @@ def test_a_second_host_lost_while_the_first_ones_generation_forms_is_recovered_i
     # With --max-restarts 0 a restart would fail the job: every remaining node must finish cleanly
     remaining = [active[0], active[3], *spares]
     for node in remaining:
-        assert node.wait(240) == 0, node.stderr()[-4000:]
+        # (every node's resilrun lines on failure: this test has hung under load twice, not alone)
+        assert node.wait(240) == 0, "\n---\n".join(_agent_lines(n.stderr())[-2500:] for n in [*active, *spares])
     err = "".join(n.stderr() for n in remaining)
     assert "restarting the job" not in err
     assert "take the lost node's place: generation 2" in err  # two generations: the first was superseded
     assert (tmp_path / "out.sha").read_text() == clean_checksum(launcher, tmp_path, 4, *TRAIN[1:-2])
+
+
+def _agent_lines(stderr: str) -> str:
+    """The agent's own lines and the workers' recovery lines, without tracebacks."""
+    return "\n".join(line for line in stderr.splitlines() if line.startswith(("[resilrun", "resilrun:")))

@@ -52,7 +52,11 @@ def _read(store: TCPStore, key: str) -> bytes:
 def _status(port: int, run_id: str, secret: Path) -> dict:
     argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
     done = subprocess.run(
-        [*argv, "--json", "--job-secret-file", str(secret)], capture_output=True, text=True, timeout=60, cwd=ROOT
+        [*argv, "--json", "--timeout", "30", "--job-secret-file", str(secret)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)["data"]
