@@ -14,7 +14,9 @@ allreduce), and of it the time to post the commit message to the agent (its answ
 the next commit); and the CPU seconds this process used (all its threads), because on a machine
 shared with other users' jobs wall time swings with their load and CPU time much less. The step
 does real work (forward, backward, DDP allreduce, AdamW) on an MLP whose parameters + Adam
-moments are the requested size, so "fraction of a step" is meaningful.
+moments are the requested size, so "fraction of a step" is meaningful; ``--model gpt`` trains
+``examples/train_gpt.py``'s decoder-only transformer instead (8 layers, vocabulary 8192, context
+128, its width solved from the requested size), on random tokens with cross-entropy.
 
 On a machine with CUDA the model, data and collectives go to ``job.device`` (NCCL, one GPU per
 local rank) and each step ends with a device synchronize, so step times are the GPU's, not the
@@ -26,12 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+GPT_LAYERS, GPT_VOCAB, GPT_CONTEXT = 8, 8192, 128
 
 LAYERS = 4  # square Linear layers; hidden size is solved from the requested state size
 
@@ -54,9 +60,31 @@ def build_model(state_mib: float) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def gpt_width_for(state_mib: float) -> int:
+    """The width w (a multiple of 64) whose GPT's params + AdamW moments (12 bytes a parameter,
+    about vocab * w + 12 * layers * w^2 parameters) come nearest to ``state_mib``."""
+    params = state_mib * 2**20 / 12
+    a, b = 12 * GPT_LAYERS, GPT_VOCAB
+    width = (-b + (b * b + 4 * a * params) ** 0.5) / (2 * a)
+    return max(64, round(width / 64) * 64)
+
+
+def build_gpt(state_mib: float) -> nn.Module:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from train_gpt import GPT
+
+    width = gpt_width_for(state_mib)
+    torch.manual_seed(0)
+    return GPT(GPT_VOCAB, GPT_CONTEXT, width, GPT_LAYERS, width // 64)
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
     """Forward, backward (DDP allreduces here when ``model`` is DDP) and an AdamW update."""
-    loss = nn.functional.mse_loss(model(x), x.tanh())
+    if x.dtype == torch.long:  # token sequences: the GPT
+        logits = model(x[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    else:
+        loss = nn.functional.mse_loss(model(x), x.tanh())
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -90,6 +118,7 @@ def main() -> None:
     parser.add_argument("--state-mib", type=float, default=64.0)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
     parser.add_argument("--plain-loop", action="store_true", help="no track()/steps(): no snapshots at all")
     args = parser.parse_args()
 
@@ -97,12 +126,18 @@ def main() -> None:
 
     job = resilrun.init()
     cuda = job.device.type == "cuda"
-    model = nn.parallel.DistributedDataParallel(
-        build_model(args.state_mib).to(job.device), device_ids=[job.device] if cuda else None
-    )
+    gpt = args.model == "gpt"
+    built = build_gpt(args.state_mib) if gpt else build_model(args.state_mib)
+    model = nn.parallel.DistributedDataParallel(built.to(job.device), device_ids=[job.device] if cuda else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    hidden = hidden_for(args.state_mib)
+    hidden = gpt_width_for(args.state_mib) if gpt else hidden_for(args.state_mib)
     gen = torch.Generator().manual_seed(job.rank)
+
+    def batch() -> torch.Tensor:
+        if gpt:  # --batch sequences of GPT_CONTEXT + 1 tokens
+            return torch.randint(0, GPT_VOCAB, (args.batch, GPT_CONTEXT + 1), generator=gen)
+        return torch.randn(args.batch, hidden, generator=gen)
+
     loop: Iterable[int]
     messages: list[float] = []
     if args.plain_loop:
@@ -119,7 +154,7 @@ def main() -> None:
     for _ in loop:
         tops.append(time.perf_counter())
         cpu.append(time.process_time())
-        train_step(model, opt, torch.randn(args.batch, hidden, generator=gen).to(job.device))
+        train_step(model, opt, batch().to(job.device))
         ends.append(time.perf_counter())
     tops.append(time.perf_counter())  # after the last commit: steps() returned
     cpu.append(time.process_time())
@@ -129,6 +164,7 @@ def main() -> None:
     torch.distributed.all_gather(gathered, torch.tensor(commits, dtype=torch.float64, device=job.device))
     if job.rank == 0:
         result = {
+            "model": args.model,
             "hidden": hidden,
             "state_bytes": state_bytes(model, opt),
             "threads": torch.get_num_threads(),

@@ -153,6 +153,7 @@ def run_inproc(mib: float, args: argparse.Namespace) -> dict[str, Any]:
 def run_job(variant: Variant, mib: float, args: argparse.Namespace) -> dict[str, Any]:
     """Part 2: one launch of the worker; rank 0's per-step times, reduced to medians."""
     script = [str(WORKER), "--state-mib", str(mib), "--steps", str(args.steps), "--batch", str(args.batch)]
+    script += ["--model", args.model]
     script += variant.worker_args
     topology = ["--standalone", "--nproc-per-node", str(args.nproc)]
     cmds = []
@@ -269,6 +270,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="part 2: samples per rank per step")
     parser.add_argument("--nproc", type=int, default=2, help="part 2: ranks (--nproc-per-node)")
     parser.add_argument("--replicas", type=int, default=0, help="part 2: add a 2-node row with --replicas K")
+    parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp", help="part 2: the MLP or examples' GPT")
     parser.add_argument("--encrypted", action="store_true", help="part 2: with --replicas, add a --peer-encryption row")
     parser.add_argument("--skip", choices=["inproc", "jobs"], default=None, help="leave one part out")
     parser.add_argument("--timeout", type=float, default=240.0, help="per subprocess, seconds")

@@ -26,6 +26,9 @@ TINY = {
     "train_checkpointless.py": ["--steps", "6", "--hidden", "16"],
     "train_ddp_torchrun.py": ["--steps", "6", "--hidden", "16"],
     "train_fsdp2.py": ["--steps", "6", "--hidden", "16", "--layers", "2"],
+    "train_gpt.py": [
+        "--steps", "8", "--layers", "2", "--width", "32", "--heads", "2", "--vocab", "64", "--context", "16",
+    ],  # fmt: skip
     "train_scheduler_dataloader.py": [
         "--steps",
         "8",
@@ -87,7 +90,9 @@ def test_python_example_runs_under_resilrun(launcher, tmp_path: Path, name: str)
     assert "done:" in run.stdout()
 
 
-@pytest.mark.parametrize(("name", "fault_step"), [("train_fsdp2.py", 4), ("train_scheduler_dataloader.py", 5)])
+@pytest.mark.parametrize(
+    ("name", "fault_step"), [("train_fsdp2.py", 4), ("train_scheduler_dataloader.py", 5), ("train_gpt.py", 5)]
+)
 def test_three_call_example_resumes_after_a_kill_bitwise_equal(
     launcher, tmp_path: Path, name: str, fault_step: int
 ) -> None:
