@@ -28,7 +28,7 @@ import torch
 from resilrun.checkpoint.consolidate import Assembler, RankFile
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError
 
-__all__ = ["Step", "load", "module_state", "open_step"]
+__all__ = ["Step", "durable_mac_key", "load", "module_state", "open_step"]
 
 # Prefixes wrappers add to a module's parameter names: DDP's and torch.compile's.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -133,7 +133,7 @@ def open_step(
     from resilrun.storage import create_storage
     from resilrun.tiers import durable
 
-    mac_key = _mac_key(job_secret_file)
+    mac_key = durable_mac_key(job_secret_file)
 
     storage = create_storage(uri, s3_endpoint_url=s3_endpoint_url, s3_expected_owner=s3_expected_owner)
     steps = durable.list_steps(storage)
@@ -161,7 +161,8 @@ def open_step(
     return Step(storage, step, record, _read(storage, step, 0, record, mac_key), mac_key)
 
 
-def _mac_key(job_secret_file: str | None) -> bytes | None:
+def durable_mac_key(job_secret_file: str | None) -> bytes | None:
+    """The persistent tier's MAC key from the run's secret file (None without one)."""
     if job_secret_file is None:
         return None
     from resilrun.job_secret import external_secret

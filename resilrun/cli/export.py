@@ -22,6 +22,7 @@ import typer
 from resilrun.cli._errors import render
 from resilrun.cli._output import Output
 from resilrun.cli._progress import progress
+from resilrun.cli._secret import secret_file_option
 
 
 def export(
@@ -48,12 +49,7 @@ def export(
     json_output: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON document on stdout.")] = False,
     job_secret_file: Annotated[
         str | None,
-        typer.Option(
-            "--job-secret-file",
-            envvar="RESILRUN_JOB_SECRET_FILE",
-            metavar="PATH",
-            help="The run's secret file: export only a step whose every MAC verifies.",
-        ),
+        secret_file_option("The run's secret file: export only a step whose every MAC verifies."),
     ] = None,
     s3_endpoint_url: Annotated[
         str | None,

@@ -35,6 +35,7 @@ import typer
 from resilrun.cli._errors import render
 from resilrun.cli._output import Output
 from resilrun.cli._progress import progress as _progress
+from resilrun.cli._secret import secret_file_option
 from resilrun.errors import CheckpointNotFoundError
 from resilrun.log import rank_ranges
 
@@ -57,12 +58,7 @@ def inspect_checkpoint(
     json_output: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON document on stdout.")] = False,
     job_secret_file: Annotated[
         str | None,
-        typer.Option(
-            "--job-secret-file",
-            envvar="RESILRUN_JOB_SECRET_FILE",
-            metavar="PATH",
-            help="The run's secret file: also check every MAC (implies --verify) and say if it is authentic.",
-        ),
+        secret_file_option("The run's secret file: also check every MAC (implies --verify); say if authentic."),
     ] = None,
     s3_endpoint_url: Annotated[
         str | None,
@@ -83,7 +79,9 @@ def inspect_checkpoint(
     """List a checkpoint's steps, ranks and tensors; --verify checks every checksum."""
     out = Output(json_mode=json_output)
     try:
-        mac_key = _mac_key(job_secret_file)
+        from resilrun.checkpoint import durable_mac_key
+
+        mac_key = durable_mac_key(job_secret_file or None)
         report = _inspect(uri, step, verify or mac_key is not None, mac_key, s3_endpoint_url, s3_expected_owner)
     except Exception as exc:
         if not json_output:
@@ -97,16 +95,6 @@ def inspect_checkpoint(
 
 
 # -- gathering -------------------------------------------------------------------------------------
-def _mac_key(job_secret_file: str | None) -> bytes | None:
-    if not job_secret_file:
-        return None
-    from resilrun.job_secret import external_secret
-    from resilrun.tiers._authentic import durable_key
-
-    secret = external_secret(job_secret_file, {})
-    return None if secret is None else durable_key(secret)
-
-
 def _inspect(
     uri: str,
     step: int | None,

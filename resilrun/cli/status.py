@@ -19,6 +19,7 @@ import typer
 from resilrun.cli import _status_render as view
 from resilrun.cli._errors import render
 from resilrun.cli._output import Output
+from resilrun.cli._secret import secret_file_option
 from resilrun.errors import RendezvousError, ResilrunError
 
 # Seconds: the store answers a live job in milliseconds; a few seconds covers a slow network
@@ -88,12 +89,7 @@ def status(
     ] = "",
     job_secret_file: Annotated[
         str | None,
-        typer.Option(
-            "--job-secret-file",
-            envvar="RESILRUN_JOB_SECRET_FILE",
-            metavar="PATH",
-            help="The job's secret file (or RESILRUN_JOB_SECRET): the store's documents are then verified.",
-        ),
+        secret_file_option("The job's secret file (or RESILRUN_JOB_SECRET): the store's documents are then verified."),
     ] = None,
 ) -> None:
     """Show a running job: nodes, ranks, spares, snapshot progress, failures and recoveries."""
