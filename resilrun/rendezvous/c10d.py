@@ -2,7 +2,7 @@
 
 All torch store errors are translated in one place (``_call``) into StoreConnectionError, so a dead
 or unreachable store host reads the same everywhere. Every operation also has a deadline
-(``_StoreCalls``): a TCPStore client's set/get/add carry no timeout of their own, so when the store
+(``StoreCalls``): a TCPStore client's set/get/add carry no timeout of their own, so when the store
 host drops off the network without closing its connections (a cut link, a powered-off machine: no
 FIN, no RST), they would block until TCP gives up, hours later, and the node would hang there.
 
@@ -53,7 +53,7 @@ class _Pending:
         self.error: BaseException | None = None
 
 
-class _StoreCalls:
+class StoreCalls:
     """Runs one store client's operations on a daemon thread, each waited for at most ``timeout_s``.
 
     Why a thread: the blocking call cannot be interrupted, so the caller stops waiting instead and
@@ -121,7 +121,7 @@ class C10dBackend(RendezvousBackend):
         """``timeout``: the most any one operation may take (``--rdzv-conf read_timeout``)."""
         self.store = store
         self.endpoint = endpoint
-        self._calls = _StoreCalls(endpoint, timeout.total_seconds())
+        self._calls = StoreCalls(endpoint, timeout.total_seconds())
 
     def _call(self, fn: Callable[[], T]) -> T:
         return self._calls.call(lambda: _call(self.endpoint, fn))

@@ -9,6 +9,7 @@ timeout once, before the backend's own client (whose connect retries for its who
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -50,27 +51,34 @@ def open_readonly(
 
 
 def _open_tcpstore(host: str, port: int, timeout: timedelta) -> RendezvousBackend:
+    """The probe and the store client's connect share one deadline, and every read after gets
+    ``timeout`` too. TCPStore's own connect retries a refused port with back-off and overshoots its
+    timeout by half or more (a job ending between the probe and the connect is refused), so it runs
+    under the deadline of :class:`~resilrun.rendezvous.c10d.StoreCalls` rather than on its own."""
     endpoint = f"{host}:{port}"
+    deadline = time.monotonic() + timeout.total_seconds()
     probe(host, port, timeout)
     from resilrun.env import quiet_torch_native_logs
-    from resilrun.rendezvous.c10d import C10dBackend, _call
+    from resilrun.rendezvous.c10d import C10dBackend, StoreCalls, _call
 
     quiet_torch_native_logs()  # a store going away mid-read must end as our one line, not a C++ trace
+    left = max(deadline - time.monotonic(), 0.1)
 
     def connect() -> object:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
 
-        return TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left), wait_for_workers=False)
 
     try:
-        store = _call(endpoint, connect)
+        store = StoreCalls(endpoint, left).call(lambda: _call(endpoint, connect))
     except StoreConnectionError as exc:
         raise StoreConnectionError(
-            f"{endpoint} accepted a connection but no rendezvous store answered there",
+            f"{endpoint} accepted a connection but no rendezvous store answered there within "
+            f"{timeout.total_seconds():g} s",
             hint="the job may be ending right now; otherwise check --rdzv-endpoint (the job's rendezvous "
             "host:port) and --rdzv-backend",
         ) from exc.__cause__
-    return C10dBackend(store, endpoint)  # type: ignore[arg-type]  # a TCPStore, built lazily above
+    return C10dBackend(store, endpoint, timeout)  # type: ignore[arg-type]  # a TCPStore, built lazily above
 
 
 def probe(host: str, port: int, timeout: timedelta) -> None:

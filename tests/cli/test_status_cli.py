@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -78,6 +79,29 @@ def test_a_silent_host_fails_within_the_timeout(capsys: pytest.CaptureFixture[st
         result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{silent.getsockname()[1]}", "--timeout", "1")
         assert time.monotonic() - started < 8
     assert result.code == 3 and "resilrun: error:" in result.err and "Traceback" not in result.err
+
+
+def test_a_store_that_goes_away_after_the_probe_fails_within_the_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    # The job ends between status's probe and its store client's connect: the port is refused from
+    # then on, and TCPStore's own connect would retry it with back-off well past the timeout.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+
+    def end_after_the_probe() -> None:
+        probe, _ = listener.accept()
+        probe.close()
+        listener.close()
+
+    ending = threading.Thread(target=end_after_the_probe, daemon=True)
+    ending.start()
+    started = time.monotonic()
+    result = invoke(capsys, "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "4")
+    elapsed = time.monotonic() - started
+    ending.join(5)
+    assert elapsed < 5.5, f"status took {elapsed:.1f} s with --timeout 4"
+    assert result.code == 3 and "no rendezvous store answered there within 4 s" in result.err, result.err
 
 
 def test_json_is_the_composed_document_of_the_newest_job(
