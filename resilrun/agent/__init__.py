@@ -28,6 +28,7 @@ from resilrun.agent.events import EVENTS_FILE, EventLog
 from resilrun.agent.fault_hooks import PERSIST_DELAY_ENV, delay_s
 from resilrun.agent.fence import WriteFence
 from resilrun.agent.heartbeat import HeartbeatSender
+from resilrun.agent.node_loss import PeerLiveness
 from resilrun.agent.persister import Persister
 from resilrun.agent.procs import HANDLED_SIGNALS
 from resilrun.agent.replication import PeerTier, job_secret
@@ -215,13 +216,17 @@ def run(config: Config) -> None:
             base_env={**agent_environ(), **worker_network_env(advertised, os.environ), **channel_env(channel)},
             agent_socket=channel.path,
         )
-        supervisor = Supervisor(config, setup, rdzv, signals, control, telemetry)
+        peer_key = PeerKey(secret, encrypt=config.peer_encryption)
+        # A node's silence in the store is confirmed on its replica server before it counts as lost.
+        liveness = PeerLiveness(peer_key, config.heartbeat_interval_s) if replicated else None
+        supervisor = Supervisor(config, setup, rdzv, signals, control, telemetry, liveness=liveness)
         peers = None
         if replicated:
             peers = PeerTier(
                 memory,
-                PeerKey(secret, encrypt=config.peer_encryption),
+                peer_key,
                 config.rdzv_id,
+                me.node_id,
                 addr,
                 targets=supervisor.replica_targets,
                 peers=supervisor.peer_addresses,

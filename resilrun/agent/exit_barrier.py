@@ -75,7 +75,7 @@ class ExitBarrier:
             now = clock.monotonic()
             if now >= next_check:
                 next_check = now + self._config.heartbeat_interval_s
-                lost = self._lost_before_finishing(state.round, running[:WATCH_FANOUT], judge)
+                lost = self._lost_before_finishing(state, running[:WATCH_FANOUT], judge)
                 if lost:
                     return self._restarts.after_node_loss(state, self._node_watch.failures(state, lost, judge), [])
             if now >= deadline:
@@ -97,13 +97,14 @@ class ExitBarrier:
             running = [n for n in running if n not in finished]
         return running
 
-    def _lost_before_finishing(self, round: int, watched: list[str], judge: StalenessJudge) -> tuple[str, ...]:
+    def _lost_before_finishing(self, state: RdzvState, watched: list[str], judge: StalenessJudge) -> tuple[str, ...]:
         judge.forget_all_but(watched)
         for node in watched:
             judge.observe(node, self._rdzv.backend.add(keys.node_heartbeat(self._rdzv.run_id, node), 0))
         lost = judge.lost()
         # A node that finished just before it went silent is not lost: read its flag once more.
-        return tuple(n for n, done in zip(lost, self._done_flags(round, lost), strict=True) if not done)
+        lost = [n for n, done in zip(lost, self._done_flags(state.round, lost), strict=True) if not done]
+        return self._node_watch.confirm_lost((state,), lost, judge)
 
     def _give_up(self, state: RdzvState, running: list[str]) -> RoundEnd:
         """The deadline passed: stop the job, so the nodes still running end too."""

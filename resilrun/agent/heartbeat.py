@@ -51,6 +51,12 @@ class StalenessJudge:
         blind = now - observed - self.max_gap_s
         self._seen[node] = (counter, changed + max(blind, 0.0), now)
 
+    def revive(self, node: str) -> None:
+        """The node was seen alive another way (rendezvous/peer proof): its silence starts over now."""
+        now = self.clock.monotonic()
+        counter = self._seen[node][0] if node in self._seen else -1
+        self._seen[node] = (counter, now, now)
+
     def forget_all_but(self, nodes: Iterable[str]) -> None:
         keep = set(nodes)
         self._seen = {n: v for n, v in self._seen.items() if n in keep}

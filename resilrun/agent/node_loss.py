@@ -4,12 +4,22 @@ Each node watches its ring successors and, on the first two node ranks, the spar
 participant's place goes to a spare node by one compare-and-set on the rendezvous state
 (``protocol.decide_replace``: one decision per generation, whichever node's lands first); the
 survivors then move to the new generation in their processes (``InProcessRecovery.enter_generation``).
+
+A heartbeat verdict is confirmed before it counts (``NodeWatch.confirm_lost``): heartbeats are
+counters in the rendezvous store, and a party that can write the store but lacks the job secret can
+hold a live node's counter still. A node whose counter stood still past the timeout but whose agent
+proves the job secret on its replica server within one heartbeat interval (``PeerLiveness``) is not
+lost; the watcher says so and watches it afresh. A dead, frozen or cut-off node cannot answer, so a
+real loss costs at most one more interval to confirm (a refused connection costs nothing).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.failures import ProcessFailure, root_cause
@@ -20,13 +30,33 @@ from resilrun.agent.rounds import Round
 from resilrun.agent.telemetry import Telemetry
 from resilrun.config import Config
 from resilrun.rendezvous.executor import RendezvousClient
-from resilrun.rendezvous.protocol import RdzvState, recovery_budget_spent
+from resilrun.rendezvous.protocol import NodeInfo, RdzvState, recovery_budget_spent
+from resilrun.tiers.peer import ReplicationError, alive
+from resilrun.tiers.peer.wire import Credential
 
 logger = logging.getLogger("resilrun.agent.supervisor")
 
 # Ring successors each node watches: two, so that two adjacent nodes lost together are seen together
 # and a watcher that is itself slow is covered (see heartbeat.watched_nodes).
 WATCH_FANOUT = 2
+
+
+class PeerLiveness:
+    """Asks a node's agent, over its replica server's authenticated channel, whether it is alive."""
+
+    def __init__(self, secret: Credential, timeout_s: float) -> None:
+        self._secret = secret
+        self._timeout = timedelta(seconds=timeout_s)
+
+    def answers(self, node: NodeInfo) -> bool:
+        """Whether ``node``'s own agent proved the job secret and its node id within the timeout."""
+        if not node.peer_addr:
+            return False
+        try:
+            return alive(node.peer_addr, self._secret, self._timeout) == node.node_id
+        except ReplicationError as exc:
+            logger.debug("node %s did not answer on its peer channel: %s", node.node_id, exc.message)
+            return False
 
 
 class NodeWatch:
@@ -39,12 +69,54 @@ class NodeWatch:
         control: WorkerControl,
         telemetry: Telemetry,
         restarts: Restarts,
+        liveness: PeerLiveness | None = None,
     ) -> None:
+        """``liveness``: confirms heartbeat verdicts (None: a counter standing still is proof enough,
+        as when replication is off and nodes run no replica server)."""
         self._config = config
         self._rdzv = rdzv
         self._control = control
         self._telemetry = telemetry
         self._restarts = restarts
+        self._liveness = liveness
+        self._refuted: set[str] = set()  # nodes whose stalled counter was refuted (warned once each)
+
+    def confirm_lost(
+        self, states: Iterable[RdzvState], candidates: Iterable[str], judge: StalenessJudge
+    ) -> tuple[str, ...]:
+        """The ``candidates`` (judged stale) whose agents do not prove they are alive.
+
+        ``states``: where to look the nodes up (participants and spares). A node that answers is
+        watched afresh (``judge.revive``) and is not lost; the first time, the watcher warns that
+        its heartbeat key may have been tampered with."""
+        candidates = tuple(candidates)
+        if self._liveness is None or not candidates:
+            return candidates
+        infos = {n.node_id: n for state in states for n in (*state.participants, *state.spares)}
+        known = [infos[n] for n in candidates if n in infos]
+        # Asked at once: nodes lost together (a rack) cost one timeout to confirm, not one each.
+        with ThreadPoolExecutor(max_workers=max(1, len(known)), thread_name_prefix="resilrun-liveness") as pool:
+            answered = {n.node_id for n, ok in zip(known, pool.map(self._liveness.answers, known), strict=True) if ok}
+        lost = []
+        for node_id in candidates:
+            node = infos.get(node_id)
+            if node is None or node_id not in answered:
+                lost.append(node_id)
+                continue
+            age = judge.age(node_id) or 0.0
+            judge.revive(node_id)
+            level = logging.DEBUG if node_id in self._refuted else logging.WARNING
+            self._refuted.add(node_id)
+            logger.log(
+                level,
+                "the heartbeat counter of %s (%s) has not moved in the store for %.1f s, yet its agent proved the "
+                "job secret on its replica server: not judged lost (a party with access to the store may be "
+                "holding its counter still, or the node's store link is cut)",
+                node.hostname or node_id,
+                node_id,
+                age,
+            )
+        return tuple(lost)
 
     def judge(self, judge: StalenessJudge, state: RdzvState, current: RdzvState) -> tuple[str, ...]:
         """Read the heartbeats of the round's other nodes and of the spare nodes; returns the lost
@@ -64,6 +136,8 @@ class NodeWatch:
             judge.observe(node, counter)
         stale = set(judge.stale())
         lost = set(judge.lost())
+        confirmed = set(self.confirm_lost((state, current), [n for n in watched if n in stale], judge))
+        stale, lost = stale & confirmed, lost & confirmed
         dead_spares = tuple(n for n in spares if n in stale)
         if dead_spares:
             logger.warning("spare node(s) %s stopped heartbeating: no longer counted as spares", ", ".join(dead_spares))

@@ -46,6 +46,7 @@ class PeerTier:
         memory: NodeMemoryTier,
         secret: Credential,
         run_id: str,
+        node_id: str,
         host: str,
         targets: Callable[[], list[str]],
         peers: Callable[[], list[str]],
@@ -57,7 +58,9 @@ class PeerTier:
         and the server's bar (it refuses pushes from senders that follow an older one)."""
         self.secret = secret
         self.store = ReplicaStore(run_id)
-        self.server = ReplicaServer(secret, self.store, memory, host=_resolve(host), generation=generation)
+        self.server = ReplicaServer(
+            secret, self.store, memory, host=_resolve(host), generation=generation, node_id=node_id
+        )
         self.replicator = Replicator(
             memory,
             secret,

@@ -83,7 +83,7 @@ class RoundMaster:
             if clock.monotonic() >= next_check:
                 judge.observe(leader, backend.add(keys.node_heartbeat(self._rdzv.run_id, leader), 0))
                 next_check = clock.monotonic() + self._config.heartbeat_interval_s
-                if judge.stale():
+                if judge.stale() and self._node_watch.confirm_lost((state, current), (leader,), judge):
                     self._leader_lost(state, leader, judge)
                     return None
             clock.sleep(_ADDRESS_POLL_S)

@@ -25,7 +25,7 @@ from resilrun.agent.exit_barrier import ExitBarrier
 from resilrun.agent.failures import FailureLedger
 from resilrun.agent.heartbeat import StalenessJudge
 from resilrun.agent.inprocess import InProcessRecovery
-from resilrun.agent.node_loss import NodeWatch
+from resilrun.agent.node_loss import NodeWatch, PeerLiveness
 from resilrun.agent.policy import Action, AgentView, decide
 from resilrun.agent.procs import Processes
 from resilrun.agent.restarts import Restarts
@@ -59,9 +59,12 @@ class Supervisor:
         control: WorkerControl,
         telemetry: Telemetry | None = None,
         processes: Processes | None = None,
+        liveness: PeerLiveness | None = None,
     ) -> None:
         """``telemetry``: events, status history and metrics (none: nothing recorded);
-        ``processes``: real worker processes unless a test gives fakes. The clock is ``rdzv.clock``."""
+        ``processes``: real worker processes unless a test gives fakes; ``liveness``: confirms a
+        node's silence on its peer channel before it counts as lost (node_loss.py). The clock is
+        ``rdzv.clock``."""
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.control = control
         self.config = config
@@ -82,7 +85,7 @@ class Supervisor:
             control, ledger, rdzv.backend, rdzv.me.node_id, config.heartbeat_interval_s, clock=clock.monotonic
         )
         self.restarts = Restarts(config, setup, rdzv, ledger, self.telemetry, self._processes)
-        self.node_watch = NodeWatch(config, rdzv, control, self.telemetry, self.restarts)
+        self.node_watch = NodeWatch(config, rdzv, control, self.telemetry, self.restarts, liveness)
         self.round_master = RoundMaster(
             config, setup, rdzv, signals, control, self.membership, self.node_watch, self.restarts
         )

@@ -56,7 +56,7 @@ def test_hosting_a_store_leaks_no_descriptor() -> None:
 def test_the_replica_server_binds_the_local_address_not_every_interface(host: str) -> None:
     memory = NodeMemoryTier("listen-test")
     tier = PeerTier(
-        memory, os.urandom(32), "listen-test", host, targets=list, peers=list, world_size=lambda: 0,
+        memory, os.urandom(32), "listen-test", "node-a", host, targets=list, peers=list, world_size=lambda: 0,
         generation=lambda: -1,
     )  # fmt: skip
     try:

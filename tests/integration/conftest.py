@@ -243,6 +243,27 @@ def needs_nft() -> None:
         pytest.skip(why)
 
 
+def worker_stacks(*launches: Launch, settle_s: float = 2.0) -> str:
+    """Every still-running worker's Python stacks (for a hang's failure message): the worker
+    bootstrap enables faulthandler, so SIGABRT makes each print all its threads' stacks to its
+    stderr, which its agent copies to its own. Ends those workers."""
+    aborted = []
+    for launch in launches:
+        for pid in alive(launch.remember_descendants()):
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if "resilrun.worker._bootstrap" in " ".join(psutil.Process(pid).cmdline()):
+                    os.kill(pid, signal.SIGABRT)
+                    aborted.append(pid)
+    time.sleep(settle_s)
+    stacks = []
+    for launch in launches:
+        lines = launch.stderr().splitlines()
+        starts = [i for i, line in enumerate(lines) if "Fatal Python error: Aborted" in line]
+        for start in starts:
+            stacks.append("\n".join(lines[start : start + 60]))
+    return f"workers aborted for their stacks: {aborted}\n" + "\n---\n".join(stacks)
+
+
 def newest_step(node: Launch) -> int:
     """The newest "step N loss" line a node's rank 0 printed (-1: none yet)."""
     steps = re.findall(r"^step (\d+) loss", node.stdout(), re.MULTILINE)

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import PORT, Launch, clean_checksum, drop_off, newest_step, wait_for
+from tests.integration.conftest import (
+    PORT,
+    Launch,
+    clean_checksum,
+    drop_off,
+    newest_step,
+    wait_for,
+    worker_stacks,
+)
 from tests.integration.test_tier1_restore import EXAMPLE
 
 pytestmark = pytest.mark.integration
@@ -108,8 +116,15 @@ def test_a_second_host_lost_while_the_first_ones_generation_forms_is_recovered_i
     # With --max-restarts 0 a restart would fail the job: every remaining node must finish cleanly
     remaining = [active[0], active[3], *spares]
     for node in remaining:
-        # (every node's resilrun lines on failure: this test has hung under load twice, not alone)
-        assert node.wait(240) == 0, "\n---\n".join(_agent_lines(n.stderr())[-2500:] for n in [*active, *spares])
+        # (on a hang, every node's resilrun lines and the workers' stacks: this test has hung under
+        # load three times, never alone)
+        try:
+            code = node.wait(240)
+        except TimeoutError:
+            everyone = [*active, *spares]
+            agents = "\n---\n".join(_agent_lines(n.stderr())[-2500:] for n in everyone)
+            pytest.fail(f"{agents}\n=== stacks\n{worker_stacks(*everyone)}")
+        assert code == 0, "\n---\n".join(_agent_lines(n.stderr())[-2500:] for n in [*active, *spares])
     err = "".join(n.stderr() for n in remaining)
     assert "restarting the job" not in err
     assert "take the lost node's place: generation 2" in err  # two generations: the first was superseded

@@ -5,10 +5,10 @@ nodes (``Replicator``, in ``replicator``), serves what it holds to peers (``Repl
 ``server``, with ``refs`` for the bytes a replica shares with the receiver's own node memory), and
 keeps what peers sent it in memory (``ReplicaStore``, in ``store``). The wire protocol, with mutual
 authentication on the job secret and per-tensor crc32s, is in ``wire`` and ``stream``; the client
-calls (``push``, ``fetch``, ``held``) are in ``client``.
+calls (``push``, ``fetch``, ``held``, ``alive``) are in ``client``.
 """
 
-from resilrun.tiers.peer.client import fetch, held, inventory, push
+from resilrun.tiers.peer.client import alive, fetch, held, inventory, push
 from resilrun.tiers.peer.replicator import Replicator
 from resilrun.tiers.peer.server import ReplicaServer
 from resilrun.tiers.peer.store import Replica, ReplicaStore
@@ -20,6 +20,7 @@ __all__ = [
     "ReplicaStore",
     "ReplicationError",
     "Replicator",
+    "alive",
     "fetch",
     "held",
     "inventory",

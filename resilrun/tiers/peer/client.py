@@ -1,4 +1,4 @@
-"""Tier 2 client calls: push a snapshot to a peer, fetch one back, ask what a peer holds.
+"""Tier 2 client calls: push a snapshot to a peer, fetch one back, ask what a peer holds, or whether it lives.
 
 Each call opens one connection, authenticates both ways on the job secret (a client never sends
 state to a peer that cannot prove the secret), makes one request under one total deadline, and
@@ -218,3 +218,23 @@ def inventory(address: str, secret: Credential, timeout: timedelta = DEFAULT_TIM
         return [(int(rank), int(step), int(world)) for rank, step, world in reply["entries"]]
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ReplicationError(f"peer {address} sent a malformed HELD reply") from None
+
+
+def alive(address: str, secret: Credential, timeout: timedelta) -> str:
+    """The node id of the agent serving at ``address``, proved on the job secret within ``timeout``.
+
+    Why it exists: heartbeats are counters in the rendezvous store, which a party without the secret
+    can write (pin a live node's counter and it looks lost). This answer cannot be forged or
+    replayed: it comes over a session keyed on fresh nonces of both sides.
+
+    Raises:
+        ReplicationError: unreachable, unauthenticated, timed out, or a malformed reply.
+    """
+    deadline = Deadline.total(timeout.total_seconds())
+    with connection(address, secret, deadline) as session:
+        session.send({"op": "alive"}, deadline)
+        reply = session.recv(deadline)
+    node = reply.get("node")
+    if reply.get("ok") is not True or not isinstance(node, str):
+        raise ReplicationError(f"peer {address} sent a malformed ALIVE reply")
+    return node

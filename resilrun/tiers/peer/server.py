@@ -8,6 +8,7 @@ one request per connection (protocol in ``resilrun.tiers.peer.wire``). Requests:
     | push  | receive a snapshot straight into the rank's free replica slot        | ok, or error (+ why)   |
     | fetch | stream a snapshot of (rank, step) from node memory or a replica      | the stream, not_found  |
     | held  | list what this node holds: replicas and its own ranks' steps         | small JSON             |
+    | alive | prove this agent is alive, to a watcher whose heartbeat reads stalled | this node's id         |
 
 Invariants: a peer that has not proved the job secret gets nothing but a nonce and is cut off
 after ``AUTH_TIMEOUT_S``; a replica becomes visible only after the sender's COMMIT and every
@@ -85,8 +86,12 @@ class ReplicaServer:
         io_timeout: timedelta = IO_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
         generation: Callable[[], int] = lambda: -1,
+        node_id: str = "",
     ) -> None:
         """Bind and start serving.
+
+        ``node_id``: the agent's node id, the answer to ALIVE (a watcher checks it is the node it
+        asked about, not another agent that took the address since).
 
         ``generation``: the newest generation this node follows. A push from a sender that follows
         an older one is refused: the sender was cut off and replaced (a partition that healed), and
@@ -102,6 +107,7 @@ class ReplicaServer:
         self.memory = memory
         self.refs = LocalReferences(memory, replicas)
         self._generation = generation
+        self._node_id = node_id
         self._fenced: set[tuple[str, int]] = set()  # (sender host, generation) refused: logged once
         # rank -> (the sender's generation, its connection) of each transfer in progress
         self._receiving: dict[int, tuple[int, socket.socket]] = {}
@@ -165,6 +171,8 @@ class ReplicaServer:
                 self._fetch(session, request, deadline)
             elif op == "held":
                 session.send({"ok": True, **self.describe()}, deadline)
+            elif op == "alive":
+                session.send({"ok": True, "node": self._node_id}, deadline)
             else:
                 session.send({"ok": False, "error": f"unknown op {str(op)[:40]!r}"}, deadline)
         except (OSError, CheckpointError) as exc:  # ReplicationError is a CheckpointError
