@@ -25,7 +25,7 @@ from resilrun.log import rank_ranges
 from resilrun.snapshot.restore import MEMORY_STEPS, PEER_STEPS, ReshardPlan, RestorePlan, Tier, plan_restore
 from resilrun.snapshot.tree import Joiner, flatten, unflatten
 from resilrun.worker import _ddp_sync, _resize, _torch_compat
-from resilrun.worker._abort import GenerationWatchdog, opened_since, peer_hosts, shut_down, tcp_sockets
+from resilrun.worker._abort import GenerationWatchdog, SetupGuard, opened_since, peer_hosts, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient
 from resilrun.worker._dtensor import Sharding
 from resilrun.worker._replicated import replicated_names
@@ -237,8 +237,9 @@ class Job:
             worst = min(row[0] for row in _all_gather_ints([outcome], self._world_size, self._device))
             if worst < 0:
                 raise StateRefusedError(
-                    error.message if final and error is not None else f"another rank's copy of step {plan.step} "
-                    "was refused (see its log)",
+                    error.message
+                    if final and error is not None
+                    else f"another rank's copy of step {plan.step} was refused (see its log)",
                     hint="resilrun inspect-checkpoint --verify tells which file",
                 )
             if worst:
@@ -483,13 +484,18 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         ensure_rendezvous_defaults()
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
         before = tcp_sockets()
+        guard = _start_setup_guard(variables.agent_socket, variables.round, before) if variables.agent_socket else None
         pg_started = time.monotonic()
-        dist.init_process_group(
-            backend or ("nccl" if use_cuda else "gloo"),
-            rank=variables.rank,
-            world_size=variables.world_size,
-            **kwargs,
-        )
+        try:
+            dist.init_process_group(
+                backend or ("nccl" if use_cuda else "gloo"),
+                rank=variables.rank,
+                world_size=variables.world_size,
+                **kwargs,
+            )
+        finally:
+            if guard is not None:
+                guard.finish()
         group_sockets = {fd: inode for fd, inode in tcp_sockets().items() if before.get(fd) != inode}
         pg_seconds = time.monotonic() - pg_started
     snapshotter = None
@@ -557,6 +563,20 @@ def _start_watchdog(
     watchdog = GenerationWatchdog(wait_for_next, _abort_for(before, group_sockets), client.interrupt, client.close)
     watchdog.start()
     return watchdog
+
+
+def _start_setup_guard(agent_socket: str, round: int, before: dict[int, int]) -> SetupGuard:
+    client = AgentClient(agent_socket)
+
+    def wait_for_next() -> bool:
+        response, _ = client.request(
+            {"op": "await_generation", "pid": os.getpid(), "round": round, "timeout_s": _SPARE_POLL_S}
+        )
+        return bool(response.get("env"))
+
+    guard = SetupGuard(wait_for_next, client.interrupt, before, release=client.close)
+    guard.start()
+    return guard
 
 
 def _abort_for(before: dict[int, int], group_sockets: dict[int, int]) -> Callable[[], None]:

@@ -143,3 +143,72 @@ def test_with_gloo_connections_opened_later_to_the_groups_hosts_are_cut_too(
     finally:
         for sock in (group, subgroup, elsewhere):
             sock.close()
+
+
+class _Next:
+    """``wait_for_next`` of a setup guard: blocks until the generation is superseded, or interrupted."""
+
+    def __init__(self) -> None:
+        self.superseded = threading.Event()
+        self.interrupted = threading.Event()
+
+    def __call__(self) -> bool:
+        while not self.superseded.wait(0.01):
+            if self.interrupted.is_set():
+                raise CheckpointError("interrupted")
+        return True
+
+
+def _connected_pair() -> tuple[socket.socket, socket.socket]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    return client, server
+
+
+def test_a_setup_that_returns_before_any_newer_generation_is_left_alone() -> None:
+    old_client, old_server = _connected_pair()
+    before = _abort.tcp_sockets()
+    new_client, new_server = _connected_pair()
+    nxt, exits = _Next(), []
+    guard = _abort.SetupGuard(nxt, nxt.interrupted.set, before, grace_s=0.2, exit=exits.append)
+    guard.start()
+    guard.finish()
+    assert not guard.is_alive() and not guard.superseded.is_set() and exits == []
+    new_client.settimeout(0.2)
+    with pytest.raises(TimeoutError):  # still connected: nothing was shut down
+        new_client.recv(1)
+    for sock in (old_client, old_server, new_client, new_server):
+        sock.close()
+
+
+def test_a_setup_blocked_when_its_generation_is_superseded_fails_at_once() -> None:
+    old_client, old_server = _connected_pair()
+    before = _abort.tcp_sockets()
+    nxt, exits = _Next(), []
+    guard = _abort.SetupGuard(nxt, nxt.interrupted.set, before, grace_s=5.0, exit=exits.append)
+    guard.start()
+    nxt.superseded.set()
+    assert guard.superseded.wait(2)
+    # a connection the setup opens after the news (the store's, a gloo pair) is shut down as it appears
+    store_client, store_server = _connected_pair()
+    store_client.settimeout(2)
+    assert store_client.recv(1) == b""  # the blocked wait fails: the setup raises, the bootstrap moves on
+    guard.finish()
+    assert not guard.is_alive() and exits == []
+    old_client.settimeout(0.2)
+    with pytest.raises(TimeoutError):  # a connection from before the setup is not the setup's
+        old_client.recv(1)
+    for sock in (old_client, old_server, store_client, store_server):
+        sock.close()
+
+
+def test_a_setup_still_stuck_after_the_grace_ends_the_process() -> None:
+    # A connect retrying against a store that is gone opens no lasting socket to shut down.
+    nxt, exits = _Next(), []
+    guard = _abort.SetupGuard(nxt, nxt.interrupted.set, _abort.tcp_sockets(), grace_s=0.3, exit=exits.append)
+    guard.start()
+    nxt.superseded.set()
+    guard.join(3)
+    assert exits == [_abort.SUPERSEDED_SETUP_EXIT_CODE]
