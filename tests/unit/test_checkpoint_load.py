@@ -328,3 +328,39 @@ def test_with_the_secret_an_authentic_step_loads_and_a_forged_or_unsigned_one_is
     unsigned = write(tmp_path / "unsigned")
     with pytest.raises(CheckpointCorruptError, match="carries no MAC"):
         checkpoint.load(str(unsigned), job_secret_file=secret_file)
+
+
+class _Payload:
+    """Unpickling this writes a file: the proof that something unpickled it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.path), "w"))
+
+
+def test_a_pickle_posing_as_a_rank_file_is_refused_by_load_and_export_and_never_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import zlib
+
+    root = write(tmp_path / "ckpt")
+    marker = tmp_path / "marker"
+    payload = pickle.dumps(_Payload(marker))
+    storage = LocalStorage(root)
+    # A forger who also rewrites the rank's manifest and COMPLETE.json to match the payload.
+    manifest = json.loads(storage.get(m.manifest_key(9, 1)))
+    manifest.update(file_bytes=len(payload))
+    storage.put(m.data_key(9, 1), payload)
+    storage.put(m.manifest_key(9, 1), m.encode(manifest))
+    complete = json.loads(storage.get(m.complete_key(9)))
+    complete["ranks"]["1"] = {"file_bytes": len(payload), "manifest_crc32": zlib.crc32(m.encode(manifest))}
+    storage.put(m.complete_key(9), m.encode(complete))
+    with pytest.raises(CheckpointCorruptError):
+        checkpoint.load(str(root))
+    for fmt, target in (("safetensors", "m.safetensors"), ("dcp", "d")):
+        code, _, err = _cli([str(root), "--to", str(tmp_path / target), "--format", fmt], capsys)
+        assert code == ExitCode.CHECKPOINT and err.count("resilrun: error:") == 1, err
+    assert not marker.exists()
+    assert not (tmp_path / "m.safetensors").exists() and not (tmp_path / "d").exists()  # nothing half-written
