@@ -55,18 +55,21 @@ def _open_tcpstore(host: str, port: int, timeout: timedelta) -> RendezvousBacken
     ``timeout`` too. TCPStore's own connect retries a refused port with back-off and overshoots its
     timeout by half or more (a job ending between the probe and the connect is refused), so it runs
     under the deadline of :class:`~resilrun.rendezvous.c10d.StoreCalls` rather than on its own."""
-    endpoint = f"{host}:{port}"
-    deadline = time.monotonic() + timeout.total_seconds()
-    probe(host, port, timeout)
+    # Imported before the clock starts: importing torch takes seconds of CPU, more on a busy machine,
+    # and none of that is the endpoint's time to answer.
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
+
     from resilrun.env import quiet_torch_native_logs
     from resilrun.rendezvous.c10d import C10dBackend, StoreCalls, _call
 
+    endpoint = f"{host}:{port}"
+    seconds = timeout.total_seconds()
+    deadline = time.monotonic() + seconds
+    probe(host, port, timeout)
     quiet_torch_native_logs()  # a store going away mid-read must end as our one line, not a C++ trace
-    left = max(deadline - time.monotonic(), 0.1)
+    left = max(deadline - time.monotonic(), min(seconds, 1.0))
 
     def connect() -> object:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
-
         return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left), wait_for_workers=False)
 
     try:

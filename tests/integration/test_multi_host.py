@@ -224,7 +224,8 @@ def test_a_node_cut_from_its_replica_peer_only_trains_on_and_replicates_again_on
     # Given two hosts with replicas on each other
     cluster, start = cluster_of(2)
     target = tmp_path / "multi.sha"
-    train = [str(EXAMPLE), "--steps", "120", "--hidden", "64", "--sleep", "0.1", "--checksum-file", str(target)]
+    # (200 paced steps: each status read below starts a Python with torch on a busy machine, seconds)
+    train = [str(EXAMPLE), "--steps", "200", "--hidden", "64", "--sleep", "0.1", "--checksum-file", str(target)]
     flags = [
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
         "--heartbeat-timeout", "3", "--max-restarts", "0",
