@@ -185,16 +185,21 @@ def fetch(
         return data, announce.values
 
 
+def _ask(address: str, secret: Credential, op: str, timeout: timedelta) -> dict[str, Any]:
+    """One small request and its reply, on one authenticated connection, under one deadline."""
+    deadline = Deadline.total(timeout.total_seconds())
+    with connection(address, secret, deadline) as session:
+        session.send({"op": op}, deadline)
+        return session.recv(deadline)
+
+
 def held(address: str, secret: Credential, timeout: timedelta = DEFAULT_TIMEOUT) -> dict[str, dict[int, list[int]]]:
     """What the peer holds: ``{"replicas": {rank: steps}, "local": {rank: steps}}``, newest step first.
 
     Raises:
         ReplicationError: unreachable, unauthenticated, timed out, or a malformed reply.
     """
-    deadline = Deadline.total(timeout.total_seconds())
-    with connection(address, secret, deadline) as session:
-        session.send({"op": "held"}, deadline)
-        reply = session.recv(deadline)
+    reply = _ask(address, secret, "held", timeout)
     try:
         return {
             kind: {int(rank): [int(step) for step in steps] for rank, steps in reply[kind].items()}
@@ -210,10 +215,7 @@ def inventory(address: str, secret: Credential, timeout: timedelta = DEFAULT_TIM
     Raises:
         ReplicationError: unreachable, unauthenticated, timed out, or a malformed reply.
     """
-    deadline = Deadline.total(timeout.total_seconds())
-    with connection(address, secret, deadline) as session:
-        session.send({"op": "held"}, deadline)
-        reply = session.recv(deadline)
+    reply = _ask(address, secret, "held", timeout)
     try:
         return [(int(rank), int(step), int(world)) for rank, step, world in reply["entries"]]
     except (KeyError, TypeError, ValueError, AttributeError):
@@ -230,10 +232,7 @@ def alive(address: str, secret: Credential, timeout: timedelta) -> str:
     Raises:
         ReplicationError: unreachable, unauthenticated, timed out, or a malformed reply.
     """
-    deadline = Deadline.total(timeout.total_seconds())
-    with connection(address, secret, deadline) as session:
-        session.send({"op": "alive"}, deadline)
-        reply = session.recv(deadline)
+    reply = _ask(address, secret, "alive", timeout)
     node = reply.get("node")
     if reply.get("ok") is not True or not isinstance(node, str):
         raise ReplicationError(f"peer {address} sent a malformed ALIVE reply")
