@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import io
 import json
-import pickle
 import zlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from resilrun.tiers import _manifest as m
 from resilrun.tiers import durable
 from resilrun.tiers._authentic import durable_key
 from tests.conftest import FAKE_ACCESS_KEY_ID, FAKE_SECRET_ACCESS_KEY, S3Server, make_snapshot
+from tests.helpers.forgery import pickle_payload
 
 
 def tensors(rank: int) -> dict[str, torch.Tensor]:
@@ -170,19 +169,11 @@ def test_json_errors_are_a_single_error_document(ckpt: Path, capsys: pytest.Capt
     assert "truncated" in error["message"]
 
 
-class _Payload:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (open, (str(self.path), "w"))
-
-
 def test_a_pickle_posing_as_a_snapshot_is_refused_and_never_runs(
     ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     marker = tmp_path / "marker"
-    payload = pickle.dumps(_Payload(marker))
+    payload = pickle_payload(marker)
     storage = LocalStorage(ckpt)
     # A forger who also rewrites the manifest and COMPLETE.json to match the payload.
     manifest = json.loads(storage.get(m.manifest_key(20, 0)))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pickle
 import zlib
+from pathlib import Path
+from typing import Any
 
 
 def forged_keeping_crc32(segment: bytes, edit_at: int, fix_at: int) -> bytes:
@@ -32,3 +35,16 @@ def forged_keeping_crc32(segment: bytes, edit_at: int, fix_at: int) -> bytes:
         if flips >> bit & 1:
             forged[fix_at + bit // 8] ^= 1 << (bit % 8)
     return bytes(forged)
+
+
+class _Payload:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.path), "w"))
+
+
+def pickle_payload(marker: Path) -> bytes:
+    """A pickle that creates ``marker`` when unpickled: proof that something unpickled it."""
+    return pickle.dumps(_Payload(marker))

@@ -25,7 +25,7 @@ from resilrun.tiers import _manifest as m
 from resilrun.tiers import durable
 from resilrun.tiers._authentic import durable_key
 from tests.conftest import make_snapshot
-from tests.helpers.forgery import forged_keeping_crc32
+from tests.helpers.forgery import forged_keeping_crc32, pickle_payload
 
 WEIGHT = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4) / 7
 BIAS = torch.arange(5, dtype=torch.float64)  # 5 over 2 shards: 3 and 2
@@ -330,16 +330,6 @@ def test_with_the_secret_an_authentic_step_loads_and_a_forged_or_unsigned_one_is
         checkpoint.load(str(unsigned), job_secret_file=secret_file)
 
 
-class _Payload:
-    """Unpickling this writes a file: the proof that something unpickled it."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (open, (str(self.path), "w"))
-
-
 def test_a_pickle_posing_as_a_rank_file_is_refused_by_load_and_export_and_never_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -347,7 +337,7 @@ def test_a_pickle_posing_as_a_rank_file_is_refused_by_load_and_export_and_never_
 
     root = write(tmp_path / "ckpt")
     marker = tmp_path / "marker"
-    payload = pickle.dumps(_Payload(marker))
+    payload = pickle_payload(marker)
     storage = LocalStorage(root)
     # A forger who also rewrites the rank's manifest and COMPLETE.json to match the payload.
     manifest = json.loads(storage.get(m.manifest_key(9, 1)))
