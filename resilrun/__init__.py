@@ -14,8 +14,12 @@ __all__ = ["Job", "__version__", "init"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("init", "Job"):
+    if name == "init":
+        from resilrun.worker import membership
+
+        return membership.init
+    if name == "Job":
         from resilrun.worker import job
 
-        return getattr(job, name)
+        return job.Job
     raise AttributeError(f"module 'resilrun' has no attribute {name!r}")

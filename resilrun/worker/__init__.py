@@ -13,8 +13,12 @@ __all__ = ["Job", "init"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name == "init":
+        from resilrun.worker import membership
+
+        return membership.init
+    if name == "Job":
         from resilrun.worker import job
 
-        return getattr(job, name)
+        return job.Job
     raise AttributeError(f"module 'resilrun.worker' has no attribute {name!r}")

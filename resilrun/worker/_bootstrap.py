@@ -138,14 +138,14 @@ def _stand_by(target: str, as_module: bool) -> None:
     import torch  # noqa: F401 - the import is the point: seconds a replacement then does not pay
     import torch.distributed  # noqa: F401
 
-    from resilrun.worker import job
+    from resilrun.worker import membership
 
     for name in script_imports(target, as_module):
         try:
             importlib.import_module(name)
         except BaseException as exc:  # noqa: BLE001 - the script imports it again, with its rank, and reports then
             sys.stderr.write(f"resilrun: spare could not preload {name}: {type(exc).__name__}: {exc}\n")
-    job.stand_by()
+    membership.stand_by()
 
 
 def _may_be_a_broken_collective(exc: BaseException) -> bool:
@@ -176,9 +176,9 @@ def _next_generation(exc: BaseException) -> dict[str, str] | None:
     failure, and it exits so that it can be replaced). Any other error only takes a generation that
     is already published (then it is part of a recovery already under way).
     """
-    job = sys.modules.get("resilrun.worker.job")
+    membership = sys.modules.get("resilrun.worker.membership")
     socket_path = os.environ.get("RESILRUN_AGENT_SOCKET")
-    if job is None or not job.is_active() or not socket_path or isinstance(exc, KeyboardInterrupt):
+    if membership is None or not membership.is_active() or not socket_path or isinstance(exc, KeyboardInterrupt):
         return None
     raised = _may_be_a_broken_collective(exc)
     wait_s = float(os.environ.get("RESILRUN_RECOVERY_WAIT_S", "10")) if raised else 0.0
@@ -225,7 +225,7 @@ def _exit_now(code: int) -> None:
 def _tell_agent_finished() -> None:
     """Interpreter teardown (process groups, CUDA) can take seconds without a heartbeat: say so."""
     socket_path = os.environ.get("RESILRUN_AGENT_SOCKET")
-    if not socket_path or "resilrun.worker.job" not in sys.modules:
+    if not socket_path or "resilrun.worker.membership" not in sys.modules:
         return
     from resilrun.worker._channel import AgentClient
 
@@ -281,7 +281,7 @@ def main(argv: list[str]) -> None:
             f"resilrun: rank {env.get('RANK')} recovering in-process into generation {env.get('RESILRUN_ROUND')} "
             f"after: {summary}\n"
         )
-        sys.modules["resilrun.worker.job"].reset_for_reentry()
+        sys.modules["resilrun.worker.membership"].reset_for_reentry()
         os.environ.update(env)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():

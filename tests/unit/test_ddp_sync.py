@@ -152,7 +152,7 @@ def test_uninstall_leaves_a_later_patch_in_place_and_ours_passes_through(
 
 
 def test_leaving_a_generation_uninstalls_the_patch() -> None:
-    from resilrun.worker import job as job_module
+    from resilrun.worker import membership as job_module
 
     assert _ddp_sync.install()
     try:

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from resilrun.errors import CheckpointError
-from resilrun.worker import _abort, _torch_compat, job
+from resilrun.worker import _abort, _torch_compat
+from resilrun.worker import membership as job
 
 
 class _Group:
@@ -49,7 +50,7 @@ class _Agent:
 
 @pytest.fixture
 def nccl(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    """torch.distributed as job.py sees it: an NCCL default group that a test can replace."""
+    """torch.distributed as worker/membership.py sees it: an NCCL default group that a test can replace."""
     fake = SimpleNamespace(
         is_initialized=lambda: True,
         get_backend=lambda group=None: "nccl",

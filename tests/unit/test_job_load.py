@@ -79,7 +79,7 @@ def test_restored_state_survives_the_slot_being_overwritten() -> None:
 def test_reentry_after_a_failed_group_setup_names_the_next_group_as_a_fresh_process_would() -> None:
     from torch.distributed import distributed_c10d
 
-    from resilrun.worker import job as job_module
+    from resilrun.worker import membership as job_module
 
     distributed_c10d._world.group_count = 1  # what an init_process_group that failed midway leaves
     try:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 
-from resilrun.worker import _ddp_sync, _torch_compat
+from resilrun.worker import _ddp_sync, _torch_compat, membership
 from resilrun.worker import job as job_module
 
 _LOGGER = "resilrun.worker._torch_compat"
@@ -146,7 +146,7 @@ def test_without_the_group_counter_nothing_is_reset(
     else:
         monkeypatch.delattr(distributed_c10d, "_world")
     assert not _holds("group_counter")
-    job_module._forget_failed_group_setup()
+    membership._forget_failed_group_setup()
     assert not _torch_compat.reset_group_counter()
     assert len(_warnings(caplog)) == 1 and "group_counter" in _warnings(caplog)[0]
 

@@ -1,0 +1,257 @@
+"""How this process joins, leaves and re-enters the job's generations.
+
+``init()`` joins the current generation (process group, snapshots, heartbeat, the watchdog that
+aborts this generation's collectives when the next one is announced); ``reset_for_reentry()``
+leaves it so the worker bootstrap can run the script again in-process; ``stand_by()`` is where a
+hot spare waits for a rank. Kept apart from ``Job`` (what is snapshotted and restored) because
+this is process-wide state that outlives any one ``Job``: one heartbeat thread per process, the
+fact that it took part in a generation, and what frameworks must forget between generations.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
+from resilrun.worker import _ddp_sync, _torch_compat
+from resilrun.worker._abort import GenerationWatchdog, SetupGuard, opened_since, peer_hosts, shut_down, tcp_sockets
+from resilrun.worker._channel import AgentClient
+from resilrun.worker.faults import parse_faults
+from resilrun.worker.job import Job
+from resilrun.worker.snapshot import Snapshotter
+
+logger = logging.getLogger(__name__)
+
+_JOB: Job | None = None
+# Set once this process took part in a generation (or was assigned a rank as a spare): from then on a
+# failure while it joins a later generation (its process group set up against a worker store that a
+# newer generation already replaced) is recovered in-process like a broken collective.
+_TOOK_PART = False
+# A spare asks again after this long, so a wedged agent shows up as an error, not a silent hang.
+_SPARE_POLL_S = 60.0
+
+
+def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
+    """Join the job: set up torch.distributed's default group and this rank's snapshots.
+
+    A hot spare (started by ``resilrun --spares N``) never gets here before it has a rank: it waits
+    in resilrun's worker bootstrap, before the script's first line (see ``stand_by``).
+
+    Args:
+        backend: ``nccl`` when CUDA is available, else ``gloo``, unless given.
+        timeout: collective timeout passed to ``init_process_group``.
+    """
+    global _JOB
+    if _JOB is not None:
+        return _JOB
+    variables = read_worker_variables()
+    if variables.spare:
+        # Spares wait in resilrun's worker bootstrap, before the script runs; getting here means the
+        # script was started some other way with a spare's environment.
+        raise RuntimeError(
+            "resilrun.init() was called in a hot spare that has no rank yet; spares wait in resilrun's "
+            "worker bootstrap (python -m resilrun.worker._bootstrap SCRIPT), which --no-python skips"
+        )
+    client = AgentClient(variables.agent_socket) if variables.agent_socket else None
+    use_cuda = torch.cuda.is_available() and (backend in (None, "nccl"))
+    device = torch.device("cuda", variables.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    group_sockets: dict[int, int] = {}
+    before: dict[int, int] = {}
+    pg_seconds: float | None = None
+    if not dist.is_initialized():
+        ensure_rendezvous_defaults()
+        kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+        before = tcp_sockets()
+        guard = _start_setup_guard(variables.agent_socket, variables.round, before) if variables.agent_socket else None
+        pg_started = time.monotonic()
+        try:
+            dist.init_process_group(
+                backend or ("nccl" if use_cuda else "gloo"),
+                rank=variables.rank,
+                world_size=variables.world_size,
+                **kwargs,
+            )
+        finally:
+            if guard is not None:
+                guard.finish()
+        group_sockets = {fd: inode for fd, inode in tcp_sockets().items() if before.get(fd) != inode}
+        pg_seconds = time.monotonic() - pg_started
+    snapshotter = None
+    if client is not None:
+        client.request({"op": "hello_api", "pid": os.getpid()})
+        first = variables.rank - variables.local_rank
+        group = range(first, first + variables.local_world_size)
+        snapshotter = Snapshotter(client, variables.rank, group, variables.round)
+    else:
+        logger.warning("not started by resilrun: training runs, but steps are not snapshotted")
+    _JOB = Job(
+        rank=variables.rank,
+        world_size=variables.world_size,
+        local_rank=variables.local_rank,
+        device=device,
+        snapshotter=snapshotter,
+        faults=parse_faults(variables.faults),
+        attempt=variables.attempt,
+        round=variables.round,
+        dedup=variables.dedup,
+    )
+    if pg_seconds is not None:
+        _JOB._report("collectives_rebuilt", seconds=round(pg_seconds, 6))
+    if variables.agent_socket:
+        _ddp_sync.install()
+        _JOB._watchdog = _start_watchdog(variables.agent_socket, variables.round, before, group_sockets)
+        _start_heartbeat(variables.agent_socket, variables.heartbeat_interval_s)
+    return _JOB
+
+
+_HEARTBEAT: threading.Thread | None = None
+
+
+def _start_heartbeat(agent_socket: str, interval_s: float) -> None:
+    """Once per process: a thread that tells the agent this process still runs Python (a frozen one
+    cannot). It outlives generations, so a survivor re-entering the script keeps beating."""
+    global _HEARTBEAT
+    if _HEARTBEAT is not None:
+        return
+    client = AgentClient(agent_socket)
+
+    def beat() -> None:
+        while True:
+            try:
+                client.request({"op": "beat", "pid": os.getpid()})
+            except Exception:  # noqa: BLE001 - the agent is gone; the process will be stopped anyway
+                return
+            time.sleep(interval_s)
+
+    _HEARTBEAT = threading.Thread(target=beat, name="resilrun-heartbeat", daemon=True)
+    _HEARTBEAT.start()
+
+
+def _start_watchdog(
+    agent_socket: str, round: int, before: dict[int, int], group_sockets: dict[int, int]
+) -> GenerationWatchdog:
+    client = AgentClient(agent_socket)
+
+    def wait_for_next() -> bool:
+        response, _ = client.request(
+            {"op": "await_generation", "pid": os.getpid(), "round": round, "timeout_s": _SPARE_POLL_S}
+        )
+        return bool(response.get("env"))
+
+    watchdog = GenerationWatchdog(wait_for_next, _abort_for(before, group_sockets), client.interrupt, client.close)
+    watchdog.start()
+    return watchdog
+
+
+def _start_setup_guard(agent_socket: str, round: int, before: dict[int, int]) -> SetupGuard:
+    client = AgentClient(agent_socket)
+
+    def wait_for_next() -> bool:
+        response, _ = client.request(
+            {"op": "await_generation", "pid": os.getpid(), "round": round, "timeout_s": _SPARE_POLL_S}
+        )
+        return bool(response.get("env"))
+
+    guard = SetupGuard(wait_for_next, client.interrupt, before, release=client.close)
+    guard.start()
+    return guard
+
+
+def _abort_for(before: dict[int, int], group_sockets: dict[int, int]) -> Callable[[], None]:
+    """What aborts the collectives of the generation that exists now (and only that one): its
+    default group and the subgroups the script builds on it (a DeviceMesh's dimensions)."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    nccl = group is not None and dist.get_backend(group) == "nccl"
+    hosts = peer_hosts(group_sockets)
+
+    def abort() -> None:
+        if nccl and group is not None:
+            # Subgroups are found in torch's registry, which holds this generation's groups only
+            # while its default group is still the current one.
+            current = dist.group.WORLD is group
+            for member in (_torch_compat.process_groups(newest_first=True) if current else []) or [group]:
+                try:
+                    member.abort()
+                except Exception as exc:  # noqa: BLE001 - already destroyed: nothing left to abort
+                    logger.debug("aborting the previous generation's group: %s", exc)
+        else:
+            shut_down({**group_sockets, **opened_since(before, hosts)})
+
+    return abort
+
+
+def stand_by() -> None:
+    """A hot spare: pay the first-DDP cost, then block until the agent gives this process a rank
+    and adopt that rank's environment (called by the worker bootstrap before the script runs).
+
+    Raises:
+        CheckpointError: the agent is gone (the spare then exits; a new agent starts new spares).
+    """
+    global _TOOK_PART
+    socket_path = os.environ.get("RESILRUN_AGENT_SOCKET", "")
+    _prewarm()
+    client = AgentClient(socket_path)
+    try:
+        while True:
+            response, _ = client.request({"op": "await_assignment", "pid": os.getpid(), "timeout_s": _SPARE_POLL_S})
+            if response.get("env"):
+                _TOOK_PART = True
+                apply_assignment(response["env"])
+                return
+    finally:
+        client.close()
+
+
+def _prewarm() -> None:
+    """Pay the first-DDP import cost (~800 modules, seconds) now, while the spare is idle."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    finally:
+        dist.destroy_process_group()
+
+
+def reset_for_reentry() -> None:
+    """Forget this generation's job and process group, so the script can run again in-process."""
+    global _JOB, _TOOK_PART
+    job, _JOB = _JOB, None
+    _TOOK_PART = True
+    _ddp_sync.uninstall()  # the next generation's init() installs it again
+    if job is not None and job._watchdog is not None:
+        job._watchdog.disarm()
+    if job is not None and job._snapshotter is not None:
+        job._snapshotter.close()
+    if dist.is_initialized():
+        for step in (dist.destroy_process_group,):
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - a broken group may fail to tear down; a new one replaces it
+                logger.debug("tearing down the broken process group: %s", exc)
+    else:
+        _forget_failed_group_setup()
+
+
+def _forget_failed_group_setup() -> None:
+    """Undo what a failed ``init_process_group`` left behind: torch counted the group it could not
+    build, and names the next one after that count (its keys in the worker store are prefixed by
+    it). A process that retried with the count at 1 would wait forever for peers writing under 0.
+    ``destroy_process_group`` resets the count, but only for a group that exists."""
+    _torch_compat.reset_group_counter()  # without the counter: warned once, nothing to reset
+
+
+def is_active() -> bool:
+    """Whether this process is part of the job through ``resilrun.init()``, now or in an earlier
+    generation (or as an assigned spare): its failures can be recovered in-process."""
+    return _JOB is not None or _TOOK_PART
