@@ -245,6 +245,9 @@ def main(argv: list[str]) -> None:
         argv = argv[1:]
     target, args = argv[0], argv[1:]
     faulthandler.enable(all_threads=True)
+    from resilrun import integrations
+
+    integrations.install_import_hooks()  # before a spare preloads the script's imports, too
     if os.environ.get("RESILRUN_SPARE") == "1":
         try:
             _stand_by(target, as_module)

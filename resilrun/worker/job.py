@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 _FORMAT = 1
 
 
-class _RngState:
+class RngState:
     """The random generators a step may draw from, tracked without being asked."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -89,7 +89,7 @@ class Job:
         self._local_rank = local_rank
         self._device = device
         self._snapshotter = snapshotter
-        self._tracked: dict[str, Any] = {"_rng": _RngState()}
+        self._tracked: dict[str, Any] = {"_rng": RngState()}
         self._values: dict[str, Any] = {}
         self._step = -1
         self._faults = faults
@@ -132,20 +132,38 @@ class Job:
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps still to run, restoring first and committing after each one."""
-        _fix_bucket_layouts(self._tracked.values())
-        start = self._restore() + 1
-        _ddp_sync.settle(self._tracked.values() if start > 0 else ())
-        for step in range(start, total):
-            self._step = step
-            if self._faults:
-                fire(self._faults, rank=self._rank, step=step, attempt=self._attempt)
+        for step in range(self.resume() + 1, total):
+            self.begin(step)
             yield step
-            self._commit(step)
-            if not self._reported_first_step:
-                self._reported_first_step = True
-                self._report("first_step", step=step)
+            self.commit(step)
+        self.finish()
+
+    # -- for loops resilrun does not own (resilrun.integrations): what steps() does, in pieces ---
+    def resume(self) -> int:
+        """Restore the newest step every rank holds into the tracked objects; returns it (-1: a
+        fresh start). Every rank must call it at the same point: it agrees through collectives."""
+        fix_bucket_layouts(self._tracked.values())
+        last = self._restore()
+        _ddp_sync.settle(self._tracked.values() if last >= 0 else ())
+        return last
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` starts (injected faults fire here)."""
+        self._step = step
+        if self._faults:
+            fire(self._faults, rank=self._rank, step=step, attempt=self._attempt)
+
+    def commit(self, step: int) -> None:
+        """Step ``step`` is done and all tracked state is consistent: snapshot it."""
+        self._commit(step)
+        if not self._reported_first_step:
+            self._reported_first_step = True
+            self._report("first_step", step=step)
+
+    def finish(self) -> None:
+        """Training is done: the last commit is acknowledged before the script goes on."""
         if self._snapshotter is not None:
-            self._snapshotter.flush()  # the last commit is acknowledged before the script goes on
+            self._snapshotter.flush()
 
     # -- internals -------------------------------------------------------------------------------
     def _report(self, event: str, **fields: Any) -> None:
@@ -415,7 +433,7 @@ def _pad(steps: list[int | None], count: int) -> list[int]:
     return values + [-1] * (count - len(values))
 
 
-def _fix_bucket_layouts(objects: Any) -> None:
+def fix_bucket_layouts(objects: Any) -> None:
     """Give every tracked DDP model its final gradient-bucket layout before the first step.
 
     DDP normally rebuilds its buckets after its first iteration, in the order gradients became

@@ -223,11 +223,29 @@ def _prewarm() -> None:
         dist.destroy_process_group()
 
 
+# What frameworks keep process-wide about the generation they ran in (resilrun.integrations).
+_REENTRY_HOOKS: list[Callable[[], None]] = []
+
+
+def on_reentry(hook: Callable[[], None]) -> None:
+    """Run ``hook`` whenever this process leaves a generation to run the script again (once per hook).
+
+    Why: a framework that caches its distributed state in singletons (Accelerate's ``PartialState``
+    and ``GradientState``) would hand the next run of the script the torn-down generation's."""
+    if hook not in _REENTRY_HOOKS:
+        _REENTRY_HOOKS.append(hook)
+
+
 def reset_for_reentry() -> None:
     """Forget this generation's job and process group, so the script can run again in-process."""
     global _JOB, _TOOK_PART
     job, _JOB = _JOB, None
     _TOOK_PART = True
+    for hook in _REENTRY_HOOKS:
+        try:
+            hook()
+        except Exception as exc:  # noqa: BLE001 - a framework's leftovers must not stop the recovery
+            logger.warning("resetting framework state for the next generation failed: %s", exc)
     _ddp_sync.uninstall()  # the next generation's init() installs it again
     if job is not None and job._watchdog is not None:
         job._watchdog.disarm()

@@ -120,8 +120,8 @@ def test_without_the_bucket_rebuild_the_layout_is_left_to_ddp(
         assert not _holds("ddp_bucket_rebuild")
     else:
         del ddp._has_rebuilt_buckets
-    job_module._fix_bucket_layouts([ddp])
-    job_module._fix_bucket_layouts([ddp])
+    job_module.fix_bucket_layouts([ddp])
+    job_module.fix_bucket_layouts([ddp])
     assert not getattr(ddp, "_has_rebuilt_buckets", False)  # untouched: DDP rebuilds after its first step
     assert len(_warnings(caplog)) == 1 and "3+ ranks" in _warnings(caplog)[0]
     ddp(torch.ones(1, 2)).sum().backward()  # and training still works

@@ -1,0 +1,47 @@
+"""Checkpointless recovery for training loops that a framework owns, with no change to the script.
+
+Under resilrun, the worker bootstrap calls ``install_import_hooks()`` before the script runs: when
+the script imports a supported framework, the framework is adapted (see each module) so that its
+state is snapshotted after every optimizer step and a recovered generation resumes at the same
+step in-process. Set ``RESILRUN_INTEGRATIONS=0`` (or pass ``--no-integrations``) to leave every
+framework exactly as it is; a script may also call an integration's ``install()`` itself.
+
+Light on purpose (no torch, no framework): the bootstrap imports it for every worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from types import ModuleType
+
+# The framework module whose import triggers each integration, and the integration's function.
+_HOOKS: dict[str, tuple[str, str]] = {
+    "transformers.training_args": ("resilrun.integrations.transformers", "adapt_training_arguments"),
+    "transformers.trainer": ("resilrun.integrations.transformers", "adapt_trainer"),
+}
+
+_OFF = frozenset({"0", "off", "false", "no"})
+
+
+def enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether framework integrations are wanted: only in a worker resilrun started, unless turned off."""
+    return bool(environ.get("RESILRUN_AGENT_SOCKET")) and environ.get("RESILRUN_INTEGRATIONS", "1").lower() not in _OFF
+
+
+def install_import_hooks(environ: Mapping[str, str] = os.environ) -> bool:
+    """Adapt each supported framework when the script imports it; False when integrations are off."""
+    if not enabled(environ):
+        return False
+    from resilrun.integrations import _import_hooks
+
+    _import_hooks.install({module: _deferred(*target) for module, target in _HOOKS.items()})
+    return True
+
+
+def _deferred(module: str, function: str) -> Callable[[ModuleType], None]:
+    def hook(framework_module: ModuleType) -> None:
+        getattr(importlib.import_module(module), function)(framework_module)
+
+    return hook

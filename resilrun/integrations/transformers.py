@@ -1,0 +1,276 @@
+"""Hugging Face ``transformers.Trainer`` under resilrun: an unmodified Trainer script recovers in-process.
+
+What changes under resilrun (nothing changes elsewhere):
+- ``TrainingArguments`` joins the job through ``resilrun.init()`` when it sets up its devices, just
+  before Accelerate would create the process group itself, so the group is resilrun's: guarded
+  while it forms, aborted when a peer fails. Accelerate finds it initialised and uses it.
+- ``Trainer.train`` agrees with every rank on the newest step they all hold; a callback snapshots
+  the model, optimizer, LR scheduler, grad scaler, random generators and ``TrainerState`` after
+  every optimizer step into resilrun's tiers.
+- A recovered generation resumes through the Trainer's own ``resume_from_checkpoint`` path, so
+  the epoch, the batches to skip, the callbacks' state and the order of random draws follow the
+  Trainer's rules; where it would read its checkpoint files, it is handed the restored state.
+  A checkpoint the script asks to resume from is still honoured on a fresh start.
+
+Not integrated (the job then restarts on failure, as under torchrun, with a warning): the Trainer
+with DeepSpeed or FSDP, and transformers versions outside ``SUPPORTED``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# The versions this integration is tested with (docs: docs/integrations.md; the optional extra pins them).
+SUPPORTED = ((5, 0), (6, 0))
+# What the Trainer calls where it would read a checkpoint: each is handed the restored state instead.
+_LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
+_STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
+_ADAPTED = "__resilrun_adapted__"
+
+
+def adapt_training_arguments(module: ModuleType) -> None:
+    """Make ``TrainingArguments`` join resilrun's job before Accelerate sets up the process group."""
+    arguments = module.TrainingArguments
+    if getattr(arguments, _ADAPTED, False) or _unsupported(module) is not None:
+        return
+    prop = arguments.__dict__.get("_setup_devices")
+    if not isinstance(prop, functools.cached_property):
+        logger.warning(
+            "resilrun: TrainingArguments._setup_devices is not what this integration knows; "
+            "Accelerate creates the process group (recovery still works, a stuck setup is not guarded)"
+        )
+        return
+    original = prop.func
+
+    def _setup_devices(self: Any) -> Any:
+        if _joins(self):
+            from resilrun.worker import membership
+
+            backend = self.ddp_backend or ("gloo" if self.use_cpu else None)
+            membership.init(backend=backend, timeout=timedelta(seconds=self.ddp_timeout))
+        return original(self)
+
+    adapted = functools.cached_property(_setup_devices)
+    adapted.__set_name__(arguments, "_setup_devices")
+    arguments._setup_devices = adapted
+    setattr(arguments, _ADAPTED, True)
+
+
+def adapt_trainer(module: ModuleType) -> None:
+    """Make ``Trainer.train`` resume from resilrun's snapshots and snapshot every optimizer step."""
+    trainer_class = module.Trainer
+    if getattr(trainer_class, _ADAPTED, False):
+        return
+    reason = _unsupported(module)
+    if reason is not None:
+        logger.warning("resilrun: %s; a failure restarts the job (the Trainer is left as it is)", reason)
+        return
+    original = trainer_class.train
+
+    @functools.wraps(original)
+    def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if not _joins(self.args) or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        return _Session(self).train(functools.partial(original, self), resume_from_checkpoint, args, kwargs)
+
+    trainer_class.train = train
+    setattr(trainer_class, _ADAPTED, True)
+    _forget_accelerate_state_on_reentry()
+
+
+def install() -> bool:
+    """Adapt transformers now (a script's explicit opt-in; under resilrun the bootstrap does it)."""
+    import transformers.trainer
+    import transformers.training_args
+
+    adapt_training_arguments(transformers.training_args)
+    adapt_trainer(transformers.trainer)
+    return bool(getattr(transformers.trainer.Trainer, _ADAPTED, False))
+
+
+def _unsupported(module: ModuleType) -> str | None:
+    """Why this transformers cannot be integrated, or None."""
+    import transformers
+
+    version = _version(getattr(transformers, "__version__", ""))
+    low, high = SUPPORTED
+    if version is None or not low <= version < high:
+        return (
+            f"transformers {transformers.__version__} is outside the versions resilrun integrates "
+            f"(>={'.'.join(map(str, low))}, <{'.'.join(map(str, high))})"
+        )
+    trainer_class = getattr(module, "Trainer", None)
+    if trainer_class is not None:
+        missing = [name for name in ("train", *_LOADERS) if not callable(getattr(trainer_class, name, None))]
+        if missing:
+            return f"this transformers' Trainer lacks {', '.join(missing)}"
+    return None
+
+
+def _version(text: str) -> tuple[int, int] | None:
+    parts = text.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "0")
+    except (IndexError, ValueError):
+        return None
+
+
+def _joins(args: Any) -> bool:
+    """Whether these arguments' process joins resilrun's job (a resilrun worker, not DeepSpeed/FSDP)."""
+    from resilrun.integrations import enabled
+
+    return enabled() and not getattr(args, "deepspeed", None) and not getattr(args, "fsdp", None)
+
+
+def _forget_accelerate_state_on_reentry() -> None:
+    """The next run of the script builds new TrainingArguments (which reset Accelerate's process
+    state themselves) but inherits ``GradientState``, which still points at the old data loaders."""
+    from accelerate.state import GradientState
+
+    from resilrun.worker import membership
+
+    membership.on_reentry(GradientState._reset_state)
+
+
+class _Session:
+    """One ``Trainer.train`` call under resilrun."""
+
+    def __init__(self, trainer: Any) -> None:
+        from resilrun.integrations._held import HeldRestore
+        from resilrun.worker import membership
+
+        self.trainer = trainer
+        self.job = membership.init()  # joined already when the arguments set up their devices
+        self.names = ["model", "optimizer", "lr_scheduler"]
+        if getattr(trainer.accelerator, "scaler", None) is not None:
+            self.names.append("scaler")
+        self.held = HeldRestore(self.job, self.names)
+
+    def train(
+        self, original: Callable[..., Any], checkpoint: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        step = self.held.resume()
+        callback = _callback_class()(self)
+        self.trainer.add_callback(callback)
+        try:
+            if step < 0:
+                return original(checkpoint, *args, **kwargs)
+            if checkpoint not in (None, False):
+                logger.warning(
+                    "resilrun resumes from its snapshot of step %d, not from the checkpoint passed to train()", step
+                )
+            with self._resumed_at(step) as directory:
+                return original(directory, *args, **kwargs)
+        finally:
+            self.trainer.remove_callback(callback)
+
+    @contextmanager
+    def _resumed_at(self, step: int) -> Iterator[str]:
+        """A checkpoint directory holding only the Trainer's state, and the loaders that stand in
+        for the files it lacks: the Trainer resumes at ``step`` through its own resume path."""
+        try:
+            state = self.job["trainer_state"]
+        except KeyError:
+            raise RuntimeError(
+                f"resilrun's snapshot of step {step} holds no Trainer state (written by another kind of script?)"
+            ) from None
+        directory = tempfile.mkdtemp(prefix="resilrun-trainer-")
+        trainer = self.trainer
+        try:
+            with open(os.path.join(directory, _STATE_FILE), "w", encoding="utf-8") as handle:
+                handle.write(state)
+            loaders = {name: getattr(trainer, name) for name in _LOADERS}
+
+            def held(name: str, load: Callable[[], None]) -> Callable[..., None]:
+                def loader(checkpoint: Any, *args: Any, **kwargs: Any) -> None:
+                    if checkpoint != directory:
+                        return loaders[name](checkpoint, *args, **kwargs)
+                    load()
+                    return None
+
+                return loader
+
+            trainer._load_from_checkpoint = held("_load_from_checkpoint", self._load_model)
+            trainer._load_optimizer_and_scheduler = held("_load_optimizer_and_scheduler", self._load_optimizer)
+            trainer._load_scaler = held("_load_scaler", self._load_scaler)
+            trainer._load_rng_state = held("_load_rng_state", self.held.restore_rng)
+            yield directory
+        finally:
+            for name in _LOADERS:
+                trainer.__dict__.pop(name, None)
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _load_model(self) -> None:
+        self.held.load_into("model", self.trainer.model)
+
+    def _load_optimizer(self) -> None:
+        self.held.load_into("optimizer", self.trainer.optimizer)
+        self.held.load_into("lr_scheduler", self.trainer.lr_scheduler)
+
+    def _load_scaler(self) -> None:
+        if self.held.has("scaler"):
+            self.held.load_into("scaler", self.trainer.accelerator.scaler)
+
+    # -- what the callback does ------------------------------------------------------------------
+    def track_live_objects(self) -> None:
+        """The loop starts: from now on the real objects are snapshotted under the held names."""
+        trainer = self.trainer
+        objects = {"model": trainer.model, "optimizer": trainer.optimizer, "lr_scheduler": trainer.lr_scheduler}
+        if "scaler" in self.names:
+            objects["scaler"] = trainer.accelerator.scaler
+        self.job.track(**objects)
+        from resilrun.worker.job import fix_bucket_layouts
+
+        fix_bucket_layouts([trainer.model_wrapped])
+
+    def commit(self, state: Any) -> None:
+        """An optimizer step is done: snapshot it with the Trainer's state as its own checkpoint has it."""
+        from transformers.trainer_callback import ExportableState
+
+        trainer = self.trainer
+        for exportable in [*trainer.callback_handler.callbacks, trainer.control]:
+            if isinstance(exportable, ExportableState):
+                state.stateful_callbacks[type(exportable).__name__] = exportable.state()
+        # What TrainerState.save_to_json writes (its own format, read back by load_from_json).
+        self.job["trainer_state"] = json.dumps(dataclasses.asdict(state), sort_keys=True)
+        self.job.commit(state.global_step - 1)
+
+
+@functools.cache
+def _callback_class() -> type:
+    """Built on first use: ``TrainerCallback`` comes from transformers, imported by then."""
+    from transformers.trainer_callback import TrainerCallback
+
+    class ResilrunCallback(TrainerCallback):
+        """Snapshots after every optimizer step; the step numbers are the Trainer's (0-based)."""
+
+        def __init__(self, session: _Session) -> None:
+            self._session = session
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._session.track_live_objects()
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._session.job.begin(state.global_step)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._session.commit(state)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._session.job.finish()
+
+    return ResilrunCallback
+

@@ -1,0 +1,139 @@
+"""Framework integrations: the import hook that adapts a framework when the script imports it, and
+the transformers integration's refusal of what it does not know (issue 18)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from resilrun import integrations
+from resilrun.integrations import _import_hooks
+from resilrun.integrations import transformers as hf
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A throwaway importable package ``fw_<n>`` with a module ``core`` defining ``Thing``."""
+    name = f"fw_{abs(hash(tmp_path)) % 10**8}"
+    root = tmp_path / name
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "core.py").write_text("class Thing:\n    value = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = list(sys.meta_path)
+    yield name
+    sys.meta_path[:] = before
+    for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+        del sys.modules[module]
+
+
+def test_the_hook_runs_once_the_module_has_executed(package: str) -> None:
+    # Given a hook on the package's module, installed before anything imports it
+    seen: list[int] = []
+    _import_hooks.install({f"{package}.core": lambda module: seen.append(module.Thing.value)})
+    # When the script imports it (as a lazy package would: importlib by name)
+    module = importlib.import_module(f"{package}.core")
+    # Then the hook saw the executed module, once, and the module is the real one
+    assert seen == [1]
+    assert module.Thing.value == 1
+    importlib.import_module(f"{package}.core")
+    assert seen == [1]
+
+
+def test_a_module_imported_already_is_adapted_at_once(package: str) -> None:
+    importlib.import_module(f"{package}.core")
+    seen: list[str] = []
+    _import_hooks.install({f"{package}.core": lambda module: seen.append(module.__name__)})
+    assert seen == [f"{package}.core"]
+
+
+def test_a_failing_hook_leaves_the_import_working(package: str, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(module: ModuleType) -> None:
+        raise AttributeError("Trainer has no attribute train")
+
+    _import_hooks.install({f"{package}.core": broken})
+    with caplog.at_level(logging.WARNING):
+        module = importlib.import_module(f"{package}.core")
+    assert module.Thing.value == 1
+    assert f"resilrun could not adapt {package}.core; training runs without its integration" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("environ", "wanted"),
+    [
+        ({"RESILRUN_AGENT_SOCKET": "/run/agent.sock"}, True),
+        ({"RESILRUN_AGENT_SOCKET": "/run/agent.sock", "RESILRUN_INTEGRATIONS": "0"}, False),
+        ({"RESILRUN_AGENT_SOCKET": "/run/agent.sock", "RESILRUN_INTEGRATIONS": "off"}, False),
+        ({}, False),  # plain python or torchrun: frameworks are never touched
+    ],
+)
+def test_integrations_are_only_installed_in_a_resilrun_worker_that_wants_them(
+    environ: dict[str, str], wanted: bool
+) -> None:
+    before = list(sys.meta_path)
+    try:
+        assert integrations.install_import_hooks(environ) is wanted
+        assert (len(sys.meta_path) > len(before)) is wanted
+    finally:
+        sys.meta_path[:] = before
+
+
+class _Trainer:
+    def train(self, resume_from_checkpoint: object = None) -> str:
+        return "the framework's own train"
+
+    def _load_from_checkpoint(self, checkpoint: str) -> None: ...
+    def _load_optimizer_and_scheduler(self, checkpoint: str) -> None: ...
+    def _load_scaler(self, checkpoint: str) -> None: ...
+    def _load_rng_state(self, checkpoint: str) -> None: ...
+
+
+def _framework(monkeypatch: pytest.MonkeyPatch, version: str, trainer: type) -> ModuleType:
+    package = ModuleType("transformers")
+    package.__version__ = version  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers", package)
+    module = ModuleType("transformers.trainer")
+    module.Trainer = trainer  # type: ignore[attr-defined]
+    return module
+
+
+def test_a_transformers_version_outside_the_tested_range_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer = type("Trainer", (_Trainer,), {})
+    module = _framework(monkeypatch, "4.40.2", trainer)
+    with caplog.at_level(logging.WARNING):
+        hf.adapt_trainer(module)
+    assert trainer.train is _Trainer.train
+    assert "transformers 4.40.2 is outside the versions resilrun integrates (>=5.0, <6.0)" in caplog.text
+    assert "a failure restarts the job" in caplog.text
+
+
+def test_a_trainer_without_the_loaders_it_needs_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer = type("Trainer", (_Trainer,), {"_load_scaler": None})
+    module = _framework(monkeypatch, "5.23.0", trainer)
+    with caplog.at_level(logging.WARNING):
+        hf.adapt_trainer(module)
+    assert trainer.train is _Trainer.train
+    assert "this transformers' Trainer lacks _load_scaler" in caplog.text
+
+
+def test_outside_a_resilrun_worker_the_adapted_trainer_is_the_frameworks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given an adapted Trainer (explicit install() in a script run under plain torchrun)
+    trainer = type("Trainer", (_Trainer,), {})
+    module = _framework(monkeypatch, "5.23.0", trainer)
+    monkeypatch.setattr(hf, "_forget_accelerate_state_on_reentry", lambda: None)
+    hf.adapt_trainer(module)
+    assert trainer.train is not _Trainer.train
+    # Then without resilrun's agent it runs the framework's own train
+    instance = trainer()
+    instance.args = object()
+    assert instance.train() == "the framework's own train"
