@@ -162,6 +162,12 @@ class WorkerProcess:
         (``wait_any_exit``), so no select can hold it meanwhile.
         """
         self._require_owner("poll")
+        if self.popen.returncode is None and self._exited_unreaped():
+            # What the worker started in its session (DataLoader workers, helper processes) is
+            # orphaned now; a dead rank replaced in-process is never stopped as a whole, so end
+            # them here, while the unreaped exit still pins the pid: the group id cannot yet be
+            # reused by another process.
+            self.signal_group(signal.SIGKILL)
         code = self.popen.poll()
         if code is not None:
             with self._lock:
@@ -172,6 +178,13 @@ class WorkerProcess:
                         os.close(self._pidfd)
                     self._pidfd = None
         return code
+
+    def _exited_unreaped(self) -> bool:
+        try:
+            info = os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped elsewhere (Popen.wait): nothing pins the pid any more
+            return False
+        return info is not None
 
     def snapshot(self) -> WorkerSnapshot:
         """Any thread: the worker as it is now, without reaping it or touching its descriptors."""

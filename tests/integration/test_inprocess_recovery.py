@@ -193,3 +193,38 @@ def test_failures_alternating_between_ranks_at_one_step_exhaust_the_in_process_b
     assert len(promoted(run)) == 3, err[-3000:]  # MAX_RECOVERIES_WITHOUT_PROGRESS
     assert events(run, kind="exit")[-1]["outcome"] == "failed"
     assert "no restart left (--max-restarts 0)" in err  # the error the user reads
+
+
+def test_the_children_a_killed_worker_leaves_behind_end_with_it(launcher, tmp_path: Path) -> None:
+    # Given 2 workers that each start a helper process that does not watch its parent, and a hot spare
+    script = Path(__file__).resolve().parents[1] / "helpers" / "with_helper_process.py"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+        str(script), "--out", str(tmp_path), env={"RESILRUN_FAULTS": "kill:rank=1,step=5"},
+    )  # fmt: skip
+    # When rank 1 is SIGKILLed at step 5 and the spare takes its place
+    deadline = time.monotonic() + 120
+    while "hot spare takes over" not in run.stderr() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "hot spare takes over" in run.stderr(), run.stderr()[-3000:]
+    killed = events(run, kind="round_started", round=0)[0]
+    dead_pid = killed["pids"][killed["ranks"].index(1)]
+    orphan = int((tmp_path / f"helper_{dead_pid}").read_text())
+    # Then its helper is ended by the agent at once, while the job goes on (not left to run for the
+    # job's lifetime and beyond, reparented to init)
+    gone_by = time.monotonic() + 3
+    while _running(orphan) and time.monotonic() < gone_by:
+        time.sleep(0.05)
+    assert not _running(orphan), f"the dead worker's helper {orphan} outlived it"
+    assert run.popen.poll() is None  # the job was still running: the helper was ended by the recovery
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    assert_nothing_left(run)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for whoever adopted it to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
