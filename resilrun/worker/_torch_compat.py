@@ -17,6 +17,8 @@ What resilrun does when a probe fails:
   blocked in a subgroup's collective (HSDP, tensor parallel) waits for NCCL's own timeout.
 - ``strided_shard``: a DTensor with a strided shard (FSDP over tensor parallel on one dim) cannot be
   snapshotted (a TypeError at the first commit names it); every other placement is public API.
+- ``dataloader_workers``: the DataLoader worker processes of a failed generation end only when the
+  iterator that started them is garbage-collected (a framework's reference cycle can delay that).
 
 Every probe holds on the torch versions ``pyproject.toml`` declares (``TESTED_TORCH``).
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +59,7 @@ _FALLBACKS = {
     "cuda_host_register": "snapshot buffers stay pageable: device-to-host copies are synchronous",
     "group_registry": "only the default NCCL group is aborted: a rank blocked in a subgroup waits for its timeout",
     "strided_shard": "DTensors with strided shards (FSDP over tensor parallel on one dim) cannot be snapshotted",
+    "dataloader_workers": "a failed generation's DataLoader workers end only when their iterator is collected",
 }
 _WARNED: set[str] = set()
 
@@ -111,6 +115,16 @@ def _strided_shard_probe() -> type | None:
     return _StridedShard
 
 
+@functools.cache
+def _loader_iterator_probe() -> type | None:
+    from torch.utils.data import dataloader
+
+    iterator = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
+    if iterator is None or not callable(getattr(iterator, "_shutdown_workers", None)):
+        return None
+    return iterator
+
+
 _PROBES: dict[str, Callable[[], Any]] = {
     "deferred_ddp_sync": _sync_helpers,
     "ddp_bucket_rebuild": _bucket_rebuild_probe,
@@ -118,6 +132,7 @@ _PROBES: dict[str, Callable[[], Any]] = {
     "cuda_host_register": _host_register_probe,
     "group_registry": _group_registry_probe,
     "strided_shard": _strided_shard_probe,
+    "dataloader_workers": _loader_iterator_probe,
 }
 
 
@@ -228,3 +243,47 @@ def process_groups(*, newest_first: bool = False) -> list[Any]:
         return []
     groups = list(dist.distributed_c10d._world.pg_names)  # in the order they were built
     return groups[::-1] if newest_first else groups
+
+
+# Every DataLoader iterator with worker processes made in this process and not yet collected.
+_LOADER_ITERATORS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track_dataloader_workers() -> bool:
+    """Note every multi-process DataLoader iterator made from now on; False without the interface.
+
+    Why: when a generation fails, its DataLoader iterators are still referenced from the failed
+    frames, and a framework's reference cycles can keep them long after; their worker processes
+    (each with a copy of the dataset) would wait idle beside the next generation's."""
+    iterator = _loader_iterator_probe()
+    if iterator is None:
+        _fall_back("dataloader_workers")
+        return False
+    if iterator.__dict__.get("__resilrun_tracked__"):
+        return True
+    made = iterator.__init__
+
+    @functools.wraps(made)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - the method it wraps
+        made(self, *args, **kwargs)
+        _LOADER_ITERATORS.add(self)
+
+    iterator.__init__ = __init__
+    iterator.__resilrun_tracked__ = True
+    return True
+
+
+def stop_dataloader_workers() -> int:
+    """Shut down the workers of every tracked DataLoader iterator the way it would itself (its queues
+    told to stop, the processes joined, their pids unregistered from torch's SIGCHLD check, which
+    would otherwise report a killed worker as a failure); returns how many iterators were stopped."""
+    stopped = 0
+    for iterator in list(_LOADER_ITERATORS):
+        if not getattr(iterator, "_shutdown", True):
+            try:
+                iterator._shutdown_workers()
+                stopped += 1
+            except Exception as exc:  # noqa: BLE001 - a broken iterator must not stop the recovery
+                logger.debug("shutting down a DataLoader iterator's workers: %s", exc)
+    _LOADER_ITERATORS.clear()
+    return stopped

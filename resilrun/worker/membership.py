@@ -110,6 +110,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         _JOB._report("collectives_rebuilt", seconds=round(pg_seconds, 6))
     if variables.agent_socket:
         _ddp_sync.install()
+        _torch_compat.track_dataloader_workers()  # stopped with the generation (reset_for_reentry)
         _JOB._watchdog = _start_watchdog(variables.agent_socket, variables.round, before, group_sockets)
         _start_heartbeat(variables.agent_socket, variables.heartbeat_interval_s)
     return _JOB
@@ -246,6 +247,9 @@ def reset_for_reentry() -> None:
             hook()
         except Exception as exc:  # noqa: BLE001 - a framework's leftovers must not stop the recovery
             logger.warning("resetting framework state for the next generation failed: %s", exc)
+    stopped = _torch_compat.stop_dataloader_workers()
+    if stopped:
+        logger.info("stopped the worker processes of %d DataLoader iterator(s) of the failed generation", stopped)
     _ddp_sync.uninstall()  # the next generation's init() installs it again
     if job is not None and job._watchdog is not None:
         job._watchdog.disarm()

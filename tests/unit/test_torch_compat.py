@@ -60,6 +60,7 @@ def test_the_report_names_every_probe_with_its_fallback() -> None:
         "cuda_host_register",
         "group_registry",
         "strided_shard",
+        "dataloader_workers",
     ]
     assert [p.name for p in probes] == names
     assert all(p.fallback for p in probes)
@@ -243,3 +244,48 @@ def test_without_the_strided_shard_such_a_dtensor_cannot_be_snapshotted(
     with pytest.raises(CheckpointError, match="strided shard"):
         placement_of("SS0:2")
     assert len(_warnings(caplog)) == 1 and "strided shards" in _warnings(caplog)[0]
+
+
+# dataloader_workers
+
+
+class _Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def test_a_failed_generations_dataloader_workers_are_stopped_even_while_referenced() -> None:
+    import multiprocessing
+
+    # Given a DataLoader iterator with 2 persistent workers, still referenced (as a framework's
+    # cache or a reference cycle would keep it after the generation failed)
+    assert _holds("dataloader_workers")
+    assert _torch_compat.track_dataloader_workers()
+    loader = torch.utils.data.DataLoader(_Numbers(), batch_size=4, num_workers=2, persistent_workers=True)
+    kept = iter(loader)
+    next(kept)
+    workers = [w for w in multiprocessing.active_children() if w.pid in {p.pid for p in kept._workers}]
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    # When the generation ends
+    assert _torch_compat.stop_dataloader_workers() == 1
+    # Then its workers are gone, cleanly: joined (not left as zombies) and the iterator knows it
+    assert not any(w.is_alive() for w in workers)
+    assert kept._shutdown
+    assert _torch_compat.stop_dataloader_workers() == 0  # each generation's iterators once
+
+
+def test_without_the_iterator_interface_workers_are_left_to_garbage_collection(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from torch.utils.data import dataloader
+
+    monkeypatch.delattr(dataloader, "_MultiProcessingDataLoaderIter")
+    _torch_compat.forget_probes()
+    assert not _holds("dataloader_workers")
+    assert not _torch_compat.track_dataloader_workers()
+    assert len(_warnings(caplog)) == 1 and "DataLoader workers" in _warnings(caplog)[0]
+    monkeypatch.undo()
+    _torch_compat.forget_probes()
