@@ -350,6 +350,13 @@ class Config:
         default=False,
         metadata=_meta("--no-snapshot-dedup", C, "Each rank snapshots all DDP state (no sharing).", pet=False),
     )
+    # Off leaves every framework as it is (docs/integrations.md): a failure then restarts its script.
+    no_integrations: bool = field(
+        default=False,
+        metadata=_meta(
+            "--no-integrations", C, "Do not adapt frameworks (Hugging Face Trainer, Lightning) for recovery.", pet=False
+        ),
+    )
     s3_endpoint_url: str | None = field(
         default=None, metadata=_meta("--s3-endpoint-url", C, "Endpoint of an S3-compatible store.", pet=False)
     )

@@ -213,7 +213,12 @@ def run(config: Config) -> None:
             addr=addr,
             log_root=log_root,
             # The channel token reaches only our workers; *_SOCKET_IFNAME only where the user set none.
-            base_env={**agent_environ(), **worker_network_env(advertised, os.environ), **channel_env(channel)},
+            base_env={
+                **agent_environ(),
+                **worker_network_env(advertised, os.environ),
+                **channel_env(channel),
+                **({"RESILRUN_NO_INTEGRATIONS": "1"} if config.no_integrations else {}),
+            },
             agent_socket=channel.path,
         )
         peer_key = PeerKey(secret, encrypt=config.peer_encryption)

@@ -3,8 +3,9 @@
 Under resilrun, the worker bootstrap calls ``install_import_hooks()`` before the script runs: when
 the script imports a supported framework, the framework is adapted (see each module) so that its
 state is snapshotted after every optimizer step and a recovered generation resumes at the same
-step in-process. Set ``RESILRUN_INTEGRATIONS=0`` (or pass ``--no-integrations``) to leave every
-framework exactly as it is; a script may also call an integration's ``install()`` itself.
+step in-process. Pass ``--no-integrations`` (or set ``RESILRUN_NO_INTEGRATIONS=1``, which the
+workers inherit) to leave every framework exactly as it is; a script may also call an
+integration's ``install()`` itself.
 
 Light on purpose (no torch, no framework): the bootstrap imports it for every worker.
 """
@@ -20,14 +21,18 @@ from types import ModuleType
 _HOOKS: dict[str, tuple[str, str]] = {
     "transformers.training_args": ("resilrun.integrations.transformers", "adapt_training_arguments"),
     "transformers.trainer": ("resilrun.integrations.transformers", "adapt_trainer"),
+    "lightning.pytorch.trainer.trainer": ("resilrun.integrations.lightning", "adapt_trainer"),
+    "pytorch_lightning.trainer.trainer": ("resilrun.integrations.lightning", "adapt_trainer"),
 }
 
-_OFF = frozenset({"0", "off", "false", "no"})
+# The flag's environment variable (resilrun/config.py parses the same words), inherited by workers.
+_OFF_VARIABLE = "RESILRUN_NO_INTEGRATIONS"
+_TRUE = frozenset({"1", "true", "yes", "on"})
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether framework integrations are wanted: only in a worker resilrun started, unless turned off."""
-    return bool(environ.get("RESILRUN_AGENT_SOCKET")) and environ.get("RESILRUN_INTEGRATIONS", "1").lower() not in _OFF
+    return bool(environ.get("RESILRUN_AGENT_SOCKET")) and environ.get(_OFF_VARIABLE, "").lower() not in _TRUE
 
 
 def install_import_hooks(environ: Mapping[str, str] = os.environ) -> bool:

@@ -53,11 +53,15 @@ class HeldRestore:
 
     def load_into(self, name: str, obj: Any) -> None:
         """Load the held state of ``name`` into the real object (once; the copy is dropped)."""
+        obj.load_state_dict(self.take(name))
+
+    def take(self, name: str) -> Any:
+        """The held state of ``name`` itself (once), for a framework that loads it its own way."""
         stand_in = self._stand_ins[name]
         if stand_in.state is None:
             raise RuntimeError(f"resilrun holds no restored state for {name!r}")
         state, stand_in.state = stand_in.state, None
-        obj.load_state_dict(state)
+        return state
 
     def restore_rng(self) -> None:
         """Set the random generators to the restored step's again."""

@@ -84,6 +84,15 @@ def adapt_trainer(module: ModuleType) -> None:
     def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         if not _joins(self.args) or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return original(self, resume_from_checkpoint, *args, **kwargs)
+        if _GENERATION.trained:
+            # The job's snapshots are one sequence of steps: a second training in the same run (a
+            # second stage, a sweep) would restore the first one's steps. It runs as under
+            # torchrun; a failure in it runs the script again, whose first train() is then done.
+            logger.warning(
+                "resilrun snapshots the first Trainer.train() of a run only; this one is not snapshotted"
+            )
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        _GENERATION.trained = True
         return _Session(self).train(functools.partial(original, self), resume_from_checkpoint, args, kwargs)
 
     trainer_class.train = train
@@ -135,6 +144,19 @@ def _joins(args: Any) -> bool:
     return enabled() and not getattr(args, "deepspeed", None) and not getattr(args, "fsdp", None)
 
 
+@dataclasses.dataclass
+class _Generation:
+    """What this process did in the generation it is in (forgotten when it runs the script again)."""
+
+    trained: bool = False
+
+    def forget(self) -> None:
+        self.trained = False
+
+
+_GENERATION = _Generation()
+
+
 def _forget_accelerate_state_on_reentry() -> None:
     """The next run of the script builds new TrainingArguments (which reset Accelerate's process
     state themselves) but inherits ``GradientState``, which still points at the old data loaders."""
@@ -143,6 +165,7 @@ def _forget_accelerate_state_on_reentry() -> None:
     from resilrun.worker import membership
 
     membership.on_reentry(GradientState._reset_state)
+    membership.on_reentry(_GENERATION.forget)
 
 
 class _Session:

@@ -79,7 +79,10 @@ def _run_example(launcher, tmp_path: Path, name: str, *extra: str, env: dict[str
 
 
 # Examples run (with a fault, against a failure-free run) by a test file of their own.
-OWN_TESTS = {"train_hf_trainer.py": ROOT / "tests" / "integration" / "test_framework_transformers.py"}
+OWN_TESTS = {
+    "train_hf_trainer.py": ROOT / "tests" / "integration" / "test_framework_transformers.py",
+    "train_lightning.py": ROOT / "tests" / "integration" / "test_framework_lightning.py",
+}
 
 
 def test_every_python_example_is_run_by_this_file_or_its_own() -> None:

@@ -9,11 +9,13 @@ weights must be bitwise the failure-free run's.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import assert_nothing_left
+from tests.conftest import free_port
+from tests.integration.conftest import assert_nothing_left, events, resumed, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -69,3 +71,40 @@ def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(l
     _train(launcher, tmp_path / "clean", "", *extra)
     assert _weights(tmp_path / "faulty") == _weights(tmp_path / "clean")
 
+
+@pytest.mark.timeout(400)
+def test_a_lost_node_is_replaced_by_a_spare_node_and_the_trainer_resumes_bitwise_equal(
+    launcher, tmp_path: Path
+) -> None:
+    # Given 2 nodes x 1 worker replicating to each other and a third agent standing by as a spare node
+    # (one OpenMP thread each, as the 2-worker reference run gets from the launcher: thread count
+    # changes the order of float sums, so it must match for bitwise equality)
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1"}
+    out = tmp_path / "faulty"
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hf",
+        "--replicas", "1", "--heartbeat-timeout", "3", "--max-restarts", "0",
+        str(SCRIPT), "--out", str(out), "--steps", "400",
+    ]  # fmt: skip
+    nodes = [launcher("resilrun", *flags, env=env) for _ in range(2)]
+    wait_for(lambda: any("round 0 formed" in n.stderr() for n in nodes), 150, "the round to form")
+    spare = launcher("resilrun", *flags, env=env)
+    wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare node")
+    wait_for(lambda: any("'loss'" in n.stdout() for n in nodes), 150, "training to log its first loss")
+    # When the node that does not host the store loses its agent and its worker (SIGKILL: node loss)
+    doomed = next(n for n in nodes if "hosting store" not in n.stderr())
+    survivor = next(n for n in nodes if n is not doomed)
+    os.killpg(doomed.pid, signal.SIGKILL)
+    # Then the spare node takes its node rank in-process, the lost rank restoring from its replica,
+    for node in (survivor, spare):
+        assert node.wait(300) == 0, node.stderr()[-4000:]
+        assert_nothing_left(node)
+    assert "spare node takes node rank" in spare.stderr()
+    assert events(survivor, spare, kind="restart") == []
+    steps = resumed(survivor, spare)
+    step = steps[0][0]
+    assert steps == {0: (step, "memory"), 1: (step, "peer")}, steps
+    # and the saved weights are bitwise those of a failure-free run of 2 ranks
+    _train(launcher, tmp_path / "clean", "", "--steps", "400")
+    assert _weights(out) == _weights(tmp_path / "clean")

@@ -511,6 +511,7 @@ _RESILRUN_ONLY = {
     "persist_every",
     "keep_last",
     "no_snapshot_dedup",
+    "no_integrations",
     "s3_endpoint_url",
     "s3_expected_owner",
     "metrics_port",

@@ -68,8 +68,9 @@ def test_a_failing_hook_leaves_the_import_working(package: str, caplog: pytest.L
     ("environ", "wanted"),
     [
         ({"RESILRUN_AGENT_SOCKET": "/run/agent.sock"}, True),
-        ({"RESILRUN_AGENT_SOCKET": "/run/agent.sock", "RESILRUN_INTEGRATIONS": "0"}, False),
-        ({"RESILRUN_AGENT_SOCKET": "/run/agent.sock", "RESILRUN_INTEGRATIONS": "off"}, False),
+        ({"RESILRUN_AGENT_SOCKET": "/run/agent.sock", "RESILRUN_NO_INTEGRATIONS": "1"}, False),
+        ({"RESILRUN_AGENT_SOCKET": "/run/agent.sock", "RESILRUN_NO_INTEGRATIONS": "true"}, False),
+        ({"RESILRUN_AGENT_SOCKET": "/run/agent.sock", "RESILRUN_NO_INTEGRATIONS": "0"}, True),
         ({}, False),  # plain python or torchrun: frameworks are never touched
     ],
 )
@@ -137,3 +138,81 @@ def test_outside_a_resilrun_worker_the_adapted_trainer_is_the_frameworks(monkeyp
     instance = trainer()
     instance.args = object()
     assert instance.train() == "the framework's own train"
+
+
+def test_a_second_train_in_the_same_run_is_not_snapshotted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given an adapted Trainer in a resilrun worker whose first train() already ran in this generation
+    trainer = type("Trainer", (_Trainer,), {})
+    monkeypatch.setattr(hf, "_forget_accelerate_state_on_reentry", lambda: None)
+    hf.adapt_trainer(_framework(monkeypatch, "5.23.0", trainer))
+    monkeypatch.setenv("RESILRUN_AGENT_SOCKET", "/run/agent.sock")
+    monkeypatch.setattr(hf._GENERATION, "trained", True)
+    instance = trainer()
+    instance.args, instance.is_deepspeed_enabled, instance.is_fsdp_enabled = object(), False, False
+    # When the script trains again (a second stage), Then it runs as the framework's own, and says so:
+    # the job's snapshots are the first training's steps, which this one must never restore
+    with caplog.at_level(logging.WARNING):
+        assert instance.train() == "the framework's own train"
+    assert "snapshots the first Trainer.train() of a run only" in caplog.text
+    # and running the script again in a new generation integrates its first train() again
+    hf._GENERATION.forget()
+    assert not hf._GENERATION.trained
+
+
+def test_a_lightning_version_outside_the_tested_range_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from resilrun.integrations import lightning as lit
+
+    class Trainer:
+        def fit(self, model: object, ckpt_path: object = None) -> str:
+            return "the framework's own fit"
+
+    package = ModuleType("lightning")
+    package.__version__ = "1.9.5"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "lightning", package)
+    module = ModuleType("lightning.pytorch.trainer.trainer")
+    module.Trainer = Trainer  # type: ignore[attr-defined]
+    original = Trainer.fit
+    with caplog.at_level(logging.WARNING):
+        lit.adapt_trainer(module)
+    assert Trainer.fit is original
+    assert "lightning 1.9.5 is outside the versions resilrun integrates (>=2.5, <3.0)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("strategy", "integrated"),
+    [("DDPStrategy", True), ("SingleDeviceStrategy", True), ("FSDPStrategy", False), ("DeepSpeedStrategy", False)],
+)
+def test_lightning_strategies_other_than_ddp_and_single_device_are_not_integrated(
+    monkeypatch: pytest.MonkeyPatch, strategy: str, integrated: bool
+) -> None:
+    from resilrun.integrations import lightning as lit
+
+    monkeypatch.setenv("RESILRUN_AGENT_SOCKET", "/run/agent.sock")
+    monkeypatch.delenv("RESILRUN_NO_INTEGRATIONS", raising=False)
+    monkeypatch.setattr(lit, "_GENERATION", lit._Generation())
+    ddp = type("DDPStrategy", (), {})
+    bases = (ddp,) if strategy == "DeepSpeedStrategy" else ()
+    loop = type("FitLoop", (), {"_combined_loader": None, "epoch_loop": type("E", (), {"on_advance_end": None})()})
+    trainer = type("Trainer", (), {})()
+    trainer.strategy = (type(strategy, bases, {}) if bases else type(strategy, (), {}))()
+    trainer.fit_loop = loop()
+    trainer._checkpoint_connector = type("C", (), {"dump_checkpoint": None})()
+    reason = lit._not_integrated(trainer)
+    assert (reason is None) is integrated, reason
+    if not integrated:
+        assert f"the {strategy} is not integrated (DDP and single-device are)" == reason
+
+
+def test_only_the_first_lightning_fit_of_a_generation_is_snapshotted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilrun.integrations import lightning as lit
+
+    monkeypatch.setenv("RESILRUN_AGENT_SOCKET", "/run/agent.sock")
+    monkeypatch.setattr(lit, "_GENERATION", lit._Generation(fitted=True))
+    assert "first Trainer.fit() of a run only" in (lit._not_integrated(object()) or "")
+    lit._GENERATION.forget()
+    monkeypatch.delenv("RESILRUN_AGENT_SOCKET")
+    assert lit._not_integrated(object()) == ""  # not a resilrun worker: nothing to say

@@ -1,0 +1,156 @@
+"""An unmodified Hugging Face Trainer script: resilrun's per-step cost and a failure's cost vs torchrun.
+
+    python benchmarks/framework_overhead.py [--runs 2] [--steps 60] [--kill-step 25] [--json out.json]
+
+Why this shape (issue 18): the integration snapshots model, optimizer, scheduler, RNG and
+TrainerState after every optimizer step, which is what a user pays on every step; and it is worth
+paying only if a failure then costs less than torchrun plus the Trainer's own checkpoint resume.
+So, side by side in one run, interleaved per round (the machine is small and noisy):
+
+- steady state (no fault): mean time per optimizer step over steps 5..N from rank 0's step-end
+  stamps, for torchrun, torchrun with the Trainer saving a checkpoint every --save-steps,
+  resilrun with integrations off (the launcher alone) and resilrun (the integration on);
+- one worker SIGKILLed as step --kill-step starts: torchrun --max-restarts 1 resuming from the
+  Trainer's newest checkpoint (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it, torchrun's
+  restarted gloo workers read the dead ones' addresses and fail), against resilrun --spares 1;
+  the failure's cost is the job's wall time minus the same launcher's failure-free wall time, and
+  the steps redone are read from the stamps (the first step finished after the kill, against the kill step).
+
+Every run is bounded by --timeout; its process group is killed on expiry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+WORKER = Path(__file__).resolve().parent / "_hf_trainer_worker.py"
+
+
+def _mean_step(stamps: list[tuple[int, float]], first: int = 5) -> float:
+    kept = [(s, t) for s, t in stamps if s >= first]
+    return (kept[-1][1] - kept[0][1]) / (kept[-1][0] - kept[0][0])
+
+
+def _redone(stamps: list[tuple[int, float]], kill_step: int) -> int:
+    """Steps finished twice: after the kill, the run went back to the first step it stamped again."""
+    seen: set[int] = set()
+    for step, _ in stamps:
+        if step in seen:
+            return kill_step - step + 1
+        seen.add(step)
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--save-steps", type=int, default=10)
+    parser.add_argument("--kill-step", type=int, default=25)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--json", type=Path)
+    opts = parser.parse_args()
+    py = sys.executable
+    common = ["--nproc-per-node", str(opts.nproc), "--standalone"]
+    size = ["--steps", str(opts.steps), "--layers", str(opts.layers), "--width", str(opts.width)]
+    kill = ["--kill-rank", "1", "--kill-step", str(opts.kill_step)]
+    saves = ["--save-steps", str(opts.save_steps)]
+    torchrun, resilrun = [py, "-m", "torch.distributed.run", *common], [py, "-m", "resilrun", *common]
+    off = {"RESILRUN_NO_INTEGRATIONS": "1"}
+    unshared = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cases: dict[str, tuple[list[str], dict[str, str]]] = {
+        "torchrun": (torchrun, {}),
+        "torchrun + Trainer checkpoints": (torchrun, {}),
+        "resilrun, integrations off": (resilrun, off),
+        "resilrun": (resilrun, {}),
+        # plain torchrun's shared rendezvous store breaks its restarts with gloo (stale addresses of the
+        # dead workers: ../shared/anchors/measured_here.md); its own switch turns the sharing off
+        "torchrun + checkpoints, killed": ([*torchrun, "--max-restarts", "1"], unshared),
+        "resilrun --spares 1, killed": ([*resilrun, "--spares", "1", "--max-restarts", "0"], {}),
+    }
+    extra = {
+        "torchrun + Trainer checkpoints": saves,
+        "torchrun + checkpoints, killed": [*saves, *kill],
+        "resilrun --spares 1, killed": kill,
+    }
+    results: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {name: [] for name in cases}
+    names = list(cases)
+    for round_ in range(opts.runs):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            argv, env = cases[name]
+            wall, stamps = _launch(name, argv, env, [*size, *extra.get(name, [])], opts.timeout)
+            results[name].append((wall, stamps))
+            print(f"round {round_ + 1} {name}: {wall:.1f} s", file=sys.stderr, flush=True)
+    report = _report(results, opts.kill_step)
+    print(report["markdown"])
+    if opts.json:
+        opts.json.write_text(json.dumps(report, indent=2))
+
+
+def _launch(
+    name: str, argv: list[str], env: dict[str, str], worker_args: list[str], timeout: float
+) -> tuple[float, list[tuple[int, float]]]:
+    out = Path(tempfile.mkdtemp(prefix="hf-bench-"))
+    stamps = out / "stamps.txt"
+    full = [*argv, str(WORKER), "--out", str(out / "run"), "--stamps", str(stamps), *worker_args]
+    started = time.monotonic()
+    with open(out / "stderr.txt", "wb") as err:
+        proc = subprocess.Popen(
+            full, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise SystemExit(f"{name}: still running after {timeout} s (logs: {out})") from None
+    wall = time.monotonic() - started
+    if code != 0:
+        raise SystemExit(f"{name}: exited {code} (logs: {out})")
+    rows = [line.split() for line in stamps.read_text().splitlines()]
+    return wall, [(int(step), float(at)) for step, at in rows]
+
+
+def _report(results: dict[str, list[tuple[float, list[tuple[int, float]]]]], kill_step: int) -> dict[str, Any]:
+    steady = ["torchrun", "torchrun + Trainer checkpoints", "resilrun, integrations off", "resilrun"]
+    step_ms = {name: statistics.median(_mean_step(s) for _, s in results[name]) * 1000 for name in steady}
+    walls = {name: statistics.median(w for w, _ in runs) for name, runs in results.items()}
+    base = step_ms["torchrun"]
+    lines = [
+        "| steady state (no fault) | ms per optimizer step | vs torchrun |",
+        "| --- | ---: | ---: |",
+        *(f"| {name} | {step_ms[name]:.1f} | {step_ms[name] / base:.3f}x |" for name in steady),
+        "",
+        f"| one worker SIGKILLed at step {kill_step} | job wall (s) | failure cost (s) | steps redone |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    faults = {
+        "torchrun + checkpoints, killed": "torchrun + Trainer checkpoints",
+        "resilrun --spares 1, killed": "resilrun",
+    }
+    cost: dict[str, dict[str, float]] = {}
+    for name, clean in faults.items():
+        redone = statistics.median(_redone(s, kill_step) for _, s in results[name])
+        cost[name] = {"wall_s": walls[name], "cost_s": walls[name] - walls[clean], "redone": redone}
+        lines.append(f"| {name} | {walls[name]:.1f} | {cost[name]['cost_s']:.1f} | {redone:g} |")
+    t, r = cost["torchrun + checkpoints, killed"], cost["resilrun --spares 1, killed"]
+    lines.append("")
+    lines.append(f"failure cost, resilrun / torchrun + Trainer resume: {r['cost_s'] / t['cost_s']:.2f}x")
+    return {"step_ms": step_ms, "wall_s": walls, "failure": cost, "markdown": "\n".join(lines)}
+
+
+if __name__ == "__main__":
+    main()

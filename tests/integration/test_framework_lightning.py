@@ -1,0 +1,72 @@
+"""An unmodified PyTorch Lightning script recovers in-process (issue 18, Lightning).
+
+The script (examples/train_lightning.py) knows nothing of resilrun: a small transformer LM as a
+LightningModule, synthetic tokens, dropout, a per-step warmup schedule, a shuffling DataLoader
+that Lightning shards, ``Trainer(strategy="ddp")``. Under ``--spares 1 --max-restarts 0`` a
+SIGKILLed worker must cost no restart and no redone step, and the saved weights must be bitwise
+the failure-free run's, also mid-epoch, with gradient accumulation and DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import assert_nothing_left
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_lightning.py"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lightning_installed() -> None:
+    try:
+        import lightning  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"lightning is required in CI (pip install -e '.[test]'): {exc}")
+        pytest.skip(f"lightning not installed: {exc}")
+
+
+def _train(launcher, out: Path, faults: str, *extra: str) -> str:  # noqa: ANN001
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+        str(SCRIPT), "--out", str(out), *extra, env={"RESILRUN_FAULTS": faults},
+    )  # fmt: skip
+    assert run.wait(180) == 0, run.stderr()[-4000:]
+    assert_nothing_left(run)
+    assert "done: global_step=" in run.stdout(), run.stdout()[-2000:]
+    return run.stderr()
+
+
+def _weights(out: Path) -> bytes:
+    return (out / "model.safetensors").read_bytes()
+
+
+def test_a_lightning_script_recovers_in_process_bitwise_equal_in_its_second_epoch(launcher, tmp_path: Path) -> None:
+    # Given 64 samples in batches of 4 over 2 ranks (8 batches an epoch), rank 1 SIGKILLed as optimizer
+    # step 11 starts (epoch 1, its 4th batch: the epoch's shuffle matters), and a hot spare
+    extra = ("--steps", "20", "--samples", "64")
+    err = _train(launcher, tmp_path / "faulty", "kill:rank=1,step=11", *extra)
+    # Then the spare took rank 1 and every rank resumed at step 10's end: no restart, no step redone
+    assert "hot spare takes over" in err
+    assert "restarting the job" not in err
+    assert "rank 0 resumed from step 10 (node memory)" in err
+    assert "rank 1 resumed from step 10 (node memory)" in err
+    # and the saved weights are bitwise the failure-free run's (same shuffle, dropout and schedule)
+    _train(launcher, tmp_path / "clean", "", *extra)
+    assert _weights(tmp_path / "faulty") == _weights(tmp_path / "clean")
+
+
+def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(launcher, tmp_path: Path) -> None:
+    # Given 2 micro-batches per optimizer step, 2 DataLoader worker processes, and rank 0 killed at step 6
+    extra = ("--steps", "12", "--samples", "64", "--grad-accum", "2", "--workers", "2")
+    err = _train(launcher, tmp_path / "faulty", "kill:rank=0,step=6", *extra)
+    assert "rank 1 resumed from step 5 (node memory)" in err
+    assert "restarting the job" not in err
+    # Then the resumed run fed the same batches: the weights are bitwise the failure-free run's
+    _train(launcher, tmp_path / "clean", "", *extra)
+    assert _weights(tmp_path / "faulty") == _weights(tmp_path / "clean")
