@@ -2,7 +2,8 @@
 
 A small transformer language model on synthetic tokens, dropout on, a warmup schedule stepped
 every optimizer step, gradient accumulation, a shuffling DataLoader (Lightning adds the
-distributed sampler), rank-0-only logging, and the weights saved by rank 0 at the end.
+distributed sampler; or torchdata's StatefulDataLoader with --stateful), rank-0-only logging, and
+the weights saved by rank 0 at the end.
 
     resilrun --standalone --nproc-per-node 2 --spares 1 examples/train_lightning.py --out /tmp/lit
 """
@@ -23,7 +24,10 @@ parser.add_argument("--epochs", type=int, default=100)
 parser.add_argument("--grad-accum", type=int, default=1)
 parser.add_argument("--workers", type=int, default=0)
 parser.add_argument("--samples", type=int, default=256)
+parser.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader instead of DataLoader")
 cli = parser.parse_args()
+if cli.stateful:
+    from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader  # noqa: F811
 
 local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 nodes = int(os.environ.get("WORLD_SIZE", "1")) // local_world_size

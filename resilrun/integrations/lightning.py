@@ -15,7 +15,8 @@ What changes under resilrun (nothing changes elsewhere):
   resumed epoch's iterator is rebuilt exactly as the failure-free run built it (same sampler
   epoch, same random state when it was made, so the same shuffle and worker seeds), the batches
   already trained on are drawn and dropped (so workers' random streams are where they were), and
-  the step's random state is set again before the next batch.
+  the step's random state is set again before the next batch. A loader that keeps its own
+  position (torchdata's ``StatefulDataLoader``) is restored by Lightning from the snapshot instead.
 
 Not integrated (the job then restarts on failure, as under torchrun, with a warning): strategies
 other than DDP and single-device (FSDP, DeepSpeed), a second ``fit`` in one run, and Lightning
@@ -274,13 +275,17 @@ class _Session:
             RngState().load_state_dict(position.rng)
         self.epoch_rng = RngState().state_dict()
         made = make(loader)
-        if position is not None:
+        if position is None:
+            return made
+        if not _resumable(loader):
+            # (a resumable loader, torchdata's StatefulDataLoader, had its own state loaded by
+            # Lightning from the snapshot just before: it starts where it stood by itself)
             for _ in range(position.batches):
                 try:
                     next(loader)
                 except StopIteration:
                     break
-            self.rng_due = True
+        self.rng_due = True
         return made
 
     # -- what the callback does --------------------------------------------------------------------
@@ -325,6 +330,15 @@ class _LiveCheckpoint:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise RuntimeError("resilrun: Lightning's state is restored through fit(ckpt_path=...), not in place")
+
+
+def _resumable(loader: Any) -> bool:
+    """Whether every data loader of the combined one keeps its own position, as Lightning checks
+    before it saves and loads their state (``state_dict``/``load_state_dict``)."""
+    return all(
+        callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None))
+        for data in getattr(loader, "flattened", [loader])
+    )
 
 
 def _set_sampler_epoch(loader: Any, epoch: int) -> None:

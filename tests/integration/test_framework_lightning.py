@@ -70,3 +70,21 @@ def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(l
     # Then the resumed run fed the same batches: the weights are bitwise the failure-free run's
     _train(launcher, tmp_path / "clean", "", *extra)
     assert _weights(tmp_path / "faulty") == _weights(tmp_path / "clean")
+
+
+def test_a_stateful_dataloader_with_workers_resumes_where_it_stood(launcher, tmp_path: Path) -> None:
+    try:
+        import torchdata.stateful_dataloader  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"torchdata is required in CI (pip install -e '.[test]'): {exc}")
+        pytest.skip(f"torchdata not installed: {exc}")
+    # Given torchdata's StatefulDataLoader (it keeps its own position; Lightning restores it) with
+    # 2 worker processes, and rank 1 killed mid-way through the second epoch
+    extra = ("--steps", "16", "--samples", "64", "--stateful", "--workers", "2")
+    err = _train(launcher, tmp_path / "faulty", "kill:rank=1,step=11", *extra)
+    assert "rank 0 resumed from step 10 (node memory)" in err
+    assert "restarting the job" not in err
+    # Then the loader's own state put it at the same batch (not skipped twice): bitwise equal
+    _train(launcher, tmp_path / "clean", "", *extra)
+    assert _weights(tmp_path / "faulty") == _weights(tmp_path / "clean")
