@@ -9,6 +9,7 @@ weights must be bitwise the failure-free run's.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -102,9 +103,10 @@ def test_a_lost_node_is_replaced_by_a_spare_node_and_the_trainer_resumes_bitwise
         assert_nothing_left(node)
     assert "spare node takes node rank" in spare.stderr()
     assert events(survivor, spare, kind="restart") == []
+    lost = int(re.search(r"this node rank \d+ runs ranks? (\d+)", doomed.stderr()).group(1))
     steps = resumed(survivor, spare)
-    step = steps[0][0]
-    assert steps == {0: (step, "memory"), 1: (step, "peer")}, steps
+    step = steps[lost][0]
+    assert steps == {lost: (step, "peer"), 1 - lost: (step, "memory")}, steps
     # and the saved weights are bitwise those of a failure-free run of 2 ranks
     _train(launcher, tmp_path / "clean", "", "--steps", "400")
     assert _weights(out) == _weights(tmp_path / "clean")
