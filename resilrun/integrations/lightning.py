@@ -38,6 +38,8 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
+from resilrun.integrations._support import GENERATION, forget_on_reentry, outside
+
 logger = logging.getLogger(__name__)
 
 # The versions this integration is tested with (docs: docs/integrations.md; the optional extra pins them).
@@ -75,19 +77,16 @@ def adapt_trainer(module: ModuleType) -> None:
     @functools.wraps(original)
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         reason = _not_integrated(self)
-        if reason is not None:
+        if reason is not None or not GENERATION.claim("Trainer.fit()"):
             if reason:
                 logger.warning("resilrun: %s; a failure restarts the job", reason)
             return original(self, *args, **kwargs)
-        _GENERATION.fitted = True
         bound = signature.bind(self, *args, **kwargs)
         return _Session(self, package).fit(original, bound)
 
     trainer_class.fit = fit
     setattr(trainer_class, _ADAPTED, True)
-    from resilrun.worker import membership
-
-    membership.on_reentry(_GENERATION.forget)
+    forget_on_reentry()
 
 
 def install() -> bool:
@@ -105,24 +104,8 @@ def install() -> bool:
 
 def _unsupported(package: str) -> str | None:
     """Why this Lightning cannot be integrated, or None."""
-    top = importlib.import_module(package.split(".")[0])
-    text = getattr(top, "__version__", "")
-    version = _version(text)
-    low, high = SUPPORTED
-    if version is None or not low <= version < high:
-        return (
-            f"{package.split('.')[0]} {text} is outside the versions resilrun integrates "
-            f"(>={'.'.join(map(str, low))}, <{'.'.join(map(str, high))})"
-        )
-    return None
-
-
-def _version(text: str) -> tuple[int, int] | None:
-    parts = text.split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "0")
-    except (IndexError, ValueError):
-        return None
+    top = package.split(".")[0]
+    return outside(top, getattr(importlib.import_module(top), "__version__", ""), SUPPORTED)
 
 
 def _not_integrated(trainer: Any) -> str | None:
@@ -131,9 +114,6 @@ def _not_integrated(trainer: Any) -> str | None:
 
     if not enabled():
         return ""
-    if _GENERATION.fitted:
-        # The job's snapshots are one sequence of steps: a second fit would restore the first one's.
-        return "resilrun snapshots the first Trainer.fit() of a run only; this one is not snapshotted"
     classes = {cls.__name__ for cls in type(trainer.strategy).__mro__}
     if "DeepSpeedStrategy" in classes or not classes & _STRATEGIES:
         return f"the {type(trainer.strategy).__name__} is not integrated (DDP and single-device are)"
@@ -149,19 +129,6 @@ def _not_integrated(trainer: Any) -> str | None:
     if missing:
         return f"this Lightning lacks {', '.join(missing)} as resilrun knows them"
     return None
-
-
-@dataclasses.dataclass
-class _Generation:
-    """What this process did in the generation it is in (forgotten when it runs the script again)."""
-
-    fitted: bool = False
-
-    def forget(self) -> None:
-        self.fitted = False
-
-
-_GENERATION = _Generation()
 
 
 @dataclasses.dataclass

@@ -31,6 +31,8 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
+from resilrun.integrations._support import GENERATION, forget_on_reentry, outside
+
 logger = logging.getLogger(__name__)
 
 # The versions this integration is tested with (docs: docs/integrations.md; the optional extra pins them).
@@ -84,15 +86,8 @@ def adapt_trainer(module: ModuleType) -> None:
     def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         if not _joins(self.args) or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return original(self, resume_from_checkpoint, *args, **kwargs)
-        if _GENERATION.trained:
-            # The job's snapshots are one sequence of steps: a second training in the same run (a
-            # second stage, a sweep) would restore the first one's steps. It runs as under
-            # torchrun; a failure in it runs the script again, whose first train() is then done.
-            logger.warning(
-                "resilrun snapshots the first Trainer.train() of a run only; this one is not snapshotted"
-            )
+        if not GENERATION.claim("Trainer.train()"):
             return original(self, resume_from_checkpoint, *args, **kwargs)
-        _GENERATION.trained = True
         return _Session(self).train(functools.partial(original, self), resume_from_checkpoint, args, kwargs)
 
     trainer_class.train = train
@@ -114,13 +109,9 @@ def _unsupported(module: ModuleType) -> str | None:
     """Why this transformers cannot be integrated, or None."""
     import transformers
 
-    version = _version(getattr(transformers, "__version__", ""))
-    low, high = SUPPORTED
-    if version is None or not low <= version < high:
-        return (
-            f"transformers {transformers.__version__} is outside the versions resilrun integrates "
-            f"(>={'.'.join(map(str, low))}, <{'.'.join(map(str, high))})"
-        )
+    reason = outside("transformers", getattr(transformers, "__version__", ""), SUPPORTED)
+    if reason is not None:
+        return reason
     trainer_class = getattr(module, "Trainer", None)
     if trainer_class is not None:
         missing = [name for name in ("train", *_LOADERS) if not callable(getattr(trainer_class, name, None))]
@@ -129,32 +120,11 @@ def _unsupported(module: ModuleType) -> str | None:
     return None
 
 
-def _version(text: str) -> tuple[int, int] | None:
-    parts = text.split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "0")
-    except (IndexError, ValueError):
-        return None
-
-
 def _joins(args: Any) -> bool:
     """Whether these arguments' process joins resilrun's job (a resilrun worker, not DeepSpeed/FSDP)."""
     from resilrun.integrations import enabled
 
     return enabled() and not getattr(args, "deepspeed", None) and not getattr(args, "fsdp", None)
-
-
-@dataclasses.dataclass
-class _Generation:
-    """What this process did in the generation it is in (forgotten when it runs the script again)."""
-
-    trained: bool = False
-
-    def forget(self) -> None:
-        self.trained = False
-
-
-_GENERATION = _Generation()
 
 
 def _forget_accelerate_state_on_reentry() -> None:
@@ -165,7 +135,7 @@ def _forget_accelerate_state_on_reentry() -> None:
     from resilrun.worker import membership
 
     membership.on_reentry(GradientState._reset_state)
-    membership.on_reentry(_GENERATION.forget)
+    forget_on_reentry()
 
 
 class _Session:

@@ -170,6 +170,43 @@ def clean_checksum(launcher, tmp_path: Path, nproc: int, *args: str) -> str:  # 
         return checksum
 
 
+def require_modules(*names: str) -> None:
+    """Skip (fail under CI, where ``pip install -e '.[test]'`` provides them) without these modules."""
+    import importlib
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            if os.environ.get("CI") == "true":
+                pytest.fail(f"{name} is required in CI (pip install -e '.[test]'): {exc}")
+            pytest.skip(f"{name} not installed: {exc}")
+
+
+def train_unmodified(  # noqa: PLR0913 - the launcher fixture, the script, and what varies per test
+    launcher,  # noqa: ANN001 - the fixture
+    script: Path,
+    out: Path,
+    faults: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+) -> str:
+    """Run a framework example (it writes ``out/model.safetensors``) on 2 ranks with a hot spare and
+    no restart allowed, with ``RESILRUN_FAULTS=faults``; returns the launcher's stderr."""
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+        str(script), "--out", str(out), *extra, env={"RESILRUN_FAULTS": faults, **(env or {})},
+    )  # fmt: skip
+    assert run.wait(180) == 0, run.stderr()[-4000:]
+    assert_nothing_left(run)
+    assert "done: global_step=" in run.stdout(), run.stdout()[-2000:]
+    return run.stderr()
+
+
+def weights(out: Path) -> bytes:
+    return (out / "model.safetensors").read_bytes()
+
+
 def _without_sleep(args: tuple[str, ...]) -> list[str]:
     kept, skip = [], False
     for arg in args:

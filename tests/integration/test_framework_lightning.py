@@ -9,12 +9,11 @@ the failure-free run's, also mid-epoch, with gradient accumulation and DataLoade
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import assert_nothing_left
+from tests.integration.conftest import require_modules, train_unmodified, weights
 
 pytestmark = pytest.mark.integration
 
@@ -23,27 +22,11 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_lightning.py"
 
 @pytest.fixture(scope="module", autouse=True)
 def lightning_installed() -> None:
-    try:
-        import lightning  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"lightning is required in CI (pip install -e '.[test]'): {exc}")
-        pytest.skip(f"lightning not installed: {exc}")
+    require_modules("lightning")
 
 
 def _train(launcher, out: Path, faults: str, *extra: str) -> str:  # noqa: ANN001
-    run = launcher(
-        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
-        str(SCRIPT), "--out", str(out), *extra, env={"RESILRUN_FAULTS": faults},
-    )  # fmt: skip
-    assert run.wait(180) == 0, run.stderr()[-4000:]
-    assert_nothing_left(run)
-    assert "done: global_step=" in run.stdout(), run.stdout()[-2000:]
-    return run.stderr()
-
-
-def _weights(out: Path) -> bytes:
-    return (out / "model.safetensors").read_bytes()
+    return train_unmodified(launcher, SCRIPT, out, faults, *extra)
 
 
 def test_a_lightning_script_recovers_in_process_bitwise_equal_in_its_second_epoch(launcher, tmp_path: Path) -> None:
@@ -58,7 +41,7 @@ def test_a_lightning_script_recovers_in_process_bitwise_equal_in_its_second_epoc
     assert "rank 1 resumed from step 10 (node memory)" in err
     # and the saved weights are bitwise the failure-free run's (same shuffle, dropout and schedule)
     _train(launcher, tmp_path / "clean", "", *extra)
-    assert _weights(tmp_path / "faulty") == _weights(tmp_path / "clean")
+    assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
 
 
 def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(launcher, tmp_path: Path) -> None:
@@ -69,16 +52,11 @@ def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(l
     assert "restarting the job" not in err
     # Then the resumed run fed the same batches: the weights are bitwise the failure-free run's
     _train(launcher, tmp_path / "clean", "", *extra)
-    assert _weights(tmp_path / "faulty") == _weights(tmp_path / "clean")
+    assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
 
 
 def test_a_stateful_dataloader_with_workers_resumes_where_it_stood(launcher, tmp_path: Path) -> None:
-    try:
-        import torchdata.stateful_dataloader  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"torchdata is required in CI (pip install -e '.[test]'): {exc}")
-        pytest.skip(f"torchdata not installed: {exc}")
+    require_modules("torchdata.stateful_dataloader")
     # Given torchdata's StatefulDataLoader (it keeps its own position; Lightning restores it) with
     # 2 worker processes, and rank 1 killed mid-way through the second epoch
     extra = ("--steps", "16", "--samples", "64", "--stateful", "--workers", "2")
@@ -87,4 +65,4 @@ def test_a_stateful_dataloader_with_workers_resumes_where_it_stood(launcher, tmp
     assert "restarting the job" not in err
     # Then the loader's own state put it at the same batch (not skipped twice): bitwise equal
     _train(launcher, tmp_path / "clean", "", *extra)
-    assert _weights(tmp_path / "faulty") == _weights(tmp_path / "clean")
+    assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")

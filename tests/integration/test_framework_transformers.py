@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.integration.conftest import assert_nothing_left, events, resumed, wait_for
+from tests.integration.conftest import (
+    assert_nothing_left,
+    events,
+    require_modules,
+    resumed,
+    train_unmodified,
+    wait_for,
+    weights,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -25,28 +33,11 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_hf_trainer.py
 
 @pytest.fixture(scope="module", autouse=True)
 def transformers_installed() -> None:
-    try:
-        import accelerate  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"transformers and accelerate are required in CI (pip install -e '.[test]'): {exc}")
-        pytest.skip(f"transformers/accelerate not installed: {exc}")
+    require_modules("accelerate", "transformers")
 
 
 def _train(launcher, out: Path, faults: str, *extra: str, env: dict[str, str] | None = None) -> str:  # noqa: ANN001
-    run = launcher(
-        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
-        str(SCRIPT), "--out", str(out), *extra, env={"RESILRUN_FAULTS": faults, **(env or {})},
-    )  # fmt: skip
-    assert run.wait(180) == 0, run.stderr()[-4000:]
-    assert_nothing_left(run)
-    assert "done: global_step=" in run.stdout(), run.stdout()[-2000:]
-    return run.stderr()
-
-
-def _weights(out: Path) -> bytes:
-    return (out / "model.safetensors").read_bytes()
+    return train_unmodified(launcher, SCRIPT, out, faults, *extra, env=env)
 
 
 def test_a_trainer_script_recovers_in_process_bitwise_equal(launcher, tmp_path: Path) -> None:
@@ -59,7 +50,7 @@ def test_a_trainer_script_recovers_in_process_bitwise_equal(launcher, tmp_path: 
     assert "rank 1 resumed from step 7 (node memory)" in err
     # and the saved weights are bitwise the failure-free run's
     _train(launcher, tmp_path / "clean", "", "--steps", "16")
-    assert _weights(tmp_path / "faulty") == _weights(tmp_path / "clean")
+    assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
 
 
 def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(launcher, tmp_path: Path) -> None:
@@ -70,7 +61,7 @@ def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(l
     assert "restarting the job" not in err
     # Then the resumed run fed the same batches: the weights are bitwise the failure-free run's
     _train(launcher, tmp_path / "clean", "", *extra)
-    assert _weights(tmp_path / "faulty") == _weights(tmp_path / "clean")
+    assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
 
 
 @pytest.mark.timeout(400)
@@ -109,4 +100,4 @@ def test_a_lost_node_is_replaced_by_a_spare_node_and_the_trainer_resumes_bitwise
     assert steps == {lost: (step, "peer"), 1 - lost: (step, "memory")}, steps
     # and the saved weights are bitwise those of a failure-free run of 2 ranks
     _train(launcher, tmp_path / "clean", "", "--steps", "400")
-    assert _weights(out) == _weights(tmp_path / "clean")
+    assert weights(out) == weights(tmp_path / "clean")

@@ -14,6 +14,7 @@ import pytest
 
 from resilrun import integrations
 from resilrun.integrations import _import_hooks
+from resilrun.integrations import _support as support
 from resilrun.integrations import transformers as hf
 
 
@@ -148,17 +149,19 @@ def test_a_second_train_in_the_same_run_is_not_snapshotted(
     monkeypatch.setattr(hf, "_forget_accelerate_state_on_reentry", lambda: None)
     hf.adapt_trainer(_framework(monkeypatch, "5.23.0", trainer))
     monkeypatch.setenv("RESILRUN_AGENT_SOCKET", "/run/agent.sock")
-    monkeypatch.setattr(hf._GENERATION, "trained", True)
+    monkeypatch.setattr(support, "GENERATION", support.Generation())
+    monkeypatch.setattr(hf, "GENERATION", support.GENERATION)
+    support.GENERATION.claim("an earlier training")
     instance = trainer()
     instance.args, instance.is_deepspeed_enabled, instance.is_fsdp_enabled = object(), False, False
     # When the script trains again (a second stage), Then it runs as the framework's own, and says so:
     # the job's snapshots are the first training's steps, which this one must never restore
     with caplog.at_level(logging.WARNING):
         assert instance.train() == "the framework's own train"
-    assert "snapshots the first Trainer.train() of a run only" in caplog.text
+    assert "first training of a run only (an earlier training); this Trainer.train() is not" in caplog.text
     # and running the script again in a new generation integrates its first train() again
-    hf._GENERATION.forget()
-    assert not hf._GENERATION.trained
+    support.GENERATION.forget()
+    assert support.GENERATION.claim("Trainer.train()")
 
 
 def test_a_lightning_version_outside_the_tested_range_is_left_alone(
@@ -193,7 +196,6 @@ def test_lightning_strategies_other_than_ddp_and_single_device_are_not_integrate
 
     monkeypatch.setenv("RESILRUN_AGENT_SOCKET", "/run/agent.sock")
     monkeypatch.delenv("RESILRUN_NO_INTEGRATIONS", raising=False)
-    monkeypatch.setattr(lit, "_GENERATION", lit._Generation())
     ddp = type("DDPStrategy", (), {})
     bases = (ddp,) if strategy == "DeepSpeedStrategy" else ()
     loop = type("FitLoop", (), {"_combined_loader": None, "epoch_loop": type("E", (), {"on_advance_end": None})()})
@@ -207,12 +209,27 @@ def test_lightning_strategies_other_than_ddp_and_single_device_are_not_integrate
         assert f"the {strategy} is not integrated (DDP and single-device are)" == reason
 
 
-def test_only_the_first_lightning_fit_of_a_generation_is_snapshotted(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lightning_is_left_alone_outside_a_resilrun_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     from resilrun.integrations import lightning as lit
 
-    monkeypatch.setenv("RESILRUN_AGENT_SOCKET", "/run/agent.sock")
-    monkeypatch.setattr(lit, "_GENERATION", lit._Generation(fitted=True))
-    assert "first Trainer.fit() of a run only" in (lit._not_integrated(object()) or "")
-    lit._GENERATION.forget()
-    monkeypatch.delenv("RESILRUN_AGENT_SOCKET")
+    monkeypatch.delenv("RESILRUN_AGENT_SOCKET", raising=False)
     assert lit._not_integrated(object()) == ""  # not a resilrun worker: nothing to say
+
+
+def test_the_first_training_of_a_generation_is_the_snapshotted_one_whichever_framework_runs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    generation = support.Generation()
+    assert generation.claim("Trainer.fit()")
+    with caplog.at_level(logging.WARNING):
+        assert not generation.claim("Accelerate loop")
+    assert "first training of a run only (Trainer.fit()); this Accelerate loop is not snapshotted" in caplog.text
+    generation.forget()
+    assert generation.claim("Accelerate loop")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("2.6.0", (2, 6)), ("5.1.dev0", (5, 1)), ("2.10rc1", (2, 10)), ("main", None), ("3", None)]
+)
+def test_versions_are_read_as_major_and_minor(text: str, expected: tuple[int, int] | None) -> None:
+    assert support.version_of(text) == expected
