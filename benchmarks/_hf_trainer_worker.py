@@ -7,28 +7,16 @@ resilrun is in it. The fault is the benchmark's, not the script's: a callback SI
 the same kill hits both launchers.
 """
 
-import argparse
 import os
-import signal
-import time
-from pathlib import Path
 
 import torch
+from _framework_bench import Bench, parse_args
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--out", required=True)
-parser.add_argument("--steps", type=int, default=40)
-parser.add_argument("--layers", type=int, default=4)
-parser.add_argument("--width", type=int, default=256)
-parser.add_argument("--save-steps", type=int, default=0)
-parser.add_argument("--kill-rank", type=int, default=-1)
-parser.add_argument("--kill-step", type=int, default=-1)
-parser.add_argument("--stamps", default="")
-cli = parser.parse_args()
-rank = int(os.environ.get("RANK", "0"))
+cli = parse_args()
+bench = Bench(cli)
 
 
 class Tokens(Dataset):
@@ -42,23 +30,12 @@ class Tokens(Dataset):
         return {"input_ids": self.data[index], "labels": self.data[index].clone()}
 
 
-class Bench(TrainerCallback):
-    """Stamps each optimizer step's end (rank 0) and injects the one kill."""
-
-    def __init__(self) -> None:
-        self.marker = Path(cli.out) / "killed"
-        self.stamps = open(cli.stamps, "a") if cli.stamps and rank == 0 else None  # noqa: SIM115
-
+class Stamps(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs) -> None:  # noqa: ANN001, ANN003
-        if rank == cli.kill_rank and state.global_step == cli.kill_step and not self.marker.exists():
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
-            self.marker.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+        bench.step_begins(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:  # noqa: ANN001, ANN003
-        if self.stamps is not None:
-            self.stamps.write(f"{state.global_step} {time.time():.6f}\n")
-            self.stamps.flush()
+        bench.step_ended(state.global_step)
 
 
 set_seed(0)
@@ -78,10 +55,10 @@ args = TrainingArguments(
     seed=0,
     disable_tqdm=True,
 )
-trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(4096, 64, 512), callbacks=[Bench()])
+trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(4096, 64, 512), callbacks=[Stamps()])
 last = get_last_checkpoint(cli.out) if os.path.isdir(cli.out) else None
 trainer.train(resume_from_checkpoint=last)
-if rank == 0:
+if bench.rank == 0:
     print(f"done: resumed_from={last}", flush=True)
 # As torch recommends: without it, plain torchrun's workers sometimes abort at exit (gloo's threads:
 # "terminate called without an active exception"), failing a run whose every step completed.

@@ -7,29 +7,17 @@ step --kill-step starts, once per job (a marker file remembers it), so the same 
 launchers. The model is a small transformer LM of --layers blocks of --width.
 """
 
-import argparse
 import os
-import signal
-import time
-from pathlib import Path
 
 import lightning as L
 import torch
+from _framework_bench import Bench, parse_args
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--out", required=True)
-parser.add_argument("--steps", type=int, default=40)
-parser.add_argument("--layers", type=int, default=4)
-parser.add_argument("--width", type=int, default=256)
-parser.add_argument("--save-steps", type=int, default=0)
-parser.add_argument("--kill-rank", type=int, default=-1)
-parser.add_argument("--kill-step", type=int, default=-1)
-parser.add_argument("--stamps", default="")
-cli = parser.parse_args()
-rank = int(os.environ.get("RANK", "0"))
+cli = parse_args()
+bench = Bench(cli)
 VOCAB, CONTEXT = 512, 64
 
 
@@ -64,26 +52,15 @@ class LM(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
-class Bench(L.Callback):
-    """Stamps each optimizer step's end (rank 0) and injects the one kill."""
-
-    def __init__(self) -> None:
-        self.marker = Path(cli.out) / "killed"
-        self.stamps = open(cli.stamps, "a") if cli.stamps and rank == 0 else None  # noqa: SIM115
-
+class Stamps(L.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:  # noqa: ANN001
-        if rank == cli.kill_rank and trainer.global_step == cli.kill_step and not self.marker.exists():
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
-            self.marker.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+        bench.step_begins(trainer.global_step)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        if self.stamps is not None:
-            self.stamps.write(f"{trainer.global_step} {time.time():.6f}\n")
-            self.stamps.flush()
+        bench.step_ended(trainer.global_step)
 
 
-callbacks: list[L.Callback] = [Bench()]
+callbacks: list[L.Callback] = [Stamps()]
 if cli.save_steps:
     callbacks.append(ModelCheckpoint(dirpath=cli.out, every_n_train_steps=cli.save_steps, save_last=True))
 L.seed_everything(0)

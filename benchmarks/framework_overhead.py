@@ -1,13 +1,13 @@
 """An unmodified framework script: resilrun's per-step cost and a failure's cost vs torchrun.
 
-    python benchmarks/framework_overhead.py [--framework transformers|lightning] [--runs 2] [--steps 60]
+    python benchmarks/framework_overhead.py [--framework transformers|lightning|accelerate] [--runs 2] [--steps 60]
         [--kill-step 25] [--json out.json]
 
 Why this shape (issue 18): the integration snapshots model, optimizer, scheduler, RNG and the
 framework's loop state after every optimizer step, which is what a user pays on every step; and it
 is worth paying only if a failure then costs less than torchrun plus the framework's own
 checkpoint resume (the Hugging Face Trainer's ``resume_from_checkpoint``, Lightning's
-``ckpt_path="last"``).
+``ckpt_path="last"``, Accelerate's ``load_state`` with ``skip_first_batches``).
 So, side by side in one run, interleaved per round (the machine is small and noisy):
 
 - steady state (no fault): mean time per optimizer step over steps 5..N from rank 0's step-end
@@ -38,7 +38,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-WORKERS = {"transformers": HERE / "_hf_trainer_worker.py", "lightning": HERE / "_lightning_worker.py"}
+WORKERS = {
+    "transformers": HERE / "_hf_trainer_worker.py",
+    "lightning": HERE / "_lightning_worker.py",
+    "accelerate": HERE / "_accelerate_worker.py",
+}
 
 
 def _mean_step(stamps: list[tuple[int, float]], first: int = 5) -> float:

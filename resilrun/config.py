@@ -354,7 +354,10 @@ class Config:
     no_integrations: bool = field(
         default=False,
         metadata=_meta(
-            "--no-integrations", C, "Do not adapt frameworks (Hugging Face Trainer, Lightning) for recovery.", pet=False
+            "--no-integrations",
+            C,
+            "Do not adapt frameworks (Hugging Face Trainer and Accelerate, Lightning) for recovery.",
+            pet=False,
         ),
     )
     s3_endpoint_url: str | None = field(

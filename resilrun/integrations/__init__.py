@@ -21,6 +21,7 @@ from types import ModuleType
 _HOOKS: dict[str, tuple[str, str]] = {
     "transformers.training_args": ("resilrun.integrations.transformers", "adapt_training_arguments"),
     "transformers.trainer": ("resilrun.integrations.transformers", "adapt_trainer"),
+    "accelerate.accelerator": ("resilrun.integrations.accelerate", "adapt_accelerator"),
     "lightning.pytorch.trainer.trainer": ("resilrun.integrations.lightning", "adapt_trainer"),
     "pytorch_lightning.trainer.trainer": ("resilrun.integrations.lightning", "adapt_trainer"),
 }

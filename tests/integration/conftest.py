@@ -183,7 +183,27 @@ def require_modules(*names: str) -> None:
             pytest.skip(f"{name} not installed: {exc}")
 
 
-def train_unmodified(  # noqa: PLR0913 - the launcher fixture, the script, and what varies per test
+def launch_unmodified(  # noqa: PLR0913 - the launcher fixture, the script, and what varies per test
+    launcher,  # noqa: ANN001 - the fixture
+    script: Path,
+    out: Path,
+    faults: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+) -> Launch:
+    """Run a framework example (it writes ``out/model.safetensors``) on 2 ranks with a hot spare and
+    no restart allowed, with ``RESILRUN_FAULTS=faults``, to its successful end."""
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+        str(script), "--out", str(out), *extra, env={"RESILRUN_FAULTS": faults, **(env or {})},
+    )  # fmt: skip
+    assert run.wait(180) == 0, run.stderr()[-4000:]
+    assert_nothing_left(run)
+    assert "done: " in run.stdout(), run.stdout()[-2000:]
+    return run
+
+
+def train_unmodified(  # noqa: PLR0913 - as launch_unmodified
     launcher,  # noqa: ANN001 - the fixture
     script: Path,
     out: Path,
@@ -191,16 +211,8 @@ def train_unmodified(  # noqa: PLR0913 - the launcher fixture, the script, and w
     *extra: str,
     env: dict[str, str] | None = None,
 ) -> str:
-    """Run a framework example (it writes ``out/model.safetensors``) on 2 ranks with a hot spare and
-    no restart allowed, with ``RESILRUN_FAULTS=faults``; returns the launcher's stderr."""
-    run = launcher(
-        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
-        str(script), "--out", str(out), *extra, env={"RESILRUN_FAULTS": faults, **(env or {})},
-    )  # fmt: skip
-    assert run.wait(180) == 0, run.stderr()[-4000:]
-    assert_nothing_left(run)
-    assert "done: global_step=" in run.stdout(), run.stdout()[-2000:]
-    return run.stderr()
+    """``launch_unmodified``, returning the launcher's stderr."""
+    return launch_unmodified(launcher, script, out, faults, *extra, env=env).stderr()
 
 
 def weights(out: Path) -> bytes:

@@ -233,3 +233,74 @@ def test_the_first_training_of_a_generation_is_the_snapshotted_one_whichever_fra
 )
 def test_versions_are_read_as_major_and_minor(text: str, expected: tuple[int, int] | None) -> None:
     assert support.version_of(text) == expected
+
+
+# -- Accelerate ---------------------------------------------------------------------------------------
+def test_an_accelerate_version_outside_the_tested_range_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("accelerate")
+    from resilrun.integrations import accelerate as acc
+
+    package = ModuleType("accelerate")
+    package.__version__ = "0.34.2"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "accelerate", package)
+    accelerator = type("Accelerator", (), {"prepare": lambda self, *objects: objects})
+    module = ModuleType("accelerate.accelerator")
+    module.Accelerator = accelerator  # type: ignore[attr-defined]
+    prepare = accelerator.prepare
+    with caplog.at_level(logging.WARNING):
+        acc.adapt_accelerator(module)
+    assert accelerator.prepare is prepare
+    assert "accelerate 0.34.2 is outside the versions resilrun integrates (>=1.0, <2.0)" in caplog.text
+
+
+def test_accelerate_joins_the_job_unless_a_sharded_engine_or_a_framework_sets_it_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from resilrun.integrations import accelerate as acc
+
+    monkeypatch.setenv("RESILRUN_AGENT_SOCKET", "/run/agent.sock")
+    monkeypatch.delenv("RESILRUN_NO_INTEGRATIONS", raising=False)
+    for name in acc._NOT_INTEGRATED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert acc._joins()  # a script's own Accelerator
+    # An Accelerator the Transformers Trainer creates (it has its own integration) is the framework's
+    framework_code: dict[str, object] = {"__name__": "transformers.trainer", "joins": acc._joins}
+    exec("def create_accelerator():\n    return joins()\n", framework_code)  # noqa: S102 - a module's frame
+    assert not framework_code["create_accelerator"]()  # type: ignore[operator]
+    # and FSDP or DeepSpeed set up their own process state
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert not acc._joins()
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setenv("RESILRUN_NO_INTEGRATIONS", "1")
+    assert not acc._joins()
+
+
+def test_a_prepared_loaders_own_generators_are_found_once_each() -> None:
+    import torch
+
+    from resilrun.integrations import accelerate as acc
+
+    generator = torch.Generator().manual_seed(7)
+    sampler = torch.utils.data.RandomSampler(range(8), generator=generator)
+    inner = torch.utils.data.BatchSampler(sampler, 2, drop_last=False)
+    shard = type("BatchSamplerShard", (), {"batch_sampler": inner, "sampler": None})()
+    loader = type("Loader", (), {"synchronized_generator": generator, "batch_sampler": shard, "generator": None})()
+    assert acc._generators(loader) == [generator]
+    states = acc._generator_states(loader)
+    torch.randperm(8, generator=generator)
+    acc._set_generator_states(loader, states)
+    assert torch.equal(generator.get_state(), states[0])
+
+
+def test_a_skipped_pass_drops_the_iterator_a_stateful_loader_made_at_prepare() -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from resilrun.integrations import accelerate as acc
+
+    base = stateful.StatefulDataLoader(list(range(8)), batch_size=2, shuffle=True)
+    base.state_dict()  # what Accelerate does when it wraps the loader: the first iterator is made
+    assert base._iterator is not None
+    loader = type("DataLoaderShard", (), {"base_dataloader": base})()
+    acc._drop_premade_iterator(loader)
+    assert base._iterator is None
