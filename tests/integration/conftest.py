@@ -215,6 +215,54 @@ def train_unmodified(  # noqa: PLR0913 - as launch_unmodified
     return launch_unmodified(launcher, script, out, faults, *extra, env=env).stderr()
 
 
+def assert_a_spare_node_replaces_a_lost_one(  # noqa: PLR0913 - the fixtures, the script, and how to see it train
+    launcher,  # noqa: ANN001 - the fixture
+    tmp_path: Path,
+    script: Path,
+    script_args: tuple[str, ...],
+    training: str,
+    rdzv_id: str,
+) -> None:
+    """An unmodified framework script on 2 nodes x 1 worker replicating to each other, a third agent
+    standing by as a spare node; once the script prints ``training``, the node that does not host
+    the store loses its agent and its worker (SIGKILL). The spare node must take its node rank
+    in-process, the lost rank restoring from its peer replica and the survivor from node memory, at
+    the same step, with no restart; the saved weights must be bitwise a failure-free run's of 2 ranks
+    (one OpenMP thread each, as the launcher gives 2 workers on one node: the thread count changes
+    the order of float sums)."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1"}
+    out = tmp_path / "faulty"
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+        "--replicas", "1", "--heartbeat-timeout", "3", "--max-restarts", "0",
+        str(script), "--out", str(out), *script_args,
+    ]  # fmt: skip
+    nodes = [launcher("resilrun", *flags, env=env) for _ in range(2)]
+    wait_for(lambda: any("round 0 formed" in n.stderr() for n in nodes), 150, "the round to form")
+    spare = launcher("resilrun", *flags, env=env)
+    wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare node")
+    wait_for(lambda: any(training in n.stdout() for n in nodes), 150, f"the script to print {training!r}")
+    doomed = next(n for n in nodes if "hosting store" not in n.stderr())
+    survivor = next(n for n in nodes if n is not doomed)
+    os.killpg(doomed.pid, signal.SIGKILL)
+    for node in (survivor, spare):
+        assert node.wait(300) == 0, node.stderr()[-4000:]
+        assert_nothing_left(node)
+    assert "spare node takes node rank" in spare.stderr()
+    assert events(survivor, spare, kind="restart") == []
+    found = re.search(r"this node rank \d+ runs ranks? (\d+)", doomed.stderr())
+    assert found is not None, doomed.stderr()[-2000:]
+    lost = int(found.group(1))
+    steps = resumed(survivor, spare)
+    step = steps[lost][0]
+    assert steps == {lost: (step, "peer"), 1 - lost: (step, "memory")}, steps
+    train_unmodified(launcher, script, tmp_path / "clean", "", *script_args)
+    assert weights(out) == weights(tmp_path / "clean")
+
+
 def weights(out: Path) -> bytes:
     return (out / "model.safetensors").read_bytes()
 
