@@ -244,6 +244,7 @@ class _Session:
         made = make(loader)
         if position is None:
             return made
+        exhausted = position.batches >= _length(loader)
         if not _resumable(loader):
             # (a resumable loader, torchdata's StatefulDataLoader, had its own state loaded by
             # Lightning from the snapshot just before: it starts where it stood by itself)
@@ -251,16 +252,25 @@ class _Session:
                 try:
                     next(loader)
                 except StopIteration:
+                    exhausted = True
                     break
-        self.rng_due = True
+        if exhausted:
+            # The snapshot was the epoch's last batch: the next thing that draws random numbers is
+            # the next epoch's iterator, which must see the step's random state as it did then.
+            self.held.restore_rng()
+        else:
+            self.rng_due = True
         return made
 
     # -- what the callback does --------------------------------------------------------------------
     def track_live(self) -> None:
         """Training starts, the restored state loaded: from now on the live state is snapshotted."""
+        from resilrun.integrations._held import LiveState
         from resilrun.worker.job import fix_bucket_layouts
 
-        self.job.track(lightning=_LiveCheckpoint(self))
+        self.job.track(
+            lightning=LiveState(self.checkpoint, "Lightning's state is restored through fit(ckpt_path=...)")
+        )
         fix_bucket_layouts([self.trainer.strategy.model])
 
     def before_batch(self) -> None:
@@ -286,17 +296,13 @@ class _Session:
         return state
 
 
-class _LiveCheckpoint:
-    """Tracked as "lightning": its state is the session's checkpoint of the moment."""
-
-    def __init__(self, session: _Session) -> None:
-        self._session = session
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._session.checkpoint()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise RuntimeError("resilrun: Lightning's state is restored through fit(ckpt_path=...), not in place")
+def _length(loader: Any) -> float:
+    """Batches in the epoch of the iterator just made (Lightning's own count is not known yet
+    then); infinite when the loader cannot tell (an iterable dataset)."""
+    try:
+        return len(loader)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return float("inf")
 
 
 def _resumable(loader: Any) -> bool:

@@ -190,11 +190,12 @@ def launch_unmodified(  # noqa: PLR0913 - the launcher fixture, the script, and 
     faults: str,
     *extra: str,
     env: dict[str, str] | None = None,
+    flags: tuple[str, ...] = (),
 ) -> Launch:
     """Run a framework example (it writes ``out/model.safetensors``) on 2 ranks with a hot spare and
-    no restart allowed, with ``RESILRUN_FAULTS=faults``, to its successful end."""
+    no restart allowed, with ``RESILRUN_FAULTS=faults`` and the launcher's ``flags``, to its successful end."""
     run = launcher(
-        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0", *flags,
         str(script), "--out", str(out), *extra, env={"RESILRUN_FAULTS": faults, **(env or {})},
     )  # fmt: skip
     assert run.wait(180) == 0, run.stderr()[-4000:]
@@ -210,9 +211,10 @@ def train_unmodified(  # noqa: PLR0913 - as launch_unmodified
     faults: str,
     *extra: str,
     env: dict[str, str] | None = None,
+    flags: tuple[str, ...] = (),
 ) -> str:
     """``launch_unmodified``, returning the launcher's stderr."""
-    return launch_unmodified(launcher, script, out, faults, *extra, env=env).stderr()
+    return launch_unmodified(launcher, script, out, faults, *extra, env=env, flags=flags).stderr()
 
 
 def assert_a_spare_node_replaces_a_lost_one(  # noqa: PLR0913 - the fixtures, the script, and how to see it train
@@ -263,8 +265,9 @@ def assert_a_spare_node_replaces_a_lost_one(  # noqa: PLR0913 - the fixtures, th
     assert weights(out) == weights(tmp_path / "clean")
 
 
-def weights(out: Path) -> bytes:
-    return (out / "model.safetensors").read_bytes()
+def weights(out: Path) -> str:
+    """The saved weights' SHA-256 (equal digests, equal bytes; a failed comparison prints two lines)."""
+    return hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
 
 
 def _without_sleep(args: tuple[str, ...]) -> list[str]:

@@ -81,6 +81,7 @@ def _run_example(launcher, tmp_path: Path, name: str, *extra: str, env: dict[str
 # Examples run (with a fault, against a failure-free run) by a test file of their own.
 OWN_TESTS = {
     "train_hf_trainer.py": ROOT / "tests" / "integration" / "test_framework_transformers.py",
+    "train_accelerate.py": ROOT / "tests" / "integration" / "test_framework_accelerate.py",
     "train_lightning.py": ROOT / "tests" / "integration" / "test_framework_lightning.py",
 }
 

@@ -49,6 +49,18 @@ def test_a_lightning_script_recovers_in_process_bitwise_equal_in_its_second_epoc
     assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
 
 
+def test_a_rank_killed_as_the_next_epoch_starts_resumes_bitwise(launcher, tmp_path: Path) -> None:
+    # Given 8 batches an epoch and rank 1 killed as step 8 starts: the snapshot is the first epoch's
+    # last batch, so the resumed epoch is replayed to its end and the next one made afresh
+    extra = ("--steps", "16", "--samples", "64")
+    err = _train(launcher, tmp_path / "faulty", "kill:rank=1,step=8", *extra)
+    assert "rank 0 resumed from step 7 (node memory)" in err
+    assert "restarting the job" not in err
+    # Then the second epoch's iterator saw the random state step 7 left (its shuffle, its dropout)
+    _train(launcher, tmp_path / "clean", "", *extra)
+    assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
+
+
 def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(launcher, tmp_path: Path) -> None:
     # Given 2 micro-batches per optimizer step, 2 DataLoader worker processes, and rank 0 killed at step 6
     extra = ("--steps", "12", "--samples", "64", "--grad-accum", "2", "--workers", "2")
