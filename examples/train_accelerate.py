@@ -110,4 +110,5 @@ for epoch in range(starting_epoch, cli.epochs):
 
 accelerator.wait_for_everyone()
 accelerator.save_model(model, cli.out)
+accelerator.end_training()
 accelerator.print(f"done: {cli.epochs} epochs, {completed_steps} optimizer steps in this run")

@@ -10,7 +10,7 @@ real objects are tracked under the same names, so every later snapshot is theirs
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from resilrun.worker.job import Job, RngState
@@ -27,6 +27,21 @@ class _StandIn:
 
     def load_state_dict(self, state: Any) -> None:
         self.state = state
+
+
+class LiveState:
+    """Tracked in place of state a framework keeps spread over its objects: read afresh at each
+    snapshot, and restored through the framework's own path, never loaded in place."""
+
+    def __init__(self, read: Callable[[], Any], restored: str) -> None:
+        self._read = read
+        self._restored = restored
+
+    def state_dict(self) -> Any:
+        return self._read()
+
+    def load_state_dict(self, state: Any) -> None:
+        raise RuntimeError(f"resilrun: {self._restored}, not in place")
 
 
 class HeldRestore:

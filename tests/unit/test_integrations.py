@@ -280,7 +280,7 @@ def test_accelerate_joins_the_job_unless_a_sharded_engine_or_a_framework_sets_it
 def test_a_prepared_loaders_own_generators_are_found_once_each() -> None:
     import torch
 
-    from resilrun.integrations import accelerate as acc
+    from resilrun.integrations import _accelerate_loop as acc
 
     generator = torch.Generator().manual_seed(7)
     sampler = torch.utils.data.RandomSampler(range(8), generator=generator)
@@ -296,7 +296,7 @@ def test_a_prepared_loaders_own_generators_are_found_once_each() -> None:
 
 def test_a_skipped_pass_drops_the_iterator_a_stateful_loader_made_at_prepare() -> None:
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    from resilrun.integrations import accelerate as acc
+    from resilrun.integrations import _accelerate_loop as acc
 
     base = stateful.StatefulDataLoader(list(range(8)), batch_size=2, shuffle=True)
     base.state_dict()  # what Accelerate does when it wraps the loader: the first iterator is made
