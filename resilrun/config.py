@@ -68,6 +68,7 @@ _VALUES = {
     "--shutdown-timeout": "SECONDS",
     "--exit-barrier-timeout": "SECONDS",
     "--replicas": "INTEGER",
+    "--snapshot-every": "N",
     "--checkpoint-uri": "s3://BUCKET/PREFIX|DIR",
     "--persist-every": "STEPS",
     "--keep-last": "INTEGER",
@@ -334,6 +335,14 @@ class Config:
         metadata=_meta("--exit-barrier-timeout", H, "Seconds finished nodes wait for the others' workers.", pet=False),
     )
     # Checkpoints (resilrun's own: RESILRUN_* only)
+    # Every step by default: a failure then redoes none. Larger N divides the steady-state cost of
+    # the snapshot (and its replication) by N; a failure redoes up to N - 1 steps.
+    snapshot_every: int = field(
+        default=1,
+        metadata=_meta(
+            "--snapshot-every", C, "Snapshot every N optimizer steps; a failure redoes at most N-1.", pet=False
+        ),
+    )
     replicas: int = field(
         default=1, metadata=_meta("--replicas", C, "Peer nodes holding a copy of each snapshot.", pet=False)
     )
@@ -582,6 +591,11 @@ class Config:
         self.ranks_filter  # noqa: B018
 
     def _validate_checkpoints(self) -> None:
+        if self.snapshot_every < 1:
+            raise ConfigError(
+                f"--snapshot-every ({self.snapshot_every}) must be >= 1",
+                hint="1 snapshots every step; N snapshots every N-th and a failure redoes at most N-1 steps",
+            )
         if self.replicas < 0:
             raise ConfigError(f"--replicas ({self.replicas}) must be >= 0")
         if self.persist_every < 1:

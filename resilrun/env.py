@@ -44,6 +44,7 @@ class WorkerEnv:
     recovery_wait_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     snapshot_dedup: bool = True
+    snapshot_every: int = 1
 
     def to_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The full environment of the worker: ``base`` (the agent's) plus the contract."""
@@ -78,6 +79,7 @@ class WorkerEnv:
                 "RESILRUN_RECOVERY_WAIT_S": str(self.recovery_wait_s),
                 "RESILRUN_HEARTBEAT_INTERVAL_S": str(self.heartbeat_interval_s),
                 "RESILRUN_SNAPSHOT_DEDUP": "1" if self.snapshot_dedup else "0",
+                "RESILRUN_SNAPSHOT_EVERY": str(self.snapshot_every),
                 "RESILRUN_SPARE": "0",
             }
         )
@@ -127,6 +129,7 @@ class WorkerVariables:
     recovery_wait_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     dedup: bool = True  # local ranks split the copy of DDP-replicated state (snapshot/dedup.py)
+    snapshot_every: int = 1  # --snapshot-every: which steps Job.commit snapshots
 
 
 def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVariables:
@@ -147,6 +150,7 @@ def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVar
         recovery_wait_s=float(env.get("RESILRUN_RECOVERY_WAIT_S", "10")),
         heartbeat_interval_s=float(env.get("RESILRUN_HEARTBEAT_INTERVAL_S", "1")),
         dedup=env.get("RESILRUN_SNAPSHOT_DEDUP", "1") != "0",
+        snapshot_every=max(1, int(env.get("RESILRUN_SNAPSHOT_EVERY", "1"))),
     )
 
 

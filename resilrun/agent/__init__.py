@@ -248,6 +248,7 @@ def run(config: Config) -> None:
                 storage,
                 every=config.persist_every,
                 keep_last=config.keep_last,
+                snapshot_every=config.snapshot_every,
                 count_persisted=lambda step: backend.add(keys.persist_count(config.rdzv_id, step), 1),
                 world_size=supervisor.world_size,
                 may_write=WriteFence(

@@ -181,6 +181,8 @@ class AgentChannel:
             return {"ok": True}, []
         if op == "beat":
             self.control.beat(int(request["pid"]))
+            if int(request.get("step", -1)) >= 0:
+                self.control.report_step(int(request["pid"]), int(request["step"]))
             return {"ok": True}, []
         if op == "hello_api":
             self.control.register_api(int(request["pid"]))

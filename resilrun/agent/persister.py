@@ -32,6 +32,14 @@ logger = logging.getLogger(__name__)
 _MAX_BACKLOG = 3
 
 
+def persists(step: int, every: int, snapshot_every: int = 1) -> bool:
+    """Whether snapshot ``step`` is the one persisted for its ``--persist-every`` interval: the first
+    snapshot at or past each multiple of ``every`` steps. With a snapshot every step that is steps
+    every-1, 2*every-1, ...; with one every N steps, a multiple falling between two snapshots is
+    persisted at the next one. A function of the step alone, so every rank persists the same steps."""
+    return (step + 1) // every > (step + 1 - snapshot_every) // every
+
+
 class Persister:
     """One background thread per agent; ``close`` waits for uploads in flight (bounded)."""
 
@@ -42,6 +50,7 @@ class Persister:
         *,
         every: int,
         keep_last: int,
+        snapshot_every: int = 1,
         count_persisted: Callable[[int], int],
         world_size: Callable[[], int],
         may_write: Callable[[], bool] = lambda: True,
@@ -53,10 +62,12 @@ class Persister:
         (the write fence, ``agent.fence``: a node cut off and replaced must not write).
         ``on_persisted(rank, step, bytes, seconds, step_complete)`` runs after each upload (events, metrics).
         ``upload_delay_s``: a fault hook (``fault_hooks.PERSIST_DELAY_ENV``): each upload waits this long first.
-        ``mac_key``: the durable key (tiers/_authentic.py): files and COMPLETE.json then carry MACs."""
+        ``mac_key``: the durable key (tiers/_authentic.py): files and COMPLETE.json then carry MACs.
+        ``snapshot_every``: workers snapshot only every such step (``--snapshot-every``)."""
         self.memory = memory
         self.storage = storage
         self.every = every
+        self.snapshot_every = snapshot_every
         self.keep_last = keep_last
         self._count = count_persisted
         self._world_size = world_size
@@ -73,7 +84,7 @@ class Persister:
         self._thread.start()
 
     def _on_commit(self, rank: int, committed: Committed) -> None:
-        if (committed.step + 1) % self.every or committed.origin == "persistent":
+        if not persists(committed.step, self.every, self.snapshot_every) or committed.origin == "persistent":
             return  # (a step restored from storage is there already)
         snapshot = self.memory.read(rank, committed.step)  # the worker waits for this copy only
         if snapshot is None:

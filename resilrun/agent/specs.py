@@ -75,6 +75,7 @@ def worker_specs(
             recovery_wait_s=config.heartbeat_timeout_s + 40.0,
             heartbeat_interval_s=config.heartbeat_interval_s,
             snapshot_dedup=not config.no_snapshot_dedup,
+            snapshot_every=config.snapshot_every,
         ).to_env(base_env)
         specs.append(
             WorkerSpec(

@@ -83,6 +83,7 @@ class Job:
         attempt: int = 0,
         round: int = 0,
         dedup: bool = True,
+        snapshot_every: int = 1,
     ) -> None:
         self._rank = rank
         self._world_size = world_size
@@ -96,6 +97,9 @@ class Job:
         self._attempt = attempt
         self._round = round
         self._dedup = dedup
+        self._every = max(1, snapshot_every)
+        self._done = -1  # the newest step finished (committed), snapshotted or not
+        self._unsaved: int | None = None  # a finished step left out by --snapshot-every, if newest
         self._reported_first_step = False
         self._watchdog: GenerationWatchdog | None = None
         self._sharding = Sharding()
@@ -106,6 +110,7 @@ class Job:
     local_rank = property(lambda self: self._local_rank, doc="Rank of this worker on its node.")
     device = property(lambda self: self._device, doc="The device this worker trains on.")
     step = property(lambda self: self._step, doc="The step in progress (or last finished); -1 before.")
+    done = property(lambda self: self._done, doc="The newest finished step (committed); -1 before.")
 
     def track(self, **objects: Any) -> None:
         """Include objects in every snapshot: anything with state_dict()/load_state_dict(),
@@ -154,14 +159,25 @@ class Job:
             fire(self._faults, rank=self._rank, step=step, attempt=self._attempt)
 
     def commit(self, step: int) -> None:
-        """Step ``step`` is done and all tracked state is consistent: snapshot it."""
-        self._commit(step)
+        """Step ``step`` is done and all tracked state is consistent: snapshot it (every
+        ``--snapshot-every``-th step: steps N-1, 2N-1, ..., so all ranks snapshot the same ones)."""
+        self._done = step
+        if (step + 1) % self._every:
+            self._unsaved = step
+        else:
+            self._unsaved = None
+            self._commit(step)
         if not self._reported_first_step:
             self._reported_first_step = True
             self._report("first_step", step=step)
 
     def finish(self) -> None:
-        """Training is done: the last commit is acknowledged before the script goes on."""
+        """Training is done: its last step is snapshotted (also when ``--snapshot-every`` left it
+        out: it is what the persistent tier and ``resilrun export`` should hold), and acknowledged
+        before the script goes on."""
+        if self._unsaved is not None:
+            step, self._unsaved = self._unsaved, None
+            self._commit(step)
         if self._snapshotter is not None:
             self._snapshotter.flush()
 

@@ -105,6 +105,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         attempt=variables.attempt,
         round=variables.round,
         dedup=variables.dedup,
+        snapshot_every=variables.snapshot_every,
     )
     if pg_seconds is not None:
         _JOB._report("collectives_rebuilt", seconds=round(pg_seconds, 6))
@@ -129,8 +130,12 @@ def _start_heartbeat(agent_socket: str, interval_s: float) -> None:
 
     def beat() -> None:
         while True:
+            job = _JOB
+            # The newest finished step rides along: with --snapshot-every N > 1 most steps send
+            # nothing else, and the agent's hang detection counts progress, not snapshots.
+            step = job.done if job is not None else -1
             try:
-                client.request({"op": "beat", "pid": os.getpid()})
+                client.request({"op": "beat", "pid": os.getpid(), "step": step})
             except Exception:  # noqa: BLE001 - the agent is gone; the process will be stopped anyway
                 return
             time.sleep(interval_s)

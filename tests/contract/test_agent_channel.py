@@ -130,3 +130,17 @@ def test_another_uid_is_refused_even_with_the_token_and_an_open_directory(channe
     os.close(read)
     assert os.waitstatus_to_exitcode(status) == 0
     assert "refused: uid 65534 is not the agent's" in answer
+
+
+def test_a_heartbeat_carries_the_newest_finished_step_as_progress(channel: AgentChannel) -> None:
+    # With --snapshot-every N most steps send no commit: the heartbeat's step keeps the hang
+    # detection fed (a step that no longer changes is a stall; one that changes is progress)
+    client = AgentClient(channel.path, token=channel.token)
+    try:
+        client.request({"op": "beat", "pid": 7, "step": -1})  # before the first step: no progress yet
+        assert channel.control.stalled_for(7) is None
+        client.request({"op": "beat", "pid": 7, "step": 4})
+        assert channel.control.stalled_for(7) is not None
+        assert channel.control.newest_step([7]) == 4
+    finally:
+        client.close()

@@ -103,6 +103,19 @@ def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(l
     assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
 
 
+def test_with_a_snapshot_every_3_steps_the_loop_redoes_the_steps_since_the_newest_bitwise(
+    launcher, tmp_path: Path
+) -> None:
+    # Given snapshots of steps 2, 5, 8, ... only (and of the last, at end_training), rank 1 killed at step 11
+    flags = ("--snapshot-every", "3")
+    err = train_unmodified(launcher, SCRIPT, tmp_path / "faulty", "kill:rank=1,step=11", "--epochs", "3", flags=flags)
+    # Then both ranks resumed from step 8 (9 and 10 redone, mid-epoch: the replay skips 1 batch, not 3)
+    assert "rank 0 resumed from step 8 (node memory)" in err
+    assert "restarting the job" not in err
+    _train(launcher, tmp_path / "clean", "", "--epochs", "3")
+    assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
+
+
 def test_a_stateful_dataloader_with_workers_resumes_where_it_stood(launcher, tmp_path: Path) -> None:
     require_modules("torchdata.stateful_dataloader")
     # Given Accelerate's use_stateful_dataloader (torchdata's StatefulDataLoader, which makes its

@@ -228,3 +228,36 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_with_a_snapshot_every_4_steps_a_failure_redoes_the_steps_since_the_last_one_bitwise(
+    launcher, tmp_path: Path
+) -> None:
+    # Given snapshots of steps 3, 7, 11, ... only, and rank 1 SIGKILLed as step 10 starts
+    target = tmp_path / "faulty.sha"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+        "--snapshot-every", "4", str(EXAMPLE), *ARGS, "--checksum-file", str(target),
+        env={"RESILRUN_FAULTS": "kill:rank=1,step=10"},
+    )  # fmt: skip
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    assert_nothing_left(run)
+    # Then both ranks resumed from step 7, the newest snapshot (steps 8 and 9 are redone), in-process,
+    assert resumed(run) == {0: (7, "memory"), 1: (7, "memory")}
+    assert events(run, kind="restart") == []
+    # and the redone steps are the same steps: bitwise the failure-free run's result
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
+
+
+def test_steps_without_a_snapshot_still_count_as_progress_for_the_hang_timeout(launcher, tmp_path: Path) -> None:
+    # Given no snapshot before the end (--snapshot-every 1000) and a hang timeout far shorter than
+    # the training (24 steps of 0.25 s): progress reaches the agent with the heartbeat, not a commit
+    target = tmp_path / "run.sha"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--hang-timeout", "2",
+        "--snapshot-every", "1000", str(EXAMPLE), *ARGS, "--sleep", "0.25", "--checksum-file", str(target),
+    )  # fmt: skip
+    # Then no worker is taken for hung, and the result is the failure-free run's
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    assert "no step committed" not in run.stderr()
+    assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
