@@ -5,7 +5,9 @@ snapshots only its own shards (the local tensors of its parameters and optimizer
 they sit), so a snapshot costs 1/world_size of the model per rank and nothing is gathered. After a
 failure every rank gets its shards back in place and the job continues from the newest step all
 ranks finished. ``--replicate R`` trains HSDP instead: a 2-D mesh of R replicas of a model sharded
-over world_size / R ranks.
+over world_size / R ranks. ``--tp T`` adds tensor parallelism: the first two linear layers split
+over T ranks (column-wise, then row-wise), FSDP over the other mesh dimension (none when T is the
+world size); their DTensors are tracked as they are too.
 
 Elastic (``--nnodes MIN:MAX``): a job that loses a node without a spare node goes on at the smaller
 world size from the newest step every rank finished, each rank rebuilding its shards from the old
@@ -17,6 +19,7 @@ Runs on CPU with gloo (torch >= 2.6) and on CUDA with NCCL:
 
     resilrun --standalone --nproc-per-node 2 --spares 1 examples/train_fsdp2.py --steps 40
     resilrun --standalone --nproc-per-node 4 --spares 1 examples/train_fsdp2.py --replicate 2
+    resilrun --standalone --nproc-per-node 2 --spares 1 examples/train_fsdp2.py --tp 2
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ try:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 except ImportError as exc:  # torch < 2.6 has FSDP2 only under torch.distributed._composable
     raise SystemExit(f"this example needs torch >= 2.6 for torch.distributed.fsdp.fully_shard ({exc})") from exc
 
@@ -60,13 +64,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the sharded model (1: FSDP)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the first two layers")
     parser.add_argument("--checksum-file", default="", help="rank 0 writes the final checksum here")
     args = parser.parse_args()
 
     job = resilrun.init()
-    if job.world_size % args.replicate:
-        raise SystemExit(f"--replicate {args.replicate} does not divide the world size {job.world_size}")
-    if args.replicate == 1:  # FSDP: one dimension, every rank holds a shard
+    if job.world_size % (args.replicate * args.tp):
+        raise SystemExit(f"--replicate {args.replicate} x --tp {args.tp} does not divide world size {job.world_size}")
+    if args.tp > 1 and (args.replicate > 1 or args.layers < 2):
+        raise SystemExit("--tp needs --replicate 1 and --layers >= 2")
+    if args.tp > 1:  # FSDP over "shard" (of size 1 when T is the world size), TP over "tp"
+        shape = (job.world_size // args.tp, args.tp)
+        mesh = init_device_mesh(job.device.type, shape, mesh_dim_names=("shard", "tp"))
+    elif args.replicate == 1:  # FSDP: one dimension, every rank holds a shard
         mesh = init_device_mesh(job.device.type, (job.world_size,), mesh_dim_names=("shard",))
     else:  # HSDP: shards within a replica, gradients all-reduced across replicas
         shape = (args.replicate, job.world_size // args.replicate)
@@ -76,15 +86,21 @@ def main() -> None:
     for _ in range(args.layers - 1):
         blocks += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
     model = nn.Sequential(*blocks, nn.Linear(args.hidden, 1)).to(job.device)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)  # one FSDP unit per layer: its all-gather overlaps the previous layer
-    fully_shard(model, mesh=mesh)
+    if args.tp > 1:
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh = mesh["shard"]
+    if mesh.size() > 1:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)  # one FSDP unit per layer: its all-gather overlaps the previous
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     job.track(model=model, optimizer=opt)
 
+    # Tensor-parallel ranks (consecutive ranks, the mesh's last dimension) see the same rows.
+    data_rank, data_ranks = job.rank // args.tp, job.world_size // args.tp
     for step in job.steps(total=args.steps):
-        x, y = batch_for(step, job.rank, job.world_size, 32)
+        x, y = batch_for(step, data_rank, data_ranks, 32)
         loss = nn.functional.mse_loss(model(x.to(job.device)), y.to(job.device))
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,4 +1,5 @@
-"""FSDP2 and HSDP state tracked as it is (``job.track(model=fsdp_model, optimizer=opt)``, no adapter):
+"""FSDP2 (2 and 4 ranks), HSDP and tensor-parallel state tracked as it is
+(``job.track(model=fsdp_model, optimizer=opt)``, no adapter):
 a worker SIGKILLed mid-run is replaced by a hot spare, the survivors keep their processes, every rank
 gets its own shards back in place, and the final parameters equal a failure-free run's bit for bit.
 
@@ -49,16 +50,15 @@ def _events(tmp_path: Path, name: str) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("nproc", "replicate", "victim"),
-    [(2, 1, 1), (4, 2, 2)],
-    ids=["fsdp-2-ranks", "hsdp-2x2-mesh"],
+    ("nproc", "mesh", "victim"),
+    [(2, [], 1), (4, [], 2), (4, ["--replicate", "2"], 2), (2, ["--tp", "2"], 1)],
+    ids=["fsdp-2-ranks", "fsdp-4-ranks", "hsdp-2x2-mesh", "tensor-parallel-2-ranks"],
 )
 def test_sharded_state_tracked_directly_recovers_in_process_bitwise(
-    launcher, tmp_path: Path, nproc: int, replicate: int, victim: int
+    launcher, tmp_path: Path, nproc: int, mesh: list[str], victim: int
 ) -> None:
     if not _fsdp2_available():
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2 needs torch >= 2.6)")
-    mesh = ["--replicate", str(replicate)]
     # Given the failure-free result of the FSDP2 example on this mesh
     clean, _ = _run(launcher, tmp_path, "clean", nproc, [], mesh)
     # When one rank is SIGKILLed as step 5 starts, with a hot spare standing by
