@@ -1,7 +1,7 @@
 """An unmodified framework script: resilrun's per-step cost and a failure's cost vs torchrun.
 
     python benchmarks/framework_overhead.py [--framework transformers|lightning|accelerate] [--runs 2] [--steps 60]
-        [--kill-step 25] [--json out.json]
+        [--kill-step 25] [--snapshot-every 1] [--json out.json]
 
 Why this shape (issue 18): the integration snapshots model, optimizer, scheduler, RNG and the
 framework's loop state after every optimizer step, which is what a user pays on every step; and it
@@ -82,6 +82,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--save-steps", type=int, default=10)
     parser.add_argument("--kill-step", type=int, default=25)
+    parser.add_argument(
+        "--snapshot-every", type=int, default=1, help="resilrun's --snapshot-every in its runs (1: every step)"
+    )
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args()
@@ -90,7 +93,8 @@ def main() -> None:
     size = ["--steps", str(opts.steps), "--layers", str(opts.layers), "--width", str(opts.width)]
     kill = ["--kill-rank", "1", "--kill-step", str(opts.kill_step)]
     saves = ["--save-steps", str(opts.save_steps)]
-    torchrun, resilrun = [py, "-m", "torch.distributed.run", *common], [py, "-m", "resilrun", *common]
+    torchrun = [py, "-m", "torch.distributed.run", *common]
+    resilrun = [py, "-m", "resilrun", *common, "--snapshot-every", str(opts.snapshot_every)]
     off = {"RESILRUN_NO_INTEGRATIONS": "1"}
     unshared = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cases: dict[str, tuple[list[str], dict[str, str]]] = {
