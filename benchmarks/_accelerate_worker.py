@@ -13,26 +13,15 @@ import os
 import re
 
 import torch
-from _framework_bench import Bench, parse_args
+from _framework_bench import CONTEXT, VOCAB, Bench, Tokens, parse_args
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 cli = parse_args()
 bench = Bench(cli)
-VOCAB, CONTEXT, BATCH = 512, 64, 8
-
-
-class Tokens(Dataset):
-    def __init__(self, count: int) -> None:
-        self.data = torch.randint(0, VOCAB, (count, CONTEXT + 1), generator=torch.Generator().manual_seed(1234))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[index, :-1], self.data[index, 1:]
+BATCH = 8
 
 
 class LM(nn.Module):

@@ -1,5 +1,5 @@
-"""What the framework scripts of benchmarks/framework_overhead.py share: their command line, the
-step-end stamps and the one injected kill (the fault is the benchmark's, not the script's)."""
+"""What the framework scripts of benchmarks/framework_overhead.py share: their command line, their
+synthetic tokens, the step-end stamps and the one injected kill (the fault is the benchmark's)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ import signal
 import time
 from pathlib import Path
 from typing import IO
+
+import torch
+from torch.utils.data import Dataset
+
+VOCAB, CONTEXT = 512, 64
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,3 +50,16 @@ class Bench:
         if self.stamps is not None:
             self.stamps.write(f"{done} {time.time():.6f}\n")
             self.stamps.flush()
+
+
+class Tokens(Dataset):
+    """Fixed synthetic next-token pairs (the same in every run and under every launcher)."""
+
+    def __init__(self, count: int) -> None:
+        self.data = torch.randint(0, VOCAB, (count, CONTEXT + 1), generator=torch.Generator().manual_seed(1234))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[index, :-1], self.data[index, 1:]

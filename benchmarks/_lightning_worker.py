@@ -11,25 +11,13 @@ import os
 
 import lightning as L
 import torch
-from _framework_bench import Bench, parse_args
+from _framework_bench import CONTEXT, VOCAB, Bench, Tokens, parse_args
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 cli = parse_args()
 bench = Bench(cli)
-VOCAB, CONTEXT = 512, 64
-
-
-class Tokens(Dataset):
-    def __init__(self, count: int) -> None:
-        self.data = torch.randint(0, VOCAB, (count, CONTEXT + 1), generator=torch.Generator().manual_seed(1234))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[index, :-1], self.data[index, 1:]
 
 
 class LM(L.LightningModule):
