@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step")
+    parser.add_argument(
+        "--state-mib", type=float, default=0.0, help="extra tracked state (a running feature table), MiB per rank"
+    )
     parser.add_argument("--checksum-file", default="")
     parser.add_argument("--progress", action="store_true", help="rank 0 prints a line for every step")
     args = parser.parse_args()
@@ -41,6 +44,9 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
     job.track(model=model, optimizer=opt, scheduler=sched)
+    table = torch.zeros(int(args.state_mib * 2**20) // 4, device=job.device)
+    if table.numel():
+        job.track(table=table)  # large state next to a small model: snapshots cost more than steps
 
     for step in job.steps(total=args.steps):
         x, y = batch_for(step, job.rank, 32, 32)
@@ -51,11 +57,13 @@ def main() -> None:
         sched.step()
         if job.rank == 0 and (args.progress or step % 10 == 0):
             print(f"step {step} loss {loss.item():.5f}", flush=True)
+        if table.numel():
+            table.mul_(0.5).add_(loss.detach())
         if args.sleep:
             time.sleep(args.sleep)
 
     digest = hashlib.sha256()
-    for tensor in model.module.state_dict().values():
+    for tensor in [*model.module.state_dict().values(), *([table] if table.numel() else [])]:
         digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     if job.rank == 0:
         print(f"done: {args.steps} steps on {job.world_size} ranks; params sha256 {digest.hexdigest()}")

@@ -18,6 +18,7 @@ from datetime import timedelta
 from enum import IntEnum
 from typing import Any
 
+from resilrun.env import SNAPSHOT_AUTO
 from resilrun.errors import ConfigError
 
 DEFAULT_RDZV_PORT = 29400
@@ -68,7 +69,9 @@ _VALUES = {
     "--shutdown-timeout": "SECONDS",
     "--exit-barrier-timeout": "SECONDS",
     "--replicas": "INTEGER",
-    "--snapshot-every": "N",
+    "--snapshot-every": "N|auto",
+    "--max-overhead": "PERCENT",
+    "--replicate-every": "STEPS",
     "--checkpoint-uri": "s3://BUCKET/PREFIX|DIR",
     "--persist-every": "STEPS",
     "--keep-last": "INTEGER",
@@ -336,15 +339,33 @@ class Config:
     )
     # Checkpoints (resilrun's own: RESILRUN_* only)
     # Every step by default: a failure then redoes none. Larger N divides the steady-state cost of
-    # the snapshot (and its replication) by N; a failure redoes up to N - 1 steps.
+    # the snapshot (and its replication) by N; a failure redoes up to N - 1 steps. SNAPSHOT_AUTO (0,
+    # "auto" on the command line): the interval is measured to keep the cost under --max-overhead.
     snapshot_every: int = field(
         default=1,
         metadata=_meta(
-            "--snapshot-every", C, "Snapshot every N optimizer steps; a failure redoes at most N-1.", pet=False
+            "--snapshot-every",
+            C,
+            "Snapshot every N optimizer steps (a failure redoes at most N-1), or auto: as often as "
+            "--max-overhead allows.",
+            pet=False,
+        ),
+    )
+    max_overhead_pct: float = field(
+        default=3.0,
+        metadata=_meta(
+            "--max-overhead", C, "With --snapshot-every auto: the share of step time snapshots may take, %.", pet=False
         ),
     )
     replicas: int = field(
         default=1, metadata=_meta("--replicas", C, "Peer nodes holding a copy of each snapshot.", pet=False)
+    )
+    # Every snapshot by default. Replication traffic shares the memory bus with training; a node
+    # loss redoes the steps since the newest replicated snapshot, a worker failure only those since
+    # the newest snapshot in node memory.
+    replicate_every: int = field(
+        default=1,
+        metadata=_meta("--replicate-every", C, "Replicate a snapshot to peers every N steps.", pet=False),
     )
     checkpoint_uri: str | None = field(
         default=None,
@@ -591,11 +612,18 @@ class Config:
         self.ranks_filter  # noqa: B018
 
     def _validate_checkpoints(self) -> None:
-        if self.snapshot_every < 1:
+        if self.snapshot_every < 1 and self.snapshot_every != SNAPSHOT_AUTO:
             raise ConfigError(
-                f"--snapshot-every ({self.snapshot_every}) must be >= 1",
+                f"--snapshot-every ({self.snapshot_every}) must be >= 1 or auto",
                 hint="1 snapshots every step; N snapshots every N-th and a failure redoes at most N-1 steps",
             )
+        if not 0.1 <= self.max_overhead_pct <= 50:
+            raise ConfigError(
+                f"--max-overhead ({self.max_overhead_pct:g}) must be between 0.1 and 50 (percent of step time)",
+                hint="the default 3 keeps snapshots under 3% of training time",
+            )
+        if self.replicate_every < 1:
+            raise ConfigError(f"--replicate-every ({self.replicate_every}) must be >= 1")
         if self.replicas < 0:
             raise ConfigError(f"--replicas ({self.replicas}) must be >= 0")
         if self.persist_every < 1:

@@ -11,6 +11,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+# --snapshot-every auto, as Config and the worker contract hold it (RESILRUN_SNAPSHOT_EVERY=auto).
+SNAPSHOT_AUTO = 0
+
 # A worker exits with this code when its state is in no tier (StateLostError): retrying cannot help,
 # so the agent stops the job at once instead of spending restarts on it.
 STATE_LOST_EXIT_CODE = 76
@@ -44,7 +47,8 @@ class WorkerEnv:
     recovery_wait_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     snapshot_dedup: bool = True
-    snapshot_every: int = 1
+    snapshot_every: int = 1  # SNAPSHOT_AUTO: auto
+    max_overhead_pct: float = 3.0
 
     def to_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The full environment of the worker: ``base`` (the agent's) plus the contract."""
@@ -79,7 +83,8 @@ class WorkerEnv:
                 "RESILRUN_RECOVERY_WAIT_S": str(self.recovery_wait_s),
                 "RESILRUN_HEARTBEAT_INTERVAL_S": str(self.heartbeat_interval_s),
                 "RESILRUN_SNAPSHOT_DEDUP": "1" if self.snapshot_dedup else "0",
-                "RESILRUN_SNAPSHOT_EVERY": str(self.snapshot_every),
+                "RESILRUN_SNAPSHOT_EVERY": "auto" if self.snapshot_every == SNAPSHOT_AUTO else str(self.snapshot_every),
+                "RESILRUN_MAX_OVERHEAD": f"{self.max_overhead_pct:g}",
                 "RESILRUN_SPARE": "0",
             }
         )
@@ -129,7 +134,8 @@ class WorkerVariables:
     recovery_wait_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     dedup: bool = True  # local ranks split the copy of DDP-replicated state (snapshot/dedup.py)
-    snapshot_every: int = 1  # --snapshot-every: which steps Job.commit snapshots
+    snapshot_every: int = 1  # --snapshot-every: which steps Job.commit snapshots (SNAPSHOT_AUTO: auto)
+    max_overhead: float = 0.03  # --max-overhead, as a fraction of step time
 
 
 def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVariables:
@@ -150,8 +156,13 @@ def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVar
         recovery_wait_s=float(env.get("RESILRUN_RECOVERY_WAIT_S", "10")),
         heartbeat_interval_s=float(env.get("RESILRUN_HEARTBEAT_INTERVAL_S", "1")),
         dedup=env.get("RESILRUN_SNAPSHOT_DEDUP", "1") != "0",
-        snapshot_every=max(1, int(env.get("RESILRUN_SNAPSHOT_EVERY", "1"))),
+        snapshot_every=_snapshot_every(env.get("RESILRUN_SNAPSHOT_EVERY", "1")),
+        max_overhead=float(env.get("RESILRUN_MAX_OVERHEAD", "3")) / 100,
     )
+
+
+def _snapshot_every(value: str) -> int:
+    return SNAPSHOT_AUTO if value.strip().lower() == "auto" else max(1, int(value))
 
 
 def apply_assignment(env: Mapping[str, str]) -> None:

@@ -206,7 +206,7 @@ def run(config: Config) -> None:
         events = EventLog(log_root / EVENTS_FILE, node_id=me.node_id, host=me.hostname)
         publisher: list[StatusPublisher] = []  # set below; the metrics read its latest document
         metrics = _metrics(config, lambda: publisher[0].latest if publisher else None)
-        telemetry = AgentTelemetry(events, backend, config.rdzv_id, metrics)
+        telemetry = AgentTelemetry(events, backend, config.rdzv_id, metrics, finished=memory.finished)
         channel = AgentChannel(memory, tiers, control, telemetry)
         setup = NodeSetup(
             nproc=nproc,
@@ -238,6 +238,7 @@ def run(config: Config) -> None:
                 world_size=supervisor.world_size,
                 generation=supervisor.generation,
                 on_replicated=telemetry.replicated,
+                every=config.replicate_every,
             )
             rdzv.me = replace(rdzv.me, peer_addr=peers.address)
             tiers.peer_held, tiers.peer_fetch, tiers.peer_inventory = peers.held_steps, peers.fetch, peers.inventory
@@ -248,7 +249,6 @@ def run(config: Config) -> None:
                 storage,
                 every=config.persist_every,
                 keep_last=config.keep_last,
-                snapshot_every=config.snapshot_every,
                 count_persisted=lambda step: backend.add(keys.persist_count(config.rdzv_id, step), 1),
                 world_size=supervisor.world_size,
                 may_write=WriteFence(

@@ -45,6 +45,7 @@ KINDS = (
     "first_step",
     "recovered",
     "snapshot_persisted",
+    "snapshot_interval",
     "restart",
     "node_lost",
     "exit",

@@ -76,13 +76,30 @@ class _StatusCollector(Collector):
         lag = GaugeMetricFamily(
             f"{_PREFIX}_snapshot_lag_steps", "Steps the tier is behind node memory.", labels=["tier"]
         )
+        risk = GaugeMetricFamily(
+            f"{_PREFIX}_snapshot_at_risk_steps",
+            "Finished steps a failure now would redo when restoring from this tier.",
+            labels=["tier"],
+        )
         for tier, info in sorted(tiers.items()):
             if info.get("step") is not None:
                 step.add_metric([tier], float(info["step"]))
             if info.get("lag_steps") is not None:
                 lag.add_metric([tier], float(info["lag_steps"]))
+            if info.get("at_risk_steps") is not None:
+                risk.add_metric([tier], float(info["at_risk_steps"]))
         yield step
         yield lag
+        yield risk
+        snapshots = doc.get("snapshots", {})
+        yield _gauge(
+            "snapshot_interval_steps", "Steps between snapshots now (auto: as decided).", snapshots.get("interval")
+        )
+        yield _gauge(
+            "snapshot_overhead_ratio",
+            "Share of step time snapshots took at the last --snapshot-every auto decision.",
+            snapshots.get("overhead"),
+        )
 
 
 def _gauge(name: str, help_text: str, value: float | None) -> GaugeMetricFamily:

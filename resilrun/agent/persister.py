@@ -32,14 +32,6 @@ logger = logging.getLogger(__name__)
 _MAX_BACKLOG = 3
 
 
-def persists(step: int, every: int, snapshot_every: int = 1) -> bool:
-    """Whether snapshot ``step`` is the one persisted for its ``--persist-every`` interval: the first
-    snapshot at or past each multiple of ``every`` steps. With a snapshot every step that is steps
-    every-1, 2*every-1, ...; with one every N steps, a multiple falling between two snapshots is
-    persisted at the next one. A function of the step alone, so every rank persists the same steps."""
-    return (step + 1) // every > (step + 1 - snapshot_every) // every
-
-
 class Persister:
     """One background thread per agent; ``close`` waits for uploads in flight (bounded)."""
 
@@ -50,7 +42,6 @@ class Persister:
         *,
         every: int,
         keep_last: int,
-        snapshot_every: int = 1,
         count_persisted: Callable[[int], int],
         world_size: Callable[[], int],
         may_write: Callable[[], bool] = lambda: True,
@@ -63,11 +54,13 @@ class Persister:
         ``on_persisted(rank, step, bytes, seconds, step_complete)`` runs after each upload (events, metrics).
         ``upload_delay_s``: a fault hook (``fault_hooks.PERSIST_DELAY_ENV``): each upload waits this long first.
         ``mac_key``: the durable key (tiers/_authentic.py): files and COMPLETE.json then carry MACs.
-        ``snapshot_every``: workers snapshot only every such step (``--snapshot-every``)."""
+        Of the snapshots, the first at or past each multiple of ``every`` steps is persisted
+        (``Committed.crosses``): with a snapshot every step that is steps every-1, 2*every-1, ...;
+        with sparser snapshots (``--snapshot-every``), a multiple falling between two of them is
+        persisted at the next one. Every rank snapshots the same steps, so all persist the same."""
         self.memory = memory
         self.storage = storage
         self.every = every
-        self.snapshot_every = snapshot_every
         self.keep_last = keep_last
         self._count = count_persisted
         self._world_size = world_size
@@ -84,7 +77,7 @@ class Persister:
         self._thread.start()
 
     def _on_commit(self, rank: int, committed: Committed) -> None:
-        if not persists(committed.step, self.every, self.snapshot_every) or committed.origin == "persistent":
+        if not committed.crosses(self.every) or committed.origin == "persistent":
             return  # (a step restored from storage is there already)
         snapshot = self.memory.read(rank, committed.step)  # the worker waits for this copy only
         if snapshot is None:

@@ -53,9 +53,11 @@ class PeerTier:
         world_size: Callable[[], int],
         generation: Callable[[], int],
         on_replicated: Callable[[int, int, int, float], None] | None = None,
+        every: int = 1,
     ) -> None:
         """``generation``: the newest generation this node follows: the fencing token its pushes carry,
-        and the server's bar (it refuses pushes from senders that follow an older one)."""
+        and the server's bar (it refuses pushes from senders that follow an older one).
+        ``every``: ``--replicate-every`` (which snapshots are replicated)."""
         self.secret = secret
         self.store = ReplicaStore(run_id)
         self.server = ReplicaServer(
@@ -69,6 +71,7 @@ class PeerTier:
             generation=generation,
             on_replicated=on_replicated,
             push_delay_s=delay_s(REPLICATION_DELAY_ENV, "every replica push, before its bytes,"),
+            every=every,
         )
         self._peers = peers
 

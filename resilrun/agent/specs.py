@@ -76,6 +76,7 @@ def worker_specs(
             heartbeat_interval_s=config.heartbeat_interval_s,
             snapshot_dedup=not config.no_snapshot_dedup,
             snapshot_every=config.snapshot_every,
+            max_overhead_pct=config.max_overhead_pct,
         ).to_env(base_env)
         specs.append(
             WorkerSpec(

@@ -29,6 +29,7 @@ from resilrun import keys
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.heartbeat import StalenessJudge
 from resilrun.agent.telemetry import AgentTelemetry
+from resilrun.env import SNAPSHOT_AUTO
 from resilrun.errors import ResilrunError
 from resilrun.status import records as history
 from resilrun.tiers.memory import NodeMemoryTier
@@ -138,7 +139,8 @@ class StatusPublisher:
                 "ready": len([s for s in alive_spares if s.pid in waiting]),
                 "pids": [s.pid for s in alive_spares],
             },
-            "tiers": self._tiers([w.global_rank for w in workers]),
+            "tiers": self._tiers([w.global_rank for w in workers], self._finished(workers)),
+            "snapshots": self._snapshots(),
             "peer_ages": self._peer_ages(),
             "counts": dict(self.telemetry.counts),
         }
@@ -150,6 +152,9 @@ class StatusPublisher:
         stalled = self.control.stalled_for(worker.pid)
         progress = self.telemetry.progress.get(rank, {})
         step_time = progress.get("step_time_s")
+        # The newest finished step (heartbeats carry it): with --snapshot-every > 1 commits are sparser.
+        finished = self._finished([worker])
+        step = max(-1 if finished is None else finished, int(progress.get("step", -1)))
         state = RankState.of(code, silent, self.supervisor.config.heartbeat_timeout_s, "step" in progress)
         return {
             "rank": rank,
@@ -157,14 +162,41 @@ class StatusPublisher:
             "pid": worker.pid,
             "state": state.value,
             "exit_code": code,
-            "step": int(progress["step"]) if "step" in progress else None,
+            "step": step if step >= 0 else None,
             "step_time_s": round(step_time, 6) if step_time else None,
             "steps_per_s": round(1.0 / step_time, 3) if step_time else None,
             "heartbeat_age_s": round(silent, 3) if silent is not None else None,
             "since_commit_s": round(stalled, 3) if stalled is not None else None,
         }
 
-    def _tiers(self, ranks: list[int]) -> dict[str, Any]:
+    def _finished(self, workers: list[WorkerSnapshot]) -> int | None:
+        """The newest step these workers finished: exact from node memory's control pages, else
+        what their heartbeats said (scripts that finish steps without snapshotting any)."""
+        exact = self.memory.finished([w.global_rank for w in workers])
+        beaten = self.control.newest_step([w.pid for w in workers])
+        return max((s for s in (exact, beaten) if s is not None), default=None)
+
+    def _snapshots(self) -> dict[str, Any]:
+        """How often each tier takes a step: the intervals set, and what ``auto`` measured and chose."""
+        config = self.supervisor.config
+        auto = config.snapshot_every == SNAPSHOT_AUTO
+        decided = self.telemetry.interval
+        return {
+            "every": "auto" if auto else config.snapshot_every,
+            "interval": (decided or {}).get("interval") if auto else config.snapshot_every,
+            "max_overhead_pct": config.max_overhead_pct if auto else None,
+            # measured by the workers at their last decision (auto only): fraction of step time
+            "overhead": (decided or {}).get("overhead") if auto else None,
+            "step_time_s": (decided or {}).get("quiet_step_s") if auto else None,
+            "decided_at_step": (decided or {}).get("step") if auto else None,
+            "replicate_every": config.replicate_every,
+            "persist_every": config.persist_every if config.checkpoint_uri else None,
+        }
+
+    def _tiers(self, ranks: list[int], done: int | None) -> dict[str, Any]:
+        """The newest step every local rank holds in each tier, and the steps at risk: how many
+        finished steps a failure now would redo if it had to restore from that tier (a worker
+        failure: memory; a node loss: peer; both replicas lost too: persistent)."""
         steps: list[int | None] = []
         nbytes = 0
         for rank in ranks:
@@ -176,20 +208,28 @@ class StatusPublisher:
             else:
                 steps.append(None)
         memory_step = None if not steps or None in steps else min(s for s in steps if s is not None)
-        tiers: dict[str, Any] = {"memory": {"step": memory_step, "bytes": nbytes}}
+        tiers: dict[str, Any] = {
+            "memory": {"step": memory_step, "bytes": nbytes, "at_risk_steps": _at_risk(done, memory_step)}
+        }
         if self.replication is not None:
             status = self.replication()
             replicated = [status.get(rank, {}).get("replicated") for rank in ranks]
             step = None if not replicated or None in replicated else min(s for s in replicated if s is not None)
             # The longest any local rank's training waited for its replicas (the commit gate), in all.
             held = max((float(status.get(rank, {}).get("held_s") or 0.0) for rank in ranks), default=0.0)
-            tiers["peer"] = {"step": step, "lag_steps": _lag(memory_step, step), "waited_s": round(held, 3)}
+            tiers["peer"] = {
+                "step": step,
+                "lag_steps": _lag(memory_step, step),
+                "at_risk_steps": _at_risk(done, step),
+                "waited_s": round(held, 3),
+            }
         if self.supervisor.config.checkpoint_uri:
             uploaded = [self.telemetry.uploaded.get(rank) for rank in ranks]
             step = None if not uploaded or None in uploaded else min(s for s in uploaded if s is not None)
             tiers["persistent"] = {
                 "step": step,  # newest step every local rank uploaded
                 "lag_steps": _lag(memory_step, step),
+                "at_risk_steps": _at_risk(done, step),
                 "complete_step": self.telemetry.persisted_step,  # newest step this agent committed for all
             }
         return tiers
@@ -244,6 +284,13 @@ class StatusPublisher:
 
 def _lag(newest: int | None, step: int | None) -> int | None:
     return None if newest is None or step is None else max(0, newest - step)
+
+
+def _at_risk(done: int | None, step: int | None) -> int | None:
+    """Finished steps after ``step`` (none held: all of them, from step 0)."""
+    if done is None:
+        return None
+    return max(0, done - (-1 if step is None else step))
 
 
 def _round(value: float | None) -> float | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from resilrun.agent.events import EventLog
@@ -121,9 +122,17 @@ class AgentTelemetry(Telemetry):
     """Events to the log file, job-wide records to the store, numbers to metrics (when enabled)."""
 
     def __init__(
-        self, events: EventLog, backend: RendezvousBackend, run_id: str, metrics: AgentMetrics | None = None
+        self,
+        events: EventLog,
+        backend: RendezvousBackend,
+        run_id: str,
+        metrics: AgentMetrics | None = None,
+        finished: Callable[[list[int]], int | None] = lambda ranks: None,
     ) -> None:
+        """``finished(ranks)``: the newest step those local ranks finished, snapshotted or not (node
+        memory's control pages): what a failure's redone steps are counted from."""
         self.events = events
+        self._finished = finished
         self.backend = backend
         self.run_id = run_id
         self.node_id = events.node_id
@@ -135,6 +144,9 @@ class AgentTelemetry(Telemetry):
         self.progress: dict[int, dict[str, float]] = {}
         self.persisted_step: int | None = None  # newest step whose COMPLETE.json this agent wrote
         self.uploaded: dict[int, int] = {}  # rank -> newest step of it uploaded by this agent
+        # The newest --snapshot-every auto decision rank 0 reported (this node's copy when rank 0 is
+        # here; every rank took the same one): interval, measured step time, cost, overhead.
+        self.interval: dict[str, Any] | None = None
         self.counts = {"failures": 0, "recoveries": 0, "restarts": 0, "nodes_lost": 0, "spares_exited": 0}
         self.outcome: str | None = None
         self._seen_failures: set[tuple[int, int, int]] = set()
@@ -270,7 +282,7 @@ class AgentTelemetry(Telemetry):
             round=new.round,
             ranks=sorted(ranks),
             pids=[w.pid for w in workers],
-            newest_step_before=self.newest_committed,
+            newest_step_before=max(self.newest_committed, _or_none(self._finished(sorted(ranks)))),
         )
         self._track(new.round, node_rank, "recovery", ranks)
         if self.metrics is not None:
@@ -348,6 +360,12 @@ class AgentTelemetry(Telemetry):
 
     def _worker_report(self, pid: int, report: dict[str, Any]) -> None:
         rank, round_, kind = int(report["rank"]), int(report["round"]), str(report["event"])
+        if kind == "snapshot_interval":
+            fields = {k: v for k, v in report.items() if k not in ("event", "op", "pid", "at")}
+            with self._lock:
+                self.interval = fields
+            self.events.record("snapshot_interval", **fields)
+            return
         with self._lock:
             part = self._parts.get(round_)
             if part is None or part.done:
@@ -414,12 +432,20 @@ class AgentTelemetry(Telemetry):
 
     # -- internals ----------------------------------------------------------------------------------
     def _track(self, round: int, node_rank: int, kind: str, ranks: dict[int, bool]) -> None:
+        # The newest finished step, not the newest snapshot: with --snapshot-every > 1 the steps
+        # since the snapshot are redone too.
+        finished = self._finished(list(ranks))
         with self._lock:
-            part = _Part(round, node_rank, kind, ranks, self.newest_committed)
+            newest = max(self.newest_committed, _or_none(finished))
+            part = _Part(round, node_rank, kind, ranks, newest)
             self._parts = {r: p for r, p in self._parts.items() if r > round - 8}  # a few recent rounds
             self._parts[round] = part
             document = part.to_dict()
         self._store("recovery part", history.write_part, round, node_rank, document)
+
+
+def _or_none(step: int | None) -> int:
+    return -1 if step is None else step
 
 
 def _keep_rate(seen: dict[str, float]) -> dict[str, float]:

@@ -127,8 +127,37 @@ def rank_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def snapshot_line(doc: dict[str, Any]) -> str:
-    parts = [f"{tier} {_tier(info)}" for tier, info in doc["snapshots"].items()]
-    return "snapshots (newest step every rank holds, -lag): " + (", ".join(parts) if parts else "none yet")
+    parts = [f"{tier} {_held(info)}" for tier, info in doc["snapshots"].items()]
+    line = "snapshots (newest step every rank holds, steps a failure would redo): " + (
+        ", ".join(parts) if parts else "none yet"
+    )
+    policy = doc.get("snapshot_policy")
+    return line if not policy else f"{line}; {policy_text(policy)}"
+
+
+def _held(info: dict[str, Any]) -> str:
+    step = _num(info.get("step"))
+    risk = info.get("at_risk_steps")
+    return step if risk is None else f"{step} ({risk} at risk)"
+
+
+def policy_text(policy: dict[str, Any]) -> str:
+    """``every 1 step`` or ``auto: every 7 steps, 2.1% of step time (budget 3%)``, plus the tiers'."""
+    interval = policy.get("interval")
+    steps = "?" if interval is None else f"{interval} step{'s' if interval != 1 else ''}"
+    if policy.get("every") == "auto":
+        text = f"auto: every {steps}" if interval is not None else "auto: measuring"
+        overhead = policy.get("overhead")
+        budget = policy.get("max_overhead_pct")
+        if overhead is not None:
+            text += f", {overhead * 100:.1f}% of step time"
+        if budget is not None:
+            text += f" (budget {budget:g}%)"
+    else:
+        text = f"every {steps}"
+    if policy.get("replicate_every", 1) != 1:
+        text += f", replicas every {policy['replicate_every']}"
+    return text
 
 
 HISTORY_COLUMNS = ("#", "time", "kind", "round", "what", "duration", "timeline")

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from resilrun.cli import _options as o
+from resilrun.env import SNAPSHOT_AUTO
 from resilrun.errors import ConfigError
 
 CONTEXT = {
@@ -24,6 +25,23 @@ def _int(flag: str, value: str | None) -> int | None:
         return int(value)
     except ValueError:
         raise ConfigError(f"{flag} '{value}' is not an integer") from None
+
+
+def _every(flag: str, value: str) -> int:
+    """``N`` or ``auto`` (SNAPSHOT_AUTO)."""
+    if value.strip().lower() == "auto":
+        return SNAPSHOT_AUTO
+    number = _int(flag, value)
+    if number is None or number < 1:
+        raise ConfigError(f"{flag} '{value}' is not a positive integer or auto", hint=f"e.g. {flag} 10 or {flag} auto")
+    return number
+
+
+def _percent(flag: str, value: str) -> float:
+    try:
+        return float(value.strip().removesuffix("%"))
+    except ValueError:
+        raise ConfigError(f"{flag} '{value}' is not a percentage", hint=f"e.g. {flag} 3") from None
 
 
 def _float(flag: str, value: str) -> float:
@@ -69,7 +87,9 @@ def run(
     heartbeat_interval: o.HeartbeatInterval = "1",
     heartbeat_timeout: o.HeartbeatTimeout = "5",
     snapshot_every: o.SnapshotEvery = "1",
+    max_overhead: o.MaxOverhead = "3",
     replicas: o.Replicas = "1",
+    replicate_every: o.ReplicateEvery = "1",
     checkpoint_uri: o.CheckpointUri = None,
     persist_every: o.PersistEvery = "100",
     keep_last: o.KeepLast = "3",
@@ -117,8 +137,10 @@ def run(
         first_step_timeout_s=_float("--first-step-timeout", first_step_timeout),
         heartbeat_interval_s=_float("--heartbeat-interval", heartbeat_interval),
         heartbeat_timeout_s=_float("--heartbeat-timeout", heartbeat_timeout),
-        snapshot_every=_int("--snapshot-every", snapshot_every),
+        snapshot_every=_every("--snapshot-every", snapshot_every),
+        max_overhead_pct=_percent("--max-overhead", max_overhead),
         replicas=_int("--replicas", replicas),
+        replicate_every=_int("--replicate-every", replicate_every),
         checkpoint_uri=checkpoint_uri,
         persist_every=_int("--persist-every", persist_every),
         keep_last=_int("--keep-last", keep_last),

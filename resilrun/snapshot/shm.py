@@ -130,3 +130,13 @@ class SeqCounters:
 
     def is_stable(self, slot: int, before: int) -> bool:
         return before % 2 == 0 and self.read(slot) == before
+
+    # The page's last word: the newest step the rank's worker finished, snapshotted or not (+1; 0:
+    # none). One aligned store per step, no message: with --snapshot-every > 1 most steps send
+    # nothing, yet the agent must know exactly how many steps a failure throws away.
+    def mark_finished(self, step: int) -> None:
+        struct.pack_into("<Q", self.buffer.view(), self.buffer.nbytes - 8, step + 1)
+
+    def finished(self) -> int:
+        """The newest finished step (-1: none yet)."""
+        return int(struct.unpack_from("<Q", self.buffer.view(), self.buffer.nbytes - 8)[0]) - 1

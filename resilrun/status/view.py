@@ -120,6 +120,7 @@ def compose(
             "processes_exited": sum(int(n["spares"].get("exited") or 0) for n in nodes),
         },
         "snapshots": _snapshots(nodes, ranks),
+        "snapshot_policy": _policy([live[n["node_id"]] for n in nodes if n["state"] != "lost"]),
         "history": [_entry(record, raw["parts"].get(record.get("round"), [])) for record in raw["history"]],
     }
 
@@ -176,10 +177,24 @@ def _snapshots(nodes: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> dict
     }
     configured = {"memory": True, "peer": any("peer" in n["tiers"] for n in active), "persistent": bool(persisted)}
     return {
-        tier: {"step": step, "lag_steps": None if step is None or newest is None else max(0, newest - step)}
+        tier: {
+            "step": step,
+            "lag_steps": None if step is None or newest is None else max(0, newest - step),
+            # finished steps a failure now would redo restoring from this tier (None held: all)
+            "at_risk_steps": None if newest is None else max(0, newest - (-1 if step is None else step)),
+        }
         for tier, step in tiers.items()
         if configured[tier]
     }
+
+
+def _policy(docs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How often snapshots are taken: the nodes' settings, and the newest ``auto`` decision any
+    node heard of (rank 0's node reports each one; the others show the setting only)."""
+    policies = [d["snapshots"] for d in docs if isinstance(d.get("snapshots"), dict)]
+    if not policies:
+        return None
+    return max(policies, key=lambda p: -1 if p.get("decided_at_step") is None else int(p["decided_at_step"]))
 
 
 def _entry(record: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:

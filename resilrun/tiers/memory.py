@@ -124,6 +124,12 @@ class NodeMemoryTier:
                 self._ranks[rank] = RankMemory(rank, self.run_id, self.slots)
             return self._ranks[rank]
 
+    def finished(self, ranks: Iterable[int]) -> int | None:
+        """The newest step any of ``ranks``' workers on this node finished (the control page), or None."""
+        with self._lock:
+            steps = [self._ranks[r].seq.finished() for r in ranks if r in self._ranks]
+        return max((s for s in steps if s >= 0), default=None)
+
     def allocate(self, rank: int, slot: int, nbytes: int) -> SharedBuffer | None:
         """(Re)allocate one slot; the other slots, and their committed steps, are untouched.
 
@@ -212,6 +218,7 @@ class NodeMemoryTier:
         *,
         announce: bool = True,
         origin: str = "worker",
+        previous: int | None = None,
     ) -> bool:
         """Record a worker's commit; returns whether its next snapshot should be written whole.
 
@@ -235,7 +242,9 @@ class NodeMemoryTier:
         with self._lock:
             if memory.slots[slot] is not buffer:
                 raise CheckpointError(f"rank {rank}'s slot {slot} was reallocated while step {step} was committed")
-            committed = Committed(step, slot, nbytes, values, seq, borrowed, layout, shared, round, crcs, origin)
+            committed = Committed(
+                step, slot, nbytes, values, seq, borrowed, layout, shared, round, crcs, origin, previous
+            )
             first = not memory.committed
             memory.committed[slot] = committed
             released = memory.committed.get(memory.after(slot)) if memory.after(slot) != slot else None

@@ -55,6 +55,15 @@ class Committed:
     # ("peer", "persistent"). The persister does not write back what it would read: a step restored
     # from storage rewritten rank by rank would leave it torn until every rank had rewritten it.
     origin: str = "worker"
+    # The step this rank snapshotted before this one (-1: none; None: not said). Tiers that copy
+    # every N-th step choose by it, so with unevenly spaced snapshots (--snapshot-every auto) every
+    # rank still copies the same steps (agent/persister.py's ``persists``).
+    previous: int | None = None
+
+    def crosses(self, every: int) -> bool:
+        """Whether this is the first snapshot at or past a multiple of ``every`` steps."""
+        previous = self.step - 1 if self.previous is None else self.previous
+        return (self.step + 1) // every > (previous + 1) // every
 
 
 class RankMemory:

@@ -26,6 +26,7 @@ from resilrun.snapshot.tree import Joiner, flatten, unflatten
 from resilrun.worker import _ddp_sync, _resize, _torch_compat
 from resilrun.worker._abort import GenerationWatchdog
 from resilrun.worker._dtensor import Sharding
+from resilrun.worker._interval import Decision, Schedule
 from resilrun.worker._replicated import replicated_names
 from resilrun.worker.faults import RESTORE_STEP, Fault, fire
 from resilrun.worker.snapshot import Snapshotter
@@ -84,6 +85,7 @@ class Job:
         round: int = 0,
         dedup: bool = True,
         snapshot_every: int = 1,
+        max_overhead: float = 0.03,
     ) -> None:
         self._rank = rank
         self._world_size = world_size
@@ -97,7 +99,8 @@ class Job:
         self._attempt = attempt
         self._round = round
         self._dedup = dedup
-        self._every = max(1, snapshot_every)
+        gather = lambda row: _all_gather_ints(row, world_size, device)  # noqa: E731
+        self._schedule = Schedule(snapshot_every, budget=max_overhead, gather=gather)
         self._done = -1  # the newest step finished (committed), snapshotted or not
         self._unsaved: int | None = None  # a finished step left out by --snapshot-every, if newest
         self._reported_first_step = False
@@ -150,6 +153,7 @@ class Job:
         fix_bucket_layouts(self._tracked.values())
         last = self._restore()
         _ddp_sync.settle(self._tracked.values() if last >= 0 else ())
+        self._schedule.start(last)
         return last
 
     def begin(self, step: int) -> None:
@@ -159,17 +163,30 @@ class Job:
             fire(self._faults, rank=self._rank, step=step, attempt=self._attempt)
 
     def commit(self, step: int) -> None:
-        """Step ``step`` is done and all tracked state is consistent: snapshot it (every
-        ``--snapshot-every``-th step: steps N-1, 2N-1, ..., so all ranks snapshot the same ones)."""
+        """Step ``step`` is done and all tracked state is consistent: snapshot it if the schedule
+        says so (``--snapshot-every``: every N-th step, N-1, 2N-1, ..., or ``auto``; all ranks
+        snapshot the same steps). Under ``auto`` the last step of a measuring window also agrees
+        the next interval with every rank (one small all-gather)."""
         self._done = step
-        if (step + 1) % self._every:
-            self._unsaved = step
-        else:
+        saved = self._schedule.due(step)
+        if saved:
             self._unsaved = None
             self._commit(step)
+        else:
+            self._unsaved = step
+        if self._snapshotter is not None:
+            self._snapshotter.finished(step)
+        decision = self._schedule.finished(step, saved)
+        if decision is not None:
+            self._report_interval(step, decision)
         if not self._reported_first_step:
             self._reported_first_step = True
             self._report("first_step", step=step)
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Steps between snapshots now (``auto`` changes it as it measures)."""
+        return self._schedule.interval
 
     def finish(self) -> None:
         """Training is done: its last step is snapshotted (also when ``--snapshot-every`` left it
@@ -178,6 +195,7 @@ class Job:
         if self._unsaved is not None:
             step, self._unsaved = self._unsaved, None
             self._commit(step)
+            self._schedule.saved(step)
         if self._snapshotter is not None:
             self._snapshotter.flush()
 
@@ -190,6 +208,20 @@ class Job:
             self._snapshotter.report(event, round=self._round, at=time.time(), **fields)
         except Exception as exc:  # noqa: BLE001 - the timeline is informational
             logger.debug("could not report %s to the agent: %s", event, exc)
+
+    def _report_interval(self, step: int, decision: Decision) -> None:
+        if self._rank != 0:
+            return  # every rank took the same decision: one report for the job
+        overhead = decision.overhead
+        self._report(
+            "snapshot_interval",
+            step=step,
+            interval=decision.interval,
+            quiet_step_s=None if decision.quiet_s is None else round(decision.quiet_s, 6),
+            snapshot_cost_s=None if decision.cost_s is None else round(decision.cost_s, 6),
+            overhead=None if overhead is None else round(overhead, 5),
+            budget=self._schedule.budget,
+        )
 
     def _collect(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors: dict[str, torch.Tensor] = {}
@@ -216,7 +248,7 @@ class Job:
             return
         tensors, meta = self._collect()
         replicated = replicated_names(self._tracked.values(), tensors, self._world_size) if self._dedup else frozenset()
-        self._snapshotter.save(step, tensors, meta, replicated)
+        self._snapshotter.save(step, tensors, meta, replicated, previous=self._schedule.last_saved)
 
     def _restore(self) -> int:
         """Restore the newest step every rank holds in some tier; returns it (or -1: fresh start).

@@ -106,6 +106,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         round=variables.round,
         dedup=variables.dedup,
         snapshot_every=variables.snapshot_every,
+        max_overhead=variables.max_overhead,
     )
     if pg_seconds is not None:
         _JOB._report("collectives_rebuilt", seconds=round(pg_seconds, 6))

@@ -185,9 +185,19 @@ class Snapshotter:
 
     # -- commit --------------------------------------------------------------------------------
     def save(
-        self, step: int, tensors: dict[str, torch.Tensor], values: Any, replicated: frozenset[str] = frozenset()
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        values: Any,
+        replicated: frozenset[str] = frozenset(),
+        *,
+        previous: int | None = None,
     ) -> None:
         """Copy ``tensors`` into the free slot, then commit ``step`` with ``values``.
+
+        ``previous``: the step snapshotted before this one in this run (-1: none), the same on
+        every rank: the agent's tiers pick the steps they copy by it (``--persist-every``,
+        ``--replicate-every``) when snapshots are not evenly spaced (``--snapshot-every auto``).
 
         The commit message is posted, not awaited: its answer is read at the next request, so a
         refused commit raises one call later (``flush`` waits for it). Of the ``replicated``
@@ -238,9 +248,14 @@ class Snapshotter:
                 "shared": [list(r) for r in shared],
                 "round": self.round,
                 "layout": self._layout_crc,
+                **({"previous": previous} if previous is not None else {}),
             }
         )
         self.held[slot] = (step, values)
+
+    def finished(self, step: int) -> None:
+        """``step`` is done, snapshotted or not: the agent reads it from the control page (no message)."""
+        self.seq.mark_finished(step)
 
     def flush(self) -> None:
         """Wait for the agent's answer to the last commit (it is read lazily, see ``save``).

@@ -20,6 +20,7 @@ import resilrun
 import resilrun.agent
 from resilrun import cli
 from resilrun.config import CONFIG_FIELDS, Config
+from resilrun.env import SNAPSHOT_AUTO
 from resilrun.errors import ExitCode, RendezvousTimeoutError
 
 
@@ -151,6 +152,11 @@ def test_the_cli_imports_without_the_click_distribution() -> None:
         (["-t", "x"], "--tee 'x'"),
         (["--local-ranks-filter", "a"], "'a'"),
         (["--standalone", "--nnodes", "2"], "--standalone"),
+        (["--snapshot-every", "0"], "--snapshot-every '0' is not a positive integer or auto"),
+        (["--snapshot-every", "often"], "--snapshot-every 'often'"),
+        (["--max-overhead", "low"], "--max-overhead 'low' is not a percentage"),
+        (["--max-overhead", "80"], "--max-overhead (80) must be between 0.1 and 50"),
+        (["--replicate-every", "0"], "--replicate-every (0) must be >= 1"),
     ],
 )
 def test_a_bad_flag_value_is_a_one_line_usage_error(
@@ -382,3 +388,12 @@ def test_every_environment_variable_maps_to_one_option() -> None:
         for name in option.envvar:
             assert name not in seen, f"{name} used by {seen.get(name)} and {option.opts[0]}"
             seen[name] = option.opts[0]
+
+
+def test_snapshot_every_auto_with_a_budget_reaches_the_config(
+    capsys: pytest.CaptureFixture[str], launched: list[Config], script: str
+) -> None:
+    flags = ["--snapshot-every", "AUTO", "--max-overhead", "2%", "--replicate-every", "10"]
+    assert invoke(capsys, *flags, script).code == 0
+    (config,) = launched
+    assert (config.snapshot_every, config.max_overhead_pct, config.replicate_every) == (SNAPSHOT_AUTO, 2.0, 10)

@@ -466,6 +466,30 @@ def test_the_gate_holds_a_commit_until_its_step_is_on_the_peer_so_replicas_lag_o
     assert peer.store.steps(0)[0] == 5
 
 
+def test_with_replicas_every_n_steps_only_crossing_steps_are_pushed_and_the_others_pass_the_gate_at_once(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    # Given --replicate-every 4 and pushes slower than the worker's steps
+    peer = make_peer()
+    replicator = Replicator(
+        memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH, push_delay_s=0.1, every=4
+    )
+    replicators.append(replicator)
+    eventually(lambda: peer.server.address in replicator._targets)
+    held = {}
+    for step in range(10):
+        # When a worker commits steps 0-9, saying which step it snapshotted before each
+        write_slot(memory, 0, step % 2, snapshot(step))
+        memory.commit(0, step, step % 2, len(snapshot(step)), {"step": step}, previous=step - 1)
+        held[step] = memory.pass_gates(0, step)
+    # Then steps 3 and 7 (the ends of intervals of 4) were pushed, each answer waiting for its push,
+    assert min(held[3], held[7]) >= 0.09
+    # and no other commit waited for anything
+    assert max(t for s, t in held.items() if s not in (3, 7)) < 0.05
+    assert lags(replicator)[0]["replicated"] == 7
+    assert sorted(peer.store.steps(0)) == [3, 7]
+
+
 def test_the_gate_does_not_wait_for_a_peer_that_refuses_connections(
     memory: NodeMemoryTier, replicators: list[Replicator]
 ) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.integration.conftest import assert_nothing_left, events, resumed
+from tests.integration.conftest import assert_nothing_left, clean_checksum, events, resumed
 from tests.integration.test_tier1_restore import ARGS, EXAMPLE, _clean_checksum
 
 pytestmark = pytest.mark.integration
@@ -245,8 +245,42 @@ def test_with_a_snapshot_every_4_steps_a_failure_redoes_the_steps_since_the_last
     # Then both ranks resumed from step 7, the newest snapshot (steps 8 and 9 are redone), in-process,
     assert resumed(run) == {0: (7, "memory"), 1: (7, "memory")}
     assert events(run, kind="restart") == []
+    # and the recovery says so: 2 steps redone (the newest finished step, 9, not the newest snapshot)
+    assert [e["steps_redone"] for e in events(run, kind="recovered")] == [2]
     # and the redone steps are the same steps: bitwise the failure-free run's result
     assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
+
+
+# State large next to its step time: a snapshot costs far more than 1% of a step, so auto spaces them.
+AUTO_ARGS = ["--steps", "70", "--hidden", "64", "--state-mib", "16", "--sleep", "0.03"]
+
+
+def test_with_snapshot_every_auto_a_failure_redoes_the_steps_at_risk_bitwise(launcher, tmp_path: Path) -> None:
+    # Given --snapshot-every auto under a 1% budget and rank 1 SIGKILLed as step 50 starts (after
+    # the first decision, at the end of the first window of 24+ steps)
+    target = tmp_path / "faulty.sha"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+        "--snapshot-every", "auto", "--max-overhead", "1", str(EXAMPLE), *AUTO_ARGS, "--checksum-file", str(target),
+        env={"RESILRUN_FAULTS": "kill:rank=1,step=50"},
+    )  # fmt: skip
+    assert run.wait(150) == 0, run.stderr()[-3000:]
+    assert_nothing_left(run)
+    # Then the ranks agreed an interval longer than one step, measured, under the budget
+    decided = events(run, kind="snapshot_interval")
+    assert decided and decided[0]["step"] < 50, decided
+    first = decided[0]
+    assert first["interval"] > 1 and first["overhead"] <= 0.01 and first["snapshot_cost_s"] > 0, first
+    # and both ranks resumed in-process from the same snapshot, the newest before the failure:
+    # at most one interval back
+    restored = {step for step, _ in resumed(run).values()}
+    assert len(restored) == 1 and set(resumed(run)) == {0, 1}
+    (step,) = restored
+    assert 49 - first["interval"] <= step <= 49 and events(run, kind="restart") == []
+    # and what was at risk is what was redone: the steps finished since that snapshot
+    assert [e["steps_redone"] for e in events(run, kind="recovered")] == [49 - step]
+    # and redoing them gives the failure-free result, bitwise
+    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *AUTO_ARGS)
 
 
 def test_steps_without_a_snapshot_still_count_as_progress_for_the_hang_timeout(launcher, tmp_path: Path) -> None:

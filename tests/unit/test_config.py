@@ -498,6 +498,8 @@ def test_bad_endpoint_is_reported_by_from_cli(script: str) -> None:
 # resilrun's own flags have no torchrun (PET_*) spelling.
 _RESILRUN_ONLY = {
     "snapshot_every",
+    "max_overhead_pct",
+    "replicate_every",
     "job_secret_file",
     "require_auth",
     "peer_encryption",

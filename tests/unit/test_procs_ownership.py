@@ -52,13 +52,28 @@ def _publisher(current: Round | None) -> StatusPublisher:
         progress={},
         uploaded={},
         persisted_step=None,
+        interval=None,
     )
-    control = SimpleNamespace(waiting_spares=lambda: [], silent_for=lambda pid: None, stalled_for=lambda pid: None)
-    memory = SimpleNamespace(describe=lambda rank: {"committed": {}})
+    control = SimpleNamespace(
+        waiting_spares=lambda: [],
+        silent_for=lambda pid: None,
+        stalled_for=lambda pid: None,
+        newest_step=lambda pids: None,
+    )
+    memory = SimpleNamespace(describe=lambda rank: {"committed": {}}, finished=lambda ranks: None)
     supervisor = SimpleNamespace(
         rdzv=SimpleNamespace(backend=MemoryBackend(), me=SimpleNamespace(node_id="n0", addr="127.0.0.1")),
         run_id="job",
-        config=SimpleNamespace(heartbeat_timeout_s=30.0, heartbeat_interval_s=1.0, spares=1, checkpoint_uri=None),
+        config=SimpleNamespace(
+            heartbeat_timeout_s=30.0,
+            heartbeat_interval_s=1.0,
+            spares=1,
+            checkpoint_uri=None,
+            snapshot_every=1,
+            max_overhead_pct=3.0,
+            replicate_every=1,
+            persist_every=100,
+        ),
         membership=_membership(current),
     )
     return StatusPublisher(supervisor, control, memory, telemetry, interval_s=3600.0)  # type: ignore[arg-type]

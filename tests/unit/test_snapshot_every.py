@@ -1,4 +1,6 @@
-"""``--snapshot-every N``: which steps are snapshotted, persisted, and how progress still reaches the agent."""
+"""``--snapshot-every N``: which steps are snapshotted, persisted, and how progress still reaches the agent.
+
+``auto`` has its own file (test_snapshot_interval.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from resilrun.agent.persister import persists
 from resilrun.config import Config
 from resilrun.env import WorkerEnv, read_worker_variables
 from resilrun.errors import ConfigError
+from resilrun.tiers.slots import Committed
 from resilrun.worker.job import Job
 
 
@@ -19,12 +21,16 @@ class _Saves:
 
     def __init__(self) -> None:
         self.steps: list[int] = []
+        self.previous: list[int | None] = []
         self.flushed = False
 
-    def save(self, step: int, tensors: Any, meta: Any, replicated: Any) -> None:
+    def save(self, step: int, tensors: Any, meta: Any, replicated: Any, *, previous: int | None = None) -> None:
         self.steps.append(step)
+        self.previous.append(previous)
 
     def report(self, event: str, **fields: Any) -> None: ...
+
+    def finished(self, step: int) -> None: ...
 
     def flush(self) -> None:
         self.flushed = True
@@ -48,6 +54,7 @@ def test_every_nth_step_is_snapshotted_and_the_last_one_at_the_end() -> None:
     assert saves.steps == [2, 5]  # steps N-1, 2N-1: the same on every rank, and after a resume
     job.finish()
     assert saves.steps == [2, 5, 7]  # the final state, for the persistent tier and export
+    assert saves.previous == [-1, 2, 5]  # what the agent's tiers choose their steps by
     assert saves.flushed
 
 
@@ -78,7 +85,23 @@ def test_every_step_is_snapshotted_by_default_and_finish_adds_nothing() -> None:
 )
 def test_one_snapshot_is_persisted_per_interval(every: int, snapshot_every: int, expected: list[int]) -> None:
     snapshots = [s for s in range(40) if (s + 1) % snapshot_every == 0]
-    assert [s for s in snapshots if persists(s, every, snapshot_every)] == expected
+    assert _crossing(snapshots, every) == expected
+
+
+def test_unevenly_spaced_snapshots_are_persisted_once_per_interval() -> None:
+    # --snapshot-every auto: intervals 6, then 1, then 13 (as decisions change them)
+    snapshots = [5, 11, 17, 18, 19, 20, 21, 34, 47, 60]
+    assert _crossing(snapshots, 10) == [11, 19, 34, 47, 60]  # the first at or past 9, 19, 29, 39, 49 (and 59)
+    assert _crossing(snapshots, 1) == snapshots  # --replicate-every 1: every snapshot
+
+
+def test_a_commit_that_does_not_say_its_previous_step_counts_from_the_step_before() -> None:
+    assert Committed(19, 0, 1, None).crosses(10) and not Committed(18, 0, 1, None).crosses(10)
+
+
+def _crossing(snapshots: list[int], every: int) -> list[int]:
+    previous = [-1, *snapshots[:-1]]
+    return [s for s, p in zip(snapshots, previous, strict=True) if Committed(s, 0, 1, None, previous=p).crosses(every)]
 
 
 def test_the_interval_reaches_the_workers_and_nonsense_is_refused() -> None:
@@ -90,6 +113,7 @@ def test_the_interval_reaches_the_workers_and_nonsense_is_refused() -> None:
     env = WorkerEnv(**base, snapshot_every=5).to_env({})
     assert read_worker_variables(env).snapshot_every == 5
     assert read_worker_variables({}).snapshot_every == 1
-    with pytest.raises(ConfigError, match=r"--snapshot-every \(0\) must be >= 1") as raised:
-        Config(script="train.py", snapshot_every=0).validate()
+    assert read_worker_variables(WorkerEnv(**base, snapshot_every=0).to_env({})).snapshot_every == 0  # auto
+    with pytest.raises(ConfigError, match=r"--snapshot-every \(-1\) must be >= 1 or auto") as raised:
+        Config(script="train.py", snapshot_every=-1).validate()
     assert raised.value.hint is not None and "redoes at most N-1 steps" in raised.value.hint

@@ -48,9 +48,24 @@ def node_doc(node_id: str, node_rank: int, ranks: list[int], *, round: int = 1, 
         ],
         "spares": {"configured": 1, "alive": 1, "ready": 1, "pids": [2000 + node_rank]},
         "tiers": {
-            "memory": {"step": step, "bytes": 1024},
-            "peer": {"step": step - 1, "lag_steps": 1, "waited_s": 0.5},
-            "persistent": {"step": 19, "lag_steps": 1, "complete_step": 19 if node_rank == 0 else 9},
+            "memory": {"step": step, "bytes": 1024, "at_risk_steps": 0},
+            "peer": {"step": step - 1, "lag_steps": 1, "at_risk_steps": 1, "waited_s": 0.5},
+            "persistent": {
+                "step": 19,
+                "lag_steps": 1,
+                "at_risk_steps": 1,
+                "complete_step": 19 if node_rank == 0 else 9,
+            },
+        },
+        "snapshots": {
+            "every": "auto",
+            "interval": 4,
+            "max_overhead_pct": 3.0,
+            "overhead": 0.021,
+            "step_time_s": 0.25,
+            "decided_at_step": 15 if node_rank == 0 else None,
+            "replicate_every": 1,
+            "persist_every": 10,
         },
         "peer_ages": {},
         "counts": {"failures": 0, "recoveries": 1, "restarts": 0, "nodes_lost": 0},
@@ -122,10 +137,12 @@ def test_a_running_job_lists_its_nodes_ranks_spares_and_snapshot_progress() -> N
     assert [n["heartbeat_age_s"] for n in doc["nodes"]] == [1.4, 0.4]
     # every rank holds 20 in memory, 19 at the peers; 19 is complete in storage (node 0 wrote it)
     assert doc["snapshots"] == {
-        "memory": {"step": 20, "lag_steps": 0},
-        "peer": {"step": 19, "lag_steps": 1},
-        "persistent": {"step": 19, "lag_steps": 1},
+        "memory": {"step": 20, "lag_steps": 0, "at_risk_steps": 0},
+        "peer": {"step": 19, "lag_steps": 1, "at_risk_steps": 1},
+        "persistent": {"step": 19, "lag_steps": 1, "at_risk_steps": 1},
     }
+    # the interval every rank agreed, as the node that heard the newest decision (rank 0's) tells it
+    assert doc["snapshot_policy"]["interval"] == 4 and doc["snapshot_policy"]["decided_at_step"] == 15
 
 
 def test_a_node_marked_lost_in_its_round_is_lost_and_its_ranks_are_not_listed() -> None:

@@ -109,6 +109,7 @@ class Replicator:
         on_replicated: Callable[[int, int, int, float], None] | None = None,
         hold_commits: bool = True,
         push_delay_s: float = 0.0,
+        every: int = 1,
     ) -> None:
         """Start replicating; commits before this call are not replicated until their rank commits again.
 
@@ -121,6 +122,8 @@ class Replicator:
             on_replicated: ``(rank, step, bytes, seconds)`` after each confirmed push (metrics).
             hold_commits: install the commit gate that bounds the replicas' lag (see the module).
             push_delay_s: a fault hook for tests: each push waits this long before its bytes.
+            every: replicate the first snapshot at or past each multiple of this many steps
+                (``--replicate-every``; ``Committed.crosses``), the same steps on every node.
         """
         check_secret(secret)
         self._memory = memory
@@ -140,6 +143,8 @@ class Replicator:
         self._targets_broken = False
         self._push_delay_s = push_delay_s
         self._held_s: dict[int, float] = {}  # rank -> seconds its commits waited at the gate
+        self._every = max(1, every)
+        self._skipped: dict[int, int] = {}  # rank -> its newest step left out by ``every``
         memory.add_listener(self._on_commit)
         if hold_commits:
             memory.add_commit_gate(self._hold_commit)
@@ -150,6 +155,11 @@ class Replicator:
         # On the worker's commit, before its ack: the slot's counter is stable now and stays so until
         # the worker writes this slot again, so it identifies these bytes. O(1), no I/O, brief lock.
         if self._closed:
+            return
+        if not committed.crosses(self._every):
+            with self._cond:
+                self._skipped[rank] = committed.step  # its commit gate opens at once
+                self._cond.notify_all()
             return
         rank_memory = self._rank_memory.get(rank)
         if rank_memory is None:
@@ -177,6 +187,8 @@ class Replicator:
             while not self._closed:
                 now = time.monotonic()
                 source = self._latest.get(rank)
+                if self._skipped.get(rank) == step:
+                    break  # a step --replicate-every leaves out: nothing to wait for
                 if source is None or source.committed.step < step:
                     wait_until = min(end, complete_by)
                 elif any(self._holds_back(t, source, now) for t in self._targets.values()):

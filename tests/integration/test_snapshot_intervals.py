@@ -1,0 +1,89 @@
+"""A host lost under sparser snapshots: ``--replicate-every N`` and ``--snapshot-every auto``, on hosts
+in network namespaces (tests/helpers/netns_cluster.py).
+
+A node loss resumes from the newest step every rank holds somewhere: for the lost ranks that is
+their newest replica, so with replicas every N steps a node loss redoes up to N steps, and the
+survivors come back to the same step (from node memory while their ring still holds it, else from
+their own replicas on the other hosts).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import (
+    PORT,
+    assert_nothing_left,
+    clean_checksum,
+    drop_off,
+    events,
+    newest_step,
+    resumed,
+    wait_for,
+)
+from tests.integration.test_tier1_restore import EXAMPLE
+
+pytestmark = pytest.mark.integration
+
+_FLAGS = [
+    "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
+    "--heartbeat-timeout", "3", "--max-restarts", "1",
+]  # fmt: skip
+
+
+def _lose_h1(cluster_of, launcher, tmp_path: Path, train: list[str], *flags: str, after: int) -> tuple[int, list]:  # noqa: ANN001
+    """2 hosts x 1 worker; h1 drops off once rank 0 printed step ``after``, h2 joins in its place.
+    Returns the step every rank resumed from, and the launches that finished."""
+    cluster, start = cluster_of(3)
+    first, doomed = (start(name, *_FLAGS, *flags, "--node-rank", name[1:], *train) for name in ("h0", "h1"))
+    wait_for(lambda: newest_step(first) >= after, 150, f"training to pass step {after}")
+    drop_off(cluster, "h1", doomed)
+    replacement = start("h2", *_FLAGS, *flags, *train)
+    for node in (first, replacement):
+        assert node.wait(180) == 0, node.stderr()[-3000:]
+        assert_nothing_left(node)
+    steps = resumed(first, replacement)
+    assert steps[1][1] == "peer", steps  # the lost rank from its replica on h0
+    (step,) = {s for s, _ in steps.values()}
+    return step, [first, replacement]
+
+
+@pytest.mark.timeout(400)
+def test_with_replicas_every_5_steps_a_lost_host_resumes_from_the_newest_replicated_step(
+    cluster_of, launcher, tmp_path: Path
+) -> None:
+    # Given snapshots every step but replicas of steps 4, 9, 14, ... only
+    target = tmp_path / "sum"
+    train = [str(EXAMPLE), "--steps", "40", "--hidden", "64", "--sleep", "0.1", "--checksum-file", str(target)]
+    # When h1 is lost after step 20
+    step, nodes = _lose_h1(cluster_of, launcher, tmp_path, train, "--replicate-every", "5", after=20)
+    # Then every rank resumed from one replicated step, no older than the newest before the loss
+    assert (step + 1) % 5 == 0 and step >= 14, step
+    redone = [e["steps_redone"] for e in events(*nodes, kind="recovered") if e.get("steps_redone") is not None]
+    assert redone and all(0 <= r <= 6 for r in redone), redone  # up to 5 steps and the one in flight
+    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
+
+
+@pytest.mark.timeout(400)
+def test_with_snapshot_every_auto_a_lost_host_resumes_bitwise_within_the_interval(
+    cluster_of, launcher, tmp_path: Path
+) -> None:
+    # Given snapshots spaced by auto under the default 3% budget (large state next to the step time)
+    target = tmp_path / "sum"
+    train = [
+        str(EXAMPLE), "--steps", "60", "--hidden", "64", "--state-mib", "4", "--sleep", "0.05",
+        "--checksum-file", str(target),
+    ]  # fmt: skip
+    # When h1 is lost once the interval was agreed (the first window ends by step 35)
+    step, nodes = _lose_h1(cluster_of, launcher, tmp_path, train, "--snapshot-every", "auto", after=40)
+    # Then the interval in force at the loss was longer than a step, and the resume lost at most it
+    (entered,) = events(nodes[0], kind="generation_entered") or events(nodes[0], kind="round_started")[1:]
+    before = entered.get("newest_step_before", step)
+    decided = [e for e in events(*nodes, kind="snapshot_interval") if e["step"] < before]
+    assert decided and decided[-1]["interval"] > 1, (before, events(*nodes, kind="snapshot_interval"))
+    assert step >= before - decided[-1]["interval"], (step, before, decided)
+    redone = [e["steps_redone"] for e in events(*nodes, kind="recovered") if e.get("steps_redone") is not None]
+    assert redone and all(0 <= r <= decided[-1]["interval"] + 1 for r in redone), (redone, decided)
+    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])
