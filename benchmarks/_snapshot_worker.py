@@ -162,6 +162,7 @@ def main() -> None:
     # DDP makes every rank wait for the slowest one's commit at the next allreduce: gather them all.
     gathered = [torch.zeros(len(commits), dtype=torch.float64, device=job.device) for _ in range(job.world_size)]
     torch.distributed.all_gather(gathered, torch.tensor(commits, dtype=torch.float64, device=job.device))
+    snapshots = bool(os.environ.get("RESILRUN_AGENT_SOCKET")) and not args.plain_loop
     if job.rank == 0:
         result = {
             "model": args.model,
@@ -169,13 +170,15 @@ def main() -> None:
             "state_bytes": state_bytes(model, opt),
             "threads": torch.get_num_threads(),
             "omp": os.environ.get("OMP_NUM_THREADS", ""),
-            "snapshots": bool(os.environ.get("RESILRUN_AGENT_SOCKET")) and not args.plain_loop,
+            "snapshots": snapshots,
             "step": [b - a for a, b in zip(tops, tops[1:], strict=False)],
             "commit": commits,
             "commit_slowest": torch.stack(gathered).max(dim=0).values.cpu().tolist(),
             "device": str(job.device),
             "cpu": [b - a for a, b in zip(cpu, cpu[1:], strict=False)],
             "message": messages[-len(ends) :] if messages else [],  # every post is a commit
+            # the steps between snapshots the run ended with (auto: as measured), where there are any
+            "interval": getattr(job, "snapshot_interval", None) if snapshots else None,
         }
         print("BENCH_JSON " + json.dumps(result), flush=True)
     torch.distributed.destroy_process_group()

@@ -17,6 +17,12 @@ Two parts, at each state size (MiB of params + Adam moments per rank):
    resilrun without ``track``/``steps`` to tell launcher from snapshot cost. Launches are
    interleaved (the order rotates each round); ratios are paired by round. Target: <= 1.05x.
 
+``--auto`` adds ``--snapshot-every auto`` rows (under ``--max-overhead``, default 3): the interval
+is measured during the run, so use enough steps that the first windows (about 30 steps at one
+snapshot every 6, and the steps after the first decision) are a small part, or leave them out
+with ``--warmup``. Snapshots every N steps make the per-step median hide their cost, so the ratio
+columns compare *mean* step times; the interval each run ended with is reported.
+
 Peer replication: ``--replicas K`` adds a variant that runs the resilrun job as two agents
 (``--nnodes 2``) on loopback with ``--replicas K``, so each snapshot has a peer to go to; it is
 the §3 "1 replica" row; ``--encrypted`` adds the same with ``--peer-encryption``.
@@ -74,10 +80,15 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         Variant("resilrun", RESILRUN),
         Variant("resilrun, no track/steps", RESILRUN, worker_args=["--plain-loop"]),
     ]
+    auto = ["--snapshot-every", "auto", "--max-overhead", f"{args.max_overhead:g}"]
+    if args.auto:
+        found.append(Variant("resilrun --snapshot-every auto", [*RESILRUN, *auto]))
     if args.replicas:  # the one flag that adds the replicated row (needs a peer node: two agents)
         found.append(Variant("torchrun, 2 nodes", TORCHRUN, nodes=2))
         launcher = ["-m", "resilrun", "--replicas", str(args.replicas)]
         found.append(Variant(f"resilrun --replicas {args.replicas}, 2 nodes", launcher, nodes=2))
+        if args.auto:
+            found.append(Variant(f"resilrun --replicas {args.replicas} auto, 2 nodes", [*launcher, *auto], nodes=2))
         if args.encrypted:  # the same with the replica streams encrypted (AES-256-GCM)
             name = f"resilrun --replicas {args.replicas} --peer-encryption, 2 nodes"
             found.append(Variant(name, [*launcher, "--peer-encryption"], nodes=2))
@@ -181,10 +192,13 @@ def run_job(variant: Variant, mib: float, args: argparse.Namespace) -> dict[str,
     steady = slice(args.warmup, None)  # first steps: DDP warm-up, slot allocation + pre-faulting
     row.update(result)
     row["step_median"] = statistics.median(result["step"][steady])
+    row["step_mean"] = statistics.fmean(result["step"][steady])  # what sparse snapshots cost, spread out
     row["commit_median"] = statistics.median(result["commit"][steady])
     row["slowest_median"] = statistics.median(result["commit_slowest"][steady])
     row["cpu_median"] = statistics.median(result["cpu"][steady])
-    row["message_median"] = statistics.median(result["message"][steady]) if result["message"] else 0.0
+    row["cpu_mean"] = statistics.fmean(result["cpu"][steady])
+    messages = result["message"]  # one per snapshot: with sparse snapshots fewer than steps
+    row["message_median"] = statistics.median(messages[steady] or messages) if messages else 0.0
     return row
 
 
@@ -229,11 +243,14 @@ def report_jobs(part2: list[dict[str, Any]], names: list[str], args: argparse.Na
         "Commit = time inside `steps()` between two loop bodies on rank 0 (and on the slowest rank, per step), "
         "of which posting the commit message to the agent (its answer is read "
         "at the next commit); CPU = CPU time of rank 0's process per step. "
-        "Ratios to torchrun (same node count) are paired by round (launched one after the other).",
+        "Ratios to torchrun (same node count) are paired by round (launched one after the other), "
+        "of *mean* step times (snapshots every N steps hide in a median); interval: the steps between "
+        "snapshots each run ended with (auto rows).",
         "",
-        "| MiB/rank | variant | ok runs | step (ms) | CPU/step (ms) | commit (ms) | … its message (ms) "
-        "| slowest rank's commit (ms) | that ÷ step | step ÷ torchrun | CPU ÷ torchrun |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MiB/rank | variant | ok runs | step (ms) | mean step (ms) | CPU/step (ms) | commit (ms) "
+        "| … its message (ms) | slowest rank's commit (ms) | that ÷ step | interval | mean step ÷ torchrun "
+        "| CPU ÷ torchrun |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mib in args.sizes:
         rows = [r for r in part2 if r["mib"] == mib]
@@ -243,17 +260,20 @@ def report_jobs(part2: list[dict[str, Any]], names: list[str], args: argparse.Na
             runs = [r for r in rows if r["variant"] == name]
             ok = [r for r in runs if "step_median" in r]
             if not ok:
-                md.append(f"| {mib:g} | {name} | 0/{len(runs)} |" + " — |" * 8)
+                md.append(f"| {mib:g} | {name} | 0/{len(runs)} |" + " — |" * 10)
                 continue
             paired = [(r, base[r["round"], r["nodes"]]) for r in ok if (r["round"], r["nodes"]) in base]
-            steps = fmt([r["step_median"] / b["step_median"] for r, b in paired], 1, 3)
-            cpus = fmt([r["cpu_median"] / b["cpu_median"] for r, b in paired], 1, 3)
+            steps = fmt([r["step_mean"] / b["step_mean"] for r, b in paired], 1, 3)
+            intervals = sorted({r.get("interval") for r in ok if r.get("interval") is not None})
+            cpus = fmt([r["cpu_mean"] / b["cpu_mean"] for r, b in paired], 1, 3)
             md.append(
                 f"| {ok[0]['state_bytes'] / 2**20:.0f} | {name} | {len(ok)}/{len(runs)} | "
-                f"{ms([r['step_median'] for r in ok])} | {ms([r['cpu_median'] for r in ok])} | "
+                f"{ms([r['step_median'] for r in ok])} | {ms([r['step_mean'] for r in ok])} | "
+                f"{ms([r['cpu_median'] for r in ok])} | "
                 f"{ms([r['commit_median'] for r in ok])} | {ms([r['message_median'] for r in ok])} | "
                 f"{ms([r['slowest_median'] for r in ok])} | "
-                f"{fmt([r['slowest_median'] / r['step_median'] for r in ok], 100, 1)} % | {steps} | {cpus} |"
+                f"{fmt([r['slowest_median'] / r['step_median'] for r in ok], 100, 1)} % | "
+                f"{', '.join(map(str, intervals)) or '—'} | {steps} | {cpus} |"
             )
     return md
 
@@ -271,7 +291,10 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="part 2: ranks (--nproc-per-node)")
     parser.add_argument("--replicas", type=int, default=0, help="part 2: add a 2-node row with --replicas K")
     parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp", help="part 2: the MLP or examples' GPT")
+    parser.add_argument("--auto", action="store_true", help="part 2: add --snapshot-every auto rows")
+    parser.add_argument("--max-overhead", type=float, default=3.0, help="part 2: the auto rows' budget, percent")
     parser.add_argument("--encrypted", action="store_true", help="part 2: with --replicas, add a --peer-encryption row")
+    parser.add_argument("--only", default="", help="part 2: run only these variants (names as reported, ';'-separated)")
     parser.add_argument("--skip", choices=["inproc", "jobs"], default=None, help="leave one part out")
     parser.add_argument("--timeout", type=float, default=240.0, help="per subprocess, seconds")
     parser.add_argument("--budget", type=float, default=480.0, help="no new launch after this many seconds")
@@ -283,6 +306,9 @@ def main() -> None:
     started = time.monotonic()
     part1 = [] if args.skip == "inproc" else [run_inproc(mib, args) for mib in args.sizes]
     chosen = [] if args.skip == "jobs" else variants(args)
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(";")]
+        chosen = [v for v in chosen if v.name in wanted]
     part2: list[dict[str, Any]] = []
     launches = [
         (rnd, mib, variant)

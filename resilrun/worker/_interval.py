@@ -10,7 +10,10 @@ measured where all of that shows, in the period between two commits:
 - the *quiet* period is the median period of steps in the far half of an interval (not a snapshot
   step, at least ``k // 2 + 1`` steps after one): the background work of the previous snapshot is
   done by then on any machine where snapshots fit the budget at all;
-- a snapshot costs what a window's periods add above ``n`` quiet periods, per snapshot in it.
+- a snapshot costs what a window's periods add above ``n`` quiet periods, per snapshot in it, and
+  never less than the blocking part measured inside the commit (the copy into node memory and the
+  wait for the previous step's replicas): on a machine whose step times vary by more than the
+  snapshot costs, a short window's excess can come out at zero, the blocking part cannot.
 
 The interval that keeps ``cost / (k * quiet)`` under the budget is taken. Every rank must snapshot
 the same steps (a restore needs a step every rank holds, and local ranks share DDP bytes), so the
@@ -39,8 +42,9 @@ WINDOW_INTERVALS = 4
 # Intervals above this would leave more steps at risk than a failure-free hour of most jobs is
 # worth re-measuring; the budget is then met with room to spare.
 MAX_INTERVAL = 1000
-# A generation's first steps (allocation, compilation, cache warm-up) are not measured.
-WARMUP_STEPS = 3
+# A generation's first snapshots allocate and pre-fault node memory's ring of slots (up to 3 per
+# rank), and its first steps compile and warm caches: measuring starts after this many snapshots.
+WARM_SNAPSHOTS = 3
 # After this many windows at an interval too short to have quiet steps, one window probes again:
 # the quiet period drifts (longer sequences, a compiled graph), and a stale one hides that.
 REFRESH_WINDOWS = 4
@@ -54,9 +58,10 @@ class Measured:
     steps: int
     quiet_us: int  # median quiet period; -1: no quiet step in this window
     snapshots: int
+    blocked_us: int = 0  # the time the window's snapshots blocked inside the commit, in all
 
     def row(self) -> list[int]:
-        return [self.total_us, self.steps, self.quiet_us, self.snapshots]
+        return [self.total_us, self.steps, self.quiet_us, self.snapshots, self.blocked_us]
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ def choose(
         quiet_us = previous.quiet_s * 1e6
     if quiet_us is None:
         return Decision(max(interval, PROBE_INTERVAL), None, None)
-    costs = [(row[0] - row[1] * quiet_us) / row[3] for row in rows if row[3] > 0 and row[1] > 0]
+    costs = [max(row[0] - row[1] * quiet_us, row[4]) / row[3] for row in rows if row[3] > 0 and row[1] > 0]
     if not costs:  # no snapshot in the window (an interval longer than it): nothing new measured
         return previous if previous is not None else Decision(interval, quiet_us / 1e6, None)
     cost_us = max(0.0, max(costs))
@@ -105,11 +110,18 @@ class _Window:
     periods: list[float] = field(default_factory=list)
     quiet: list[float] = field(default_factory=list)
     snapshots: int = 0
+    blocked: float = 0.0
 
     def measured(self) -> Measured:
         quiet = statistics.median(self.quiet) if len(self.quiet) >= 3 else -1
         total = sum(self.periods)
-        return Measured(round(total * 1e6), len(self.periods), round(quiet * 1e6) if quiet > 0 else -1, self.snapshots)
+        return Measured(
+            round(total * 1e6),
+            len(self.periods),
+            round(quiet * 1e6) if quiet > 0 else -1,
+            self.snapshots,
+            round(self.blocked * 1e6),
+        )
 
 
 class Schedule:
@@ -137,12 +149,14 @@ class Schedule:
         self._first = 0  # the generation's first step
         self._previous_end: float | None = None  # when the previous step's commit returned
         self._short_windows = 0  # windows in a row without quiet steps
+        self._taken = 0  # snapshots taken in this generation
         self.start(-1)  # a fresh start unless a restore says otherwise
 
     def start(self, restored: int) -> None:
         """The generation resumes after ``restored`` (-1: from the beginning)."""
         self.last_saved = restored
         self._first = restored + 1
+        self._taken = 0
         if self.auto:
             self.interval = PROBE_INTERVAL
             self._window = _Window(self._first)
@@ -154,20 +168,27 @@ class Schedule:
             return (step + 1) % self.interval == 0
         return step >= self.last_saved + self.interval
 
-    def finished(self, step: int, saved: bool) -> Decision | None:
-        """``step``'s commit returned (``saved``: it was snapshotted); returns a new decision at
-        the end of a window (after agreeing with every rank), else None."""
+    def finished(self, step: int, saved: bool, blocked_s: float = 0.0) -> Decision | None:
+        """``step``'s commit returned (``saved``: it was snapshotted, blocking training for
+        ``blocked_s``); returns a new decision at the end of a window (after agreeing with every
+        rank), else None."""
         now = self._clock()
         position = step - self.last_saved  # steps since the previous snapshot (before this one)
         if saved:
             self.last_saved = step
+            self._taken += 1
         window = self._window
         if window is None:
             return None
-        if self._previous_end is not None and step >= self._first + WARMUP_STEPS:
+        # Measured from the first snapshot after the warm ones on: each window then holds whole
+        # intervals (a snapshot step, the steps its background work slows, the quiet ones).
+        if self._taken <= WARM_SNAPSHOTS or self._previous_end is None:
+            window.start = step + 1
+        else:
             period = now - self._previous_end
             window.periods.append(period)
             window.snapshots += saved
+            window.blocked += blocked_s
             if not saved and self.interval >= 3 and position > self.interval // 2:
                 window.quiet.append(period)
         self._previous_end = now

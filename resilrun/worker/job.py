@@ -169,14 +169,17 @@ class Job:
         the next interval with every rank (one small all-gather)."""
         self._done = step
         saved = self._schedule.due(step)
+        blocked = 0.0
         if saved:
             self._unsaved = None
+            started = time.perf_counter()
             self._commit(step)
+            blocked = time.perf_counter() - started
         else:
             self._unsaved = step
         if self._snapshotter is not None:
             self._snapshotter.finished(step)
-        decision = self._schedule.finished(step, saved)
+        decision = self._schedule.finished(step, saved, blocked)
         if decision is not None:
             self._report_interval(step, decision)
         if not self._reported_first_step:

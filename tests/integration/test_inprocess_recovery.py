@@ -257,7 +257,7 @@ AUTO_ARGS = ["--steps", "70", "--hidden", "64", "--state-mib", "16", "--sleep", 
 
 def test_with_snapshot_every_auto_a_failure_redoes_the_steps_at_risk_bitwise(launcher, tmp_path: Path) -> None:
     # Given --snapshot-every auto under a 1% budget and rank 1 SIGKILLed as step 50 starts (after
-    # the first decision, at the end of the first window of 24+ steps)
+    # the first decision, at step 46: 3 warm-up snapshots, then a window of 24+ steps)
     target = tmp_path / "faulty.sha"
     run = launcher(
         "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",

@@ -73,11 +73,11 @@ def test_with_snapshot_every_auto_a_lost_host_resumes_bitwise_within_the_interva
     # Given snapshots spaced by auto under the default 3% budget (large state next to the step time)
     target = tmp_path / "sum"
     train = [
-        str(EXAMPLE), "--steps", "60", "--hidden", "64", "--state-mib", "4", "--sleep", "0.05",
+        str(EXAMPLE), "--steps", "80", "--hidden", "64", "--state-mib", "4", "--sleep", "0.05",
         "--checksum-file", str(target),
     ]  # fmt: skip
-    # When h1 is lost once the interval was agreed (the first window ends by step 35)
-    step, nodes = _lose_h1(cluster_of, launcher, tmp_path, train, "--snapshot-every", "auto", after=40)
+    # When h1 is lost once the interval was agreed (the first window ends by step 47)
+    step, nodes = _lose_h1(cluster_of, launcher, tmp_path, train, "--snapshot-every", "auto", after=55)
     # Then the interval in force at the loss was longer than a step, and the resume lost at most it
     (entered,) = events(nodes[0], kind="generation_entered") or events(nodes[0], kind="round_started")[1:]
     before = entered.get("newest_step_before", step)

@@ -140,14 +140,21 @@ def test_the_slowest_rank_decides_and_every_rank_decides_the_same() -> None:
 
 
 def test_choose_is_a_pure_function_of_the_gathered_rows() -> None:
-    # rows: total period us, steps, quiet median us, snapshots
-    rows = [[26_000_000, 24, 1_000_000, 4], [25_000_000, 24, 1_000_000, 4]]
+    # rows: total period us, steps, quiet median us, snapshots, blocked us
+    rows = [[26_000_000, 24, 1_000_000, 4, 0], [25_000_000, 24, 1_000_000, 4, 0]]
     decision = choose(rows, 0.03, 6, None)
     assert decision == choose(list(rows), 0.03, 6, None)
     assert (decision.interval, decision.cost_s) == (17, pytest.approx(0.5))  # the worse rank: 2 s over 4 snapshots
-    smoothed = choose([[24_400_000, 24, 1_000_000, 4]], 0.03, 17, decision)
+    smoothed = choose([[24_400_000, 24, 1_000_000, 4, 0]], 0.03, 17, decision)
     assert smoothed.cost_s == pytest.approx(0.3)  # half the new 0.1 s, half the old 0.5 s
-    assert choose([[24_000_000, 24, -1, 24]], 0.03, 1, None).interval == PROBE_INTERVAL  # nothing quiet yet
+    assert choose([[24_000_000, 24, -1, 24, 0]], 0.03, 1, None).interval == PROBE_INTERVAL  # nothing quiet yet
+
+
+def test_a_snapshot_costs_at_least_what_it_blocked_when_noise_hides_the_rest() -> None:
+    # a window whose periods happen to add nothing above the quiet median (noisy steps), while each
+    # of its 4 snapshots blocked training for 0.1 s inside the commit
+    decision = choose([[23_000_000, 24, 1_000_000, 4, 400_000]], 0.03, 6, None)
+    assert decision.cost_s == pytest.approx(0.1) and decision.interval == 4
 
 
 def test_a_restore_starts_the_schedule_after_the_restored_step() -> None:
@@ -167,3 +174,23 @@ def test_a_fixed_interval_never_gathers() -> None:
     schedule = Schedule(4, gather=refuse, clock=clock)
     saved, decisions = _train(schedule, clock, range(100))
     assert saved == list(range(3, 100, 4)) and decisions == []
+
+
+def test_the_first_snapshots_of_a_generation_allocating_node_memory_are_not_measured() -> None:
+    clock = _Clock()
+    schedule = Schedule(AUTO, budget=0.03, clock=clock)
+    allocating = {5, 11, 17}  # the ring's slots are allocated and pre-faulted by these commits
+
+    def cost(position: int) -> float:
+        return 0.2 if position == 0 else 0.1 if position == 1 else 0.0
+
+    saved: list[int] = []
+    for step in range(120):
+        due = schedule.due(step)
+        clock.now += 1.0 + cost(0 if due else step - (saved[-1] if saved else -1)) + (5.0 if step in allocating else 0)
+        saved += [step] if due else []
+        decision = schedule.finished(step, due)
+        if decision is not None:
+            assert decision.cost_s == pytest.approx(0.3) and decision.interval == 10
+            return
+    raise AssertionError("no decision in 120 steps")
