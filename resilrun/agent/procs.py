@@ -28,7 +28,7 @@ from functools import cache
 from pathlib import Path
 from typing import IO
 
-from resilrun.config import Std
+from resilrun.option_values import Std
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _PR_SET_PDEATHSIG = 1

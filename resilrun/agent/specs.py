@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from resilrun.agent.procs import WorkerSpec
-from resilrun.config import Config, Std, resolve_std
+from resilrun.config import Config
 from resilrun.env import WorkerEnv, omp_threads_default, python_exec, spare_environ
+from resilrun.option_values import Std, resolve_std
 from resilrun.rendezvous.protocol import RdzvState
 
 

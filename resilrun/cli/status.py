@@ -95,8 +95,8 @@ def status(
     """Show a running job: nodes, ranks, spares, snapshot progress, failures and recoveries."""
     import os
 
-    from resilrun.config import parse_rdzv_conf
     from resilrun.job_secret import external_secret
+    from resilrun.option_values import parse_rdzv_conf
     from resilrun.rendezvous.factory import etcd_security
 
     out = Output(json_mode=json_output)

@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from resilrun.config import parse_endpoints
 from resilrun.errors import StoreConnectionError
+from resilrun.option_values import parse_endpoints
 from resilrun.rendezvous.api import RendezvousBackend
 
 logger = logging.getLogger(__name__)

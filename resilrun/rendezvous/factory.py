@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from resilrun import keys
-from resilrun.config import Config, RdzvConf
+from resilrun.config import Config
 from resilrun.errors import ConfigError
+from resilrun.option_values import RdzvConf
 from resilrun.private_file import read_private
 from resilrun.rendezvous.api import RendezvousBackend
 

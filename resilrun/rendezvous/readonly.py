@@ -44,7 +44,7 @@ def open_readonly(
         # reads only: no lease is attached, nothing written
         etcd = open_etcd(endpoint, timeout=timeout, security=security)
         return etcd, etcd.endpoint_list
-    from resilrun.config import parse_endpoint
+    from resilrun.option_values import parse_endpoint
 
     host, port = parse_endpoint(endpoint)
     return _open_tcpstore(host, port, timeout), f"{host}:{port}"

@@ -11,18 +11,7 @@ the same step. It is *complete* once every owner has committed that step with th
 only complete snapshots are announced to listeners (replication, persistence), offered for
 restore, and read out, assembled from the owners' slots.
 
-Why a read is never torn, on any CPU: the agent hashes each commit's own bytes (crc32 per segment:
-the header, each tensor) while handling the commit, before the commit is visible and before it is
-answered. Those bytes cannot change then: the worker rewrites a slot only after it has read the
-answer to a *later* commit (it writes the slot not holding its newest step, after collecting the
-previous commit's answer), and the answer travels through a socket, whose kernel locks order the
-worker's stores before the agent's receive and the agent's loads before the worker's next stores,
-whatever the CPU's memory model. A reader then checks its private copy, after copying, against those
-crc32s: a copy with bytes of two steps fails, however the slot's stores and the sequence counter
-became visible to it (on aarch64 the counter alone can read stable over a torn copy). The counter
-stays as the cheap early exit. The cost is one crc32 pass per commit on the agent's channel thread
-(ISA-L's crc32 outruns the memcpy the worker paid for the same bytes; the worker reads the answer
-only at its next step), nothing on the worker; a reader that copies pays one pass over its copy.
+Why a read is never torn, on any CPU: see ``_segments``.
 
 Readers copy outside the lock; they hold a lease on each buffer they copy from (``SharedBuffer.
 acquire``), so a slot reallocated meanwhile is unmapped only when the last of them lets go.
@@ -33,7 +22,6 @@ Thread-safe: the agent channel serves several workers at once.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -43,16 +31,14 @@ from typing import Any
 import psutil
 import torch
 
-from resilrun.errors import CheckpointCorruptError, CheckpointError
+from resilrun.errors import CheckpointError
 from resilrun.snapshot._crc import crc32
-from resilrun.snapshot.dedup import Borrowed, layout_hash, owners_of
-from resilrun.snapshot.layout import parse_header
+from resilrun.snapshot.dedup import Borrowed, layout_hash
 from resilrun.snapshot.shm import SharedBuffer
-from resilrun.tiers.slots import SLOTS, Committed, RankMemory, at_step, lender
+from resilrun.tiers import _borrowing, _segments
+from resilrun.tiers.slots import SLOTS, Committed, RankMemory, at_step
 
 logger = logging.getLogger(__name__)
-
-_Source = tuple[RankMemory, Committed, SharedBuffer]
 
 
 class NodeMemoryTier:
@@ -236,7 +222,7 @@ class NodeMemoryTier:
                 raise CheckpointError(f"rank {rank} committed {nbytes} bytes to a {buffer.nbytes}-byte slot")
             seq = memory.seq.read(slot)
             # Outside the lock: other ranks commit meanwhile. () means unchecked: nothing copies slots out.
-            crcs = _checksums(buffer.view(), nbytes, borrowed) if self._checksum_commits else ()
+            crcs = _segments.checksums(buffer.view(), nbytes, borrowed) if self._checksum_commits else ()
         finally:
             buffer.release()
         with self._lock:
@@ -248,10 +234,10 @@ class NodeMemoryTier:
             first = not memory.committed
             memory.committed[slot] = committed
             released = memory.committed.get(memory.after(slot)) if memory.after(slot) != slot else None
-            affected = self._affected(rank, committed)
+            affected = _borrowing.affected(self._ranks, rank, committed)
             self._note_mismatch(rank, committed, affected)
-            ready = [(r, c) for r, c in affected if not self._missing(r, c)]
-            whole = self._whole or self._out_of_step(committed, first)
+            ready = [(r, c) for r, c in affected if not _borrowing.missing(self._ranks, c)]
+            whole = self._whole or _borrowing.out_of_step(self._ranks, committed, first)
             self._commits.notify_all()
         for listener in self._listeners if announce else ():
             for ready_rank, ready_commit in ready:
@@ -259,36 +245,9 @@ class NodeMemoryTier:
         self._release(released)
         return whole
 
-    def _affected(self, rank: int, committed: Committed) -> list[tuple[int, Committed]]:
-        """This commit, and the same step of every rank that borrows from ``rank`` (lock held)."""
-        found = [(rank, committed)]
-        for other, memory in self._ranks.items():
-            if other == rank:
-                continue
-            for candidate in memory.committed.values():
-                if candidate.step == committed.step and rank in owners_of(candidate.borrowed):
-                    found.append((other, candidate))
-        return found
-
-    def _missing(self, rank: int, committed: Committed) -> set[int]:
-        """Owners that do not hold ``committed``'s step with its layout (lock held)."""
-        missing = set()
-        for owner in owners_of(committed.borrowed):
-            memory = self._ranks.get(owner)
-            if memory is None or lender(memory, committed) is None:
-                missing.add(owner)
-        return missing
-
     def _note_mismatch(self, rank: int, committed: Committed, affected: list[tuple[int, Committed]]) -> None:
         """Turn borrowing off for good when two local ranks lay out the same step differently (lock held)."""
-        pairs = [(q, c) for q, c in affected if q != rank]
-        for owner in owners_of(committed.borrowed):
-            memory = self._ranks.get(owner)
-            match = None if memory is None else at_step(memory, committed.step)
-            if match is not None:
-                pairs.append((owner, match))
-        # Another generation's copy of the step is an abandoned timeline, not a different layout.
-        other = next((q for q, c in pairs if c.round == committed.round and c.layout != committed.layout), None)
+        other = _borrowing.differently_laid_out(self._ranks, rank, committed, affected)
         if other is not None and not self._whole:
             self._whole = True
             logger.warning(
@@ -299,51 +258,18 @@ class NodeMemoryTier:
                 committed.step,
             )
 
-    def _out_of_step(self, committed: Committed, first: bool) -> bool:
-        """Whether an owner's newest commit is more than a step away from this one (lock held).
-
-        In lockstep (DDP) an owner is at most one step behind, or one ahead when its commit was
-        handled before this one's; further apart, it may no longer hold the step when it is read.
-        """
-        for owner in owners_of(committed.borrowed):
-            memory = self._ranks.get(owner)
-            newest = None if memory is None else memory.newest()
-            if newest is None:
-                if not first:
-                    return True
-            elif not committed.step - 1 <= newest.step <= committed.step + 1:
-                return True
-        return False
-
     def is_complete(self, rank: int, step: int) -> bool:
         """Whether node memory holds all of ``rank``'s snapshot of ``step`` (own and borrowed bytes)."""
         with self._lock:
             memory = self._ranks.get(rank)
             found = None if memory is None else at_step(memory, step)
-            return found is not None and not self._missing(rank, found)
-
-    def _sources(self, rank: int, step: int) -> list[_Source] | None:
-        """Each slot that holds part of ``rank``'s ``step``, its own first; None if one is gone (lock held)."""
-        memory = self._ranks.get(rank)
-        found = None if memory is None else at_step(memory, step)
-        if memory is None or found is None or memory.slots[found.slot] is None:
-            return None
-        sources = [(memory, found, memory.slots[found.slot])]
-        for owner in sorted(owners_of(found.borrowed)):
-            owner_memory = self._ranks.get(owner)
-            held = None if owner_memory is None else lender(owner_memory, found)
-            if owner_memory is None or held is None:
-                return None
-            sources.append((owner_memory, held, owner_memory.slots[held.slot]))
-        if any(buffer is None for _, _, buffer in sources):
-            return None
-        return sources  # type: ignore[return-value]  # None excluded just above
+            return found is not None and not _borrowing.missing(self._ranks, found)
 
     @contextlib.contextmanager
-    def _leased_sources(self, rank: int, step: int) -> Iterator[list[_Source] | None]:
-        """``_sources``, each buffer kept mapped until the block ends (a lease, see ``SharedBuffer``)."""
+    def _leased_sources(self, rank: int, step: int) -> Iterator[list[_borrowing.Source] | None]:
+        """``_borrowing.sources``, each buffer kept mapped until the block ends (a lease, see ``SharedBuffer``)."""
         with self._lock:
-            sources = self._sources(rank, step)
+            sources = _borrowing.sources(self._ranks, rank, step)
             leased = [buffer for _, _, buffer in sources or () if buffer.acquire()]
         try:
             # A buffer still in a slot is never closed under the lock, so every lease was granted.
@@ -390,10 +316,10 @@ class NodeMemoryTier:
                 return None
             copied = memoryview(data)
             intact = all(crc32(copied[begin:end]) == crc for begin, end, crc in found.crcs) and all(
-                _is_intact(*by_owner[owner], copied, begin, end) for owner, begin, end in found.borrowed
+                _segments.is_intact(*by_owner[owner], copied, begin, end) for owner, begin, end in found.borrowed
             )
             if not intact:
-                _log_torn(rank, step)
+                _segments.log_torn(rank, step)
                 return None
             return data, found.values
 
@@ -406,7 +332,7 @@ class NodeMemoryTier:
         has restored (the first step's collectives wait for all of them).
         """
         with self._lock:
-            sources = self._sources(rank, step)
+            sources = _borrowing.sources(self._ranks, rank, step)
         if sources is None:
             return None
         found = sources[0][1]
@@ -418,7 +344,7 @@ class NodeMemoryTier:
         replica whose shared, DDP-equal, segments this node holds itself)."""
         deadline = time.monotonic() + wait_s
         with self._commits:
-            while self._holder(step, layout, round) is None:
+            while _borrowing.holder(self._ranks, step, layout, round) is None:
                 newest = [m.newest() for m in self._ranks.values()]
                 coming = any(n is None or n.step < step for n in newest)
                 left = deadline - time.monotonic()
@@ -435,7 +361,7 @@ class NodeMemoryTier:
         if not self.holds(step, layout, round, wait_s):
             return False
         with self._lock:
-            holder = self._holder(step, layout, round)
+            holder = _borrowing.holder(self._ranks, step, layout, round)
         if holder is None:
             return False
         with self._leased_sources(holder, step) as sources:
@@ -446,7 +372,7 @@ class NodeMemoryTier:
             found, own = sources[0][1], sources[0][2]
             owners = {memory.rank: (c, buffer) for memory, c, buffer in sources[1:]}
             target = torch.frombuffer(into, dtype=torch.uint8) if len(into) else torch.empty(0, dtype=torch.uint8)
-            pieces = [piece for begin, end in ranges for piece in _pieces(found.borrowed, begin, end)]
+            pieces = [piece for begin, end in ranges for piece in _segments.pieces(found.borrowed, begin, end)]
             for piece_begin, piece_end, owner in pieces:
                 buffer = own if owner is None else owners[owner][1]
                 target[piece_begin:piece_end].copy_(buffer.tensor[piece_begin:piece_end])
@@ -454,20 +380,10 @@ class NodeMemoryTier:
                 return False
             for piece_begin, piece_end, owner in pieces:
                 commit, buffer = (found, own) if owner is None else owners[owner]
-                if not _is_intact(commit, buffer, into, piece_begin, piece_end):
-                    _log_torn(holder, step)
+                if not _segments.is_intact(commit, buffer, into, piece_begin, piece_end):
+                    _segments.log_torn(holder, step)
                     return False
             return True
-
-    def _holder(self, step: int, layout: int, round: int) -> int | None:
-        """A local rank holding a complete snapshot of ``step`` of that layout and generation (lock held)."""
-        for rank, memory in sorted(self._ranks.items()):
-            found = at_step(memory, step)
-            if found is None or round < 0 or found.round != round or found.layout != layout:
-                continue
-            if not self._missing(rank, found):
-                return rank
-        return None
 
     def install(
         self,
@@ -514,7 +430,7 @@ class NodeMemoryTier:
                         "step": c.step,
                         "nbytes": c.nbytes,
                         "values": c.values,
-                        "complete": not self._missing(rank, c),
+                        "complete": not _borrowing.missing(self._ranks, c),
                     }
                     for slot, c in memory.committed.items()
                 }
@@ -529,88 +445,3 @@ class NodeMemoryTier:
             ranks, self._ranks = list(self._ranks.values()), {}
         for memory in ranks:
             memory.close()
-
-
-def _pieces(borrowed: Borrowed, begin: int, end: int) -> Iterator[tuple[int, int, int | None]]:
-    """[begin, end) split by which slot holds each part: the owner rank's where borrowed, else None (own)."""
-    position = begin
-    for owner, lent_begin, lent_end in sorted(borrowed, key=lambda r: r[1]):
-        lo, hi = max(lent_begin, begin), min(lent_end, end)
-        if lo >= hi:
-            continue
-        if position < lo:
-            yield position, lo, None
-        yield lo, hi, owner
-        position = hi
-    if position < end:
-        yield position, end, None
-
-
-def _checksums(view: memoryview, nbytes: int, borrowed: Borrowed) -> tuple[tuple[int, int, int], ...]:
-    """(begin, end, crc32) of each segment of ``view[:nbytes]`` outside ``borrowed``.
-
-    Segments are cut at the tensors' bounds (when the bytes are a snapshot) and at the borrowed
-    ranges, so that a range another rank borrows is whole segments here, and a crc32 here is the one
-    the durable manifest and a peer's trailer carry for that tensor.
-    """
-    cuts = {0, nbytes, *_tensor_cuts(view, nbytes)}
-    for _, begin, end in borrowed:
-        cuts.update((begin, end))
-    bounds = sorted(cut for cut in cuts if 0 <= cut <= nbytes)
-    return tuple(
-        (begin, end, crc32(view[begin:end]))
-        for begin, end in zip(bounds, bounds[1:], strict=False)
-        if not any(lent_begin <= begin and end <= lent_end for _, lent_begin, lent_end in borrowed)
-    )
-
-
-def _tensor_cuts(view: memoryview, nbytes: int) -> tuple[int, ...]:
-    """The header's and each tensor's bounds in a snapshot; none when the bytes are not one."""
-    if nbytes < 8:
-        return ()
-    length = int.from_bytes(view[:8], "little")
-    if 8 + length > nbytes:
-        return ()
-    return _cuts_of_header(bytes(view[: 8 + length]), nbytes)
-
-
-@functools.lru_cache(maxsize=16)
-def _cuts_of_header(header: bytes, nbytes: int) -> tuple[int, ...]:
-    """Cached: a job commits the same few layouts every step, and parsing a large header costs."""
-    try:
-        layout = parse_header(header, nbytes)
-    except CheckpointCorruptError:
-        return ()
-    start = layout.data_start
-    return (start, *(start + e.begin for e in layout.entries), *(start + e.end for e in layout.entries))
-
-
-def _is_intact(committed: Committed, buffer: SharedBuffer, copied: memoryview, begin: int, end: int) -> bool:
-    """Whether ``copied[begin:end]`` (slot offsets) holds the bytes ``committed`` wrote there.
-
-    A segment only partly inside the range is completed from the slot itself: a torn remainder makes
-    the check fail, never pass (the copy is refused; it is only ever a false alarm). A commit made
-    without checksums (``checksum_commits=False``) is checked by the sequence counters alone.
-    """
-    if not committed.crcs:
-        return True
-    position = begin
-    for segment_begin, segment_end, expected in committed.crcs:
-        if segment_end <= begin or segment_begin >= end:
-            continue
-        if segment_begin > position:
-            return False  # bytes the commit did not write (borrowed from a third rank): unverifiable
-        lo, hi = max(segment_begin, begin), min(segment_end, end)
-        crc = crc32(buffer.view()[segment_begin:lo]) if segment_begin < lo else 0
-        crc = crc32(copied[lo:hi], crc)
-        if hi < segment_end:
-            crc = crc32(buffer.view()[hi:segment_end], crc)
-        if crc != expected:
-            return False
-        position = hi
-    return position >= end
-
-
-def _log_torn(rank: int, step: int) -> None:
-    # Expected now and then (a reader slower than a step): the caller moves on, as on a moved counter.
-    logger.debug("a copy of rank %d step %d failed its commit's crc32s: overwritten meanwhile", rank, step)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from resilrun.config import parse_endpoints
 from resilrun.errors import ConfigError, ExitCode, StoreConnectionError
+from resilrun.option_values import parse_endpoints
 from resilrun.rendezvous.etcd import EtcdBackend, open_etcd
 from tests.conftest import free_port
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from resilrun.config import (
-    CONFIG_FIELDS,
+from resilrun.config import CONFIG_FIELDS, Config
+from resilrun.errors import ConfigError, ExitCode
+from resilrun.option_values import (
     DEFAULT_RDZV_PORT,
-    Config,
     RdzvConf,
     Std,
     parse_endpoint,
@@ -21,7 +21,6 @@ from resilrun.config import (
     parse_std_map,
     resolve_std,
 )
-from resilrun.errors import ConfigError, ExitCode
 
 
 @pytest.fixture

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from resilrun.config import Config, parse_rdzv_conf
+from resilrun.config import Config
 from resilrun.errors import ConfigError
+from resilrun.option_values import parse_rdzv_conf
 from resilrun.rendezvous.factory import ETCD_PASSWORD_ENV, etcd_security, open_backend
 
 

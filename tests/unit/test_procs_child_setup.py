@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from resilrun.agent import procs
-from resilrun.config import Std
+from resilrun.option_values import Std
 
 # Runs in the worker, after exec (its own ctypes, untouched by the test's patch).
 _PRINT_PDEATHSIG = (

@@ -17,7 +17,7 @@ import pytest
 from resilrun.agent import procs
 from resilrun.agent.rounds import Membership, NodePhase, Round
 from resilrun.agent.status import StatusPublisher
-from resilrun.config import Std
+from resilrun.option_values import Std
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import RdzvState
 

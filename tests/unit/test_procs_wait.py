@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from resilrun.agent import procs
-from resilrun.config import Std
+from resilrun.option_values import Std
 
 
 def _spawn(tmp_path: Path, code: str, rank: int = 0) -> procs.WorkerProcess:
