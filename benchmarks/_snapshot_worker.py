@@ -179,6 +179,7 @@ def main() -> None:
             "message": messages[-len(ends) :] if messages else [],  # every post is a commit
             # the steps between snapshots the run ended with (auto: as measured), where there are any
             "interval": getattr(job, "snapshot_interval", None) if snapshots else None,
+            "replica_interval": getattr(job, "replica_interval", None) if snapshots else None,
         }
         print("BENCH_JSON " + json.dumps(result), flush=True)
     torch.distributed.destroy_process_group()

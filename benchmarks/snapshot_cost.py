@@ -17,7 +17,8 @@ Two parts, at each state size (MiB of params + Adam moments per rank):
    resilrun without ``track``/``steps`` to tell launcher from snapshot cost. Launches are
    interleaved (the order rotates each round); ratios are paired by round. Target: <= 1.05x.
 
-``--auto`` adds ``--snapshot-every auto`` rows (under ``--max-overhead``, default 3): the interval
+``--auto`` adds ``--snapshot-every auto`` rows (under ``--max-overhead``, default 3; with
+``--replicas`` also one with ``--replicate-every auto``): the interval
 is measured during the run, so use enough steps that the first windows (about 30 steps at one
 snapshot every 6, and the steps after the first decision) are a small part, or leave them out
 with ``--warmup``. Snapshots every N steps make the per-step median hide their cost, so the ratio
@@ -89,6 +90,8 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         found.append(Variant(f"resilrun --replicas {args.replicas}, 2 nodes", launcher, nodes=2))
         if args.auto:
             found.append(Variant(f"resilrun --replicas {args.replicas} auto, 2 nodes", [*launcher, *auto], nodes=2))
+            both = [*launcher, *auto, "--replicate-every", "auto"]
+            found.append(Variant(f"resilrun --replicas {args.replicas} auto, replicas auto, 2 nodes", both, nodes=2))
         if args.encrypted:  # the same with the replica streams encrypted (AES-256-GCM)
             name = f"resilrun --replicas {args.replicas} --peer-encryption, 2 nodes"
             found.append(Variant(name, [*launcher, "--peer-encryption"], nodes=2))
@@ -264,7 +267,10 @@ def report_jobs(part2: list[dict[str, Any]], names: list[str], args: argparse.Na
                 continue
             paired = [(r, base[r["round"], r["nodes"]]) for r in ok if (r["round"], r["nodes"]) in base]
             steps = fmt([r["step_mean"] / b["step_mean"] for r, b in paired], 1, 3)
-            intervals = sorted({r.get("interval") for r in ok if r.get("interval") is not None})
+            intervals = [str(i) for i in sorted({r.get("interval") for r in ok if r.get("interval") is not None})]
+            replicas = sorted({r.get("replica_interval") for r in ok if r.get("replica_interval") is not None})
+            if replicas:  # --replicate-every auto: the steps between replicas too
+                intervals.append(f"replicas ~{', '.join(map(str, replicas))}")
             cpus = fmt([r["cpu_mean"] / b["cpu_mean"] for r, b in paired], 1, 3)
             md.append(
                 f"| {ok[0]['state_bytes'] / 2**20:.0f} | {name} | {len(ok)}/{len(runs)} | "
@@ -273,7 +279,7 @@ def report_jobs(part2: list[dict[str, Any]], names: list[str], args: argparse.Na
                 f"{ms([r['commit_median'] for r in ok])} | {ms([r['message_median'] for r in ok])} | "
                 f"{ms([r['slowest_median'] for r in ok])} | "
                 f"{fmt([r['slowest_median'] / r['step_median'] for r in ok], 100, 1)} % | "
-                f"{', '.join(map(str, intervals)) or '—'} | {steps} | {cpus} |"
+                f"{', '.join(intervals) or '—'} | {steps} | {cpus} |"
             )
     return md
 

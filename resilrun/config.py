@@ -65,7 +65,7 @@ _VALUES = {
     "--replicas": "INTEGER",
     "--snapshot-every": "N|auto",
     "--max-overhead": "PERCENT",
-    "--replicate-every": "STEPS",
+    "--replicate-every": "N|auto",
     "--checkpoint-uri": "s3://BUCKET/PREFIX|DIR",
     "--persist-every": "STEPS",
     "--keep-last": "INTEGER",
@@ -191,7 +191,13 @@ class Config:
     # the newest snapshot in node memory.
     replicate_every: int = field(
         default=1,
-        metadata=_meta("--replicate-every", C, "Replicate a snapshot to peers every N steps.", pet=False),
+        metadata=_meta(
+            "--replicate-every",
+            C,
+            "Replicate a snapshot to peers every N steps, or auto (with --snapshot-every auto): every "
+            "k-th snapshot, k chosen with the interval under --max-overhead.",
+            pet=False,
+        ),
     )
     checkpoint_uri: str | None = field(
         default=None,
@@ -448,8 +454,14 @@ class Config:
                 f"--max-overhead ({self.max_overhead_pct:g}) must be between 0.1 and 50 (percent of step time)",
                 hint="the default 3 keeps snapshots under 3% of training time",
             )
-        if self.replicate_every < 1:
-            raise ConfigError(f"--replicate-every ({self.replicate_every}) must be >= 1")
+        if self.replicate_every < 1 and self.replicate_every != SNAPSHOT_AUTO:
+            raise ConfigError(f"--replicate-every ({self.replicate_every}) must be >= 1 or auto")
+        if self.replicate_every == SNAPSHOT_AUTO and self.snapshot_every != SNAPSHOT_AUTO:
+            raise ConfigError(
+                "--replicate-every auto needs --snapshot-every auto",
+                hint="the replica interval is chosen with the snapshot interval, from the same measurements; "
+                "with a fixed --snapshot-every give --replicate-every N",
+            )
         if self.replicas < 0:
             raise ConfigError(f"--replicas ({self.replicas}) must be >= 0")
         if self.persist_every < 1:

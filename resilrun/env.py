@@ -49,6 +49,8 @@ class WorkerEnv:
     snapshot_dedup: bool = True
     snapshot_every: int = 1  # SNAPSHOT_AUTO: auto
     max_overhead_pct: float = 3.0
+    # --replicate-every auto with peer replicas: the workers' schedule picks the replicated snapshots
+    replicate_auto: bool = False
 
     def to_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The full environment of the worker: ``base`` (the agent's) plus the contract."""
@@ -85,6 +87,7 @@ class WorkerEnv:
                 "RESILRUN_SNAPSHOT_DEDUP": "1" if self.snapshot_dedup else "0",
                 "RESILRUN_SNAPSHOT_EVERY": "auto" if self.snapshot_every == SNAPSHOT_AUTO else str(self.snapshot_every),
                 "RESILRUN_MAX_OVERHEAD": f"{self.max_overhead_pct:g}",
+                "RESILRUN_REPLICATE_EVERY": "auto" if self.replicate_auto else "agent",
                 "RESILRUN_SPARE": "0",
             }
         )
@@ -136,6 +139,7 @@ class WorkerVariables:
     dedup: bool = True  # local ranks split the copy of DDP-replicated state (snapshot/dedup.py)
     snapshot_every: int = 1  # --snapshot-every: which steps Job.commit snapshots (SNAPSHOT_AUTO: auto)
     max_overhead: float = 0.03  # --max-overhead, as a fraction of step time
+    replicate_auto: bool = False  # --replicate-every auto: Job.commit says which snapshots go to peers
 
 
 def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVariables:
@@ -158,6 +162,7 @@ def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVar
         dedup=env.get("RESILRUN_SNAPSHOT_DEDUP", "1") != "0",
         snapshot_every=_snapshot_every(env.get("RESILRUN_SNAPSHOT_EVERY", "1")),
         max_overhead=float(env.get("RESILRUN_MAX_OVERHEAD", "3")) / 100,
+        replicate_auto=env.get("RESILRUN_REPLICATE_EVERY") == "auto",
     )
 
 

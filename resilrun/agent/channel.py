@@ -165,6 +165,7 @@ class AgentChannel:
                 parse_shared(request.get("shared"), rank, nbytes),
                 int(request.get("round", -1)),
                 previous=int(request["previous"]) if "previous" in request else None,
+                replicate=bool(request["replicate"]) if "replicate" in request else None,
             )
             # The answer waits for the replicas to catch up (peer.py's commit gate): the worker reads
             # it only before its next snapshot, so this costs training time only when they lag.

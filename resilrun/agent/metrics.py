@@ -96,10 +96,25 @@ class _StatusCollector(Collector):
             "snapshot_interval_steps", "Steps between snapshots now (auto: as decided).", snapshots.get("interval")
         )
         yield _gauge(
+            "replica_interval_steps",
+            "Steps between snapshots copied to peers (--replicate-every auto: about, as decided).",
+            snapshots.get("replica_interval")
+            if snapshots.get("replicate_every") == "auto"
+            else _fixed_replica_interval(snapshots),
+        )
+        yield _gauge(
             "snapshot_overhead_ratio",
             "Share of step time snapshots took at the last --snapshot-every auto decision.",
             snapshots.get("overhead"),
         )
+
+
+def _fixed_replica_interval(snapshots: dict[str, Any]) -> int | None:
+    """--replicate-every N: the first snapshot at or past each multiple of N, so at least N apart."""
+    every, interval = snapshots.get("replicate_every"), snapshots.get("interval")
+    if not isinstance(every, int) or interval is None:
+        return None
+    return max(every, int(interval))
 
 
 def _gauge(name: str, help_text: str, value: float | None) -> GaugeMetricFamily:

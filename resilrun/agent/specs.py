@@ -7,7 +7,7 @@ from pathlib import Path
 
 from resilrun.agent.procs import WorkerSpec
 from resilrun.config import Config
-from resilrun.env import WorkerEnv, omp_threads_default, python_exec, spare_environ
+from resilrun.env import SNAPSHOT_AUTO, WorkerEnv, omp_threads_default, python_exec, spare_environ
 from resilrun.option_values import Std, resolve_std
 from resilrun.rendezvous.protocol import RdzvState
 
@@ -78,6 +78,7 @@ def worker_specs(
             snapshot_dedup=not config.no_snapshot_dedup,
             snapshot_every=config.snapshot_every,
             max_overhead_pct=config.max_overhead_pct,
+            replicate_auto=config.replicate_every == SNAPSHOT_AUTO and config.replicas > 0,
         ).to_env(base_env)
         specs.append(
             WorkerSpec(

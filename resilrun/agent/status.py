@@ -180,6 +180,7 @@ class StatusPublisher:
         """How often each tier takes a step: the intervals set, and what ``auto`` measured and chose."""
         config = self.supervisor.config
         auto = config.snapshot_every == SNAPSHOT_AUTO
+        replicas_auto = config.replicate_every == SNAPSHOT_AUTO and config.replicas > 0
         decided = self.telemetry.interval
         return {
             "every": "auto" if auto else config.snapshot_every,
@@ -189,7 +190,10 @@ class StatusPublisher:
             "overhead": (decided or {}).get("overhead") if auto else None,
             "step_time_s": (decided or {}).get("quiet_step_s") if auto else None,
             "decided_at_step": (decided or {}).get("step") if auto else None,
-            "replicate_every": config.replicate_every,
+            "replicate_every": "auto" if config.replicate_every == SNAPSHOT_AUTO else config.replicate_every,
+            # --replicate-every auto: every k-th snapshot goes to the peers, about every N steps
+            "replicate_every_snapshots": (decided or {}).get("replicate_every") if replicas_auto else None,
+            "replica_interval": (decided or {}).get("replica_interval") if replicas_auto else None,
             "persist_every": config.persist_every if config.checkpoint_uri else None,
         }
 

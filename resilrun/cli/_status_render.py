@@ -155,9 +155,23 @@ def policy_text(policy: dict[str, Any]) -> str:
             text += f" (budget {budget:g}%)"
     else:
         text = f"every {steps}"
-    if policy.get("replicate_every", 1) != 1:
-        text += f", replicas every {policy['replicate_every']}"
+    replicate = policy.get("replicate_every", 1)
+    if replicate == "auto":
+        spacing, steps_apart = policy.get("replicate_every_snapshots"), policy.get("replica_interval")
+        if spacing == 1:
+            text += ", replicas: each snapshot"
+        elif spacing is not None:
+            text += f", replicas: every {_ordinal(spacing)} snapshot (~{steps_apart} steps)"
+        else:
+            text += ", replicas: auto"
+    elif replicate != 1:
+        text += f", replicas every {replicate}"
     return text
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 HISTORY_COLUMNS = ("#", "time", "kind", "round", "what", "duration", "timeline")

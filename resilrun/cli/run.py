@@ -140,7 +140,7 @@ def run(
         snapshot_every=_every("--snapshot-every", snapshot_every),
         max_overhead_pct=_percent("--max-overhead", max_overhead),
         replicas=_int("--replicas", replicas),
-        replicate_every=_int("--replicate-every", replicate_every),
+        replicate_every=_every("--replicate-every", replicate_every),
         checkpoint_uri=checkpoint_uri,
         persist_every=_int("--persist-every", persist_every),
         keep_last=_int("--keep-last", keep_last),

@@ -205,6 +205,7 @@ class NodeMemoryTier:
         announce: bool = True,
         origin: str = "worker",
         previous: int | None = None,
+        replicate: bool | None = None,
     ) -> bool:
         """Record a worker's commit; returns whether its next snapshot should be written whole.
 
@@ -229,7 +230,7 @@ class NodeMemoryTier:
             if memory.slots[slot] is not buffer:
                 raise CheckpointError(f"rank {rank}'s slot {slot} was reallocated while step {step} was committed")
             committed = Committed(
-                step, slot, nbytes, values, seq, borrowed, layout, shared, round, crcs, origin, previous
+                step, slot, nbytes, values, seq, borrowed, layout, shared, round, crcs, origin, previous, replicate
             )
             first = not memory.committed
             memory.committed[slot] = committed

@@ -49,7 +49,7 @@ class Committed:
     round: int = -1
     # (begin, end, crc32) of every segment the commit wrote itself (the header, each tensor, and
     # whatever lies between borrowed ranges), hashed by the agent while the bytes cannot change: a
-    # reader's copy is of this step only if it has these crc32s (see tiers/memory.py).
+    # reader's copy is of this step only if it has these crc32s (see tiers/_segments.py).
     crcs: tuple[tuple[int, int, int], ...] = ()
     # Where the bytes came from: "worker" (trained here), or the tier a restore brought them from
     # ("peer", "persistent"). The persister does not write back what it would read: a step restored
@@ -59,11 +59,19 @@ class Committed:
     # every N-th step choose by it, so with unevenly spaced snapshots (--snapshot-every auto) every
     # rank still copies the same steps (agent/persister.py's ``persists``).
     previous: int | None = None
+    # Whether the peers get this snapshot, as the workers' schedule agreed (--replicate-every auto;
+    # the same on every rank); None: the agent's --replicate-every N decides (``replicated``).
+    replicate: bool | None = None
 
     def crosses(self, every: int) -> bool:
         """Whether this is the first snapshot at or past a multiple of ``every`` steps."""
         previous = self.step - 1 if self.previous is None else self.previous
         return (self.step + 1) // every > (previous + 1) // every
+
+    def replicated(self, every: int) -> bool:
+        """Whether the replicator copies this snapshot to the peers: as the workers said, else the
+        first at or past each multiple of ``every`` (``--replicate-every N``)."""
+        return self.crosses(every) if self.replicate is None else self.replicate
 
 
 class RankMemory:

@@ -21,6 +21,16 @@ decision is agreed: at the last step of each window all ranks all-gather their m
 apply the same pure function (``choose``) to the gathered rows. Windows and intervals are functions
 of agreed state only (the restored step, the decided intervals), so a replacement rank joins the
 same schedule: every generation starts over from that state, the interval re-measured.
+
+With ``--replicate-every auto`` too, a snapshot is either kept in node memory only or also copied to
+the peers, and the two kinds cost different amounts (a replica's traffic shares the bus and the
+network with training, and its commit waits for the previous replicas). Each period is counted for
+the kind of the snapshot that began its interval, so a window measures both: ``c_m`` for a snapshot,
+``c_r`` more for a replicated one. Every ``k``-th snapshot is replicated, and (``s``, ``k``) is the pair
+under the budget, ``(c_m + c_r / k) / (s * quiet) <= budget``, that minimises ``s + s * k``: the steps
+a worker failure and a node loss would redo, weighed alike (without rates of either, the neutral
+choice). Its optimum, ``k = sqrt(c_r / c_m)``, is what a cheap memory snapshot and an expensive
+replica call for: snapshots often, replicas every few of them.
 """
 
 from __future__ import annotations
@@ -46,22 +56,34 @@ MAX_INTERVAL = 1000
 # rank), and its first steps compile and warm caches: measuring starts after this many snapshots.
 WARM_SNAPSHOTS = 3
 # After this many windows at an interval too short to have quiet steps, one window probes again:
-# the quiet period drifts (longer sequences, a compiled graph), and a stale one hides that.
+# the quiet period drifts (longer sequences, a compiled graph), and a stale one hides that. The same
+# for ``--replicate-every auto`` replicating every snapshot: one window replicates every other one,
+# so the cost of a snapshot kept in node memory only is measured again.
 REFRESH_WINDOWS = 4
+# Replicating every k-th snapshot: at most this many snapshots between two replicas.
+MAX_REPLICA_SPACING = 64
+# Snapshot kinds, as the measurement counts them (the second only with --replicate-every auto).
+MEMORY, REPLICATED = 0, 1
 
 
 @dataclass(frozen=True)
 class Measured:
-    """One rank's window, as the all-gather carries it (microseconds: integers travel exactly)."""
+    """One rank's window, as the all-gather carries it (microseconds: integers travel exactly).
+
+    Totals, steps, snapshots and blocked time are per kind (``MEMORY``; ``REPLICATED`` only with
+    ``--replicate-every auto``): a period counts for the kind of the snapshot that began its interval.
+    """
 
     total_us: int  # the sum of the window's step periods
     steps: int
     quiet_us: int  # median quiet period; -1: no quiet step in this window
     snapshots: int
     blocked_us: int = 0  # the time the window's snapshots blocked inside the commit, in all
+    replicated: tuple[int, int, int, int] | None = None  # (total_us, steps, snapshots, blocked_us)
 
     def row(self) -> list[int]:
-        return [self.total_us, self.steps, self.quiet_us, self.snapshots, self.blocked_us]
+        kinds = [self.total_us, self.steps, self.quiet_us, self.snapshots, self.blocked_us]
+        return kinds + list(self.replicated) if self.replicated is not None else kinds
 
 
 @dataclass(frozen=True)
@@ -69,58 +91,150 @@ class Decision:
     interval: int
     quiet_s: float | None  # the quiet step period the decision used
     cost_s: float | None  # what one snapshot adds to training time (the worst rank's)
+    # --replicate-every auto: every ``replicate_every``-th snapshot is replicated, adding
+    # ``replica_cost_s`` to it (None: replication is not scheduled here, and ``cost_s`` includes it)
+    replicate_every: int = 1
+    replica_cost_s: float | None = None
 
     @property
     def overhead(self) -> float | None:
-        """The fraction of training time snapshots take at ``interval``."""
+        """The fraction of training time snapshots (and replicas) take at ``interval``."""
         if self.quiet_s is None or self.cost_s is None or self.quiet_s <= 0:
             return None
-        return self.cost_s / (self.interval * self.quiet_s)
+        per_snapshot = self.cost_s + (self.replica_cost_s or 0.0) / self.replicate_every
+        return per_snapshot / (self.interval * self.quiet_s)
+
+    @property
+    def replica_interval(self) -> int:
+        """Steps between replicas (about: an interval may change in between)."""
+        return self.interval * self.replicate_every
 
 
 def choose(
-    rows: list[list[int]], budget: float, interval: int, previous: Decision | None, *, probe: bool = False
+    rows: list[list[int]],
+    budget: float,
+    interval: int,
+    previous: Decision | None,
+    *,
+    probe: bool = False,
+    replicas: bool = False,
+    spread_replicas: bool = False,
 ) -> Decision:
     """The interval for the next window, from every rank's ``Measured.row()`` (a pure function).
 
     ``previous`` supplies the quiet period when no rank had quiet steps (interval 1 or 2) and
     smooths the cost (half the new measurement, half the old). ``probe``: the next window must
-    re-measure the quiet period (at least ``PROBE_INTERVAL``)."""
+    re-measure the quiet period (at least ``PROBE_INTERVAL``). ``replicas``: choose the replica
+    spacing too (``--replicate-every auto``); ``spread_replicas``: the next window must replicate at
+    most every other snapshot, so that a snapshot kept in memory only is measured again."""
     quiets = [row[2] for row in rows if row[2] > 0]
     quiet_us = statistics.median(quiets) if quiets else None
     if quiet_us is None and previous is not None and previous.quiet_s is not None:
         quiet_us = previous.quiet_s * 1e6
     if quiet_us is None:
-        return Decision(max(interval, PROBE_INTERVAL), None, None)
-    costs = [max(row[0] - row[1] * quiet_us, row[4]) / row[3] for row in rows if row[3] > 0 and row[1] > 0]
-    if not costs:  # no snapshot in the window (an interval longer than it): nothing new measured
+        # nothing quiet measured yet: replicate every other snapshot, so both kinds get measured
+        return Decision(max(interval, PROBE_INTERVAL), None, None, 2 if replicas else 1)
+    memory = _kind_cost(rows, quiet_us, (0, 1, 3, 4))
+    replicated = _kind_cost(rows, quiet_us, (5, 6, 7, 8)) if replicas else None
+    if memory is None and replicated is None:  # no snapshot in the window (an interval longer than it)
         return previous if previous is not None else Decision(interval, quiet_us / 1e6, None)
-    cost_us = max(0.0, max(costs))
-    if previous is not None and previous.cost_s is not None:
-        cost_us = (cost_us + previous.cost_s * 1e6) / 2
-    chosen = min(MAX_INTERVAL, max(1, math.ceil(cost_us / (budget * quiet_us))))
-    if probe:
-        chosen = max(chosen, PROBE_INTERVAL)
-    return Decision(chosen, quiet_us / 1e6, cost_us / 1e6)
+    old = previous if previous is not None and previous.cost_s is not None else None
+    if not replicas:
+        cost_us = _smoothed(memory, None if old is None else old.cost_s)
+        chosen = _interval(cost_us, budget, quiet_us)
+        if probe:
+            chosen = max(chosen, PROBE_INTERVAL)
+        return Decision(chosen, quiet_us / 1e6, cost_us / 1e6)
+    # A kind not seen in this window keeps its previous estimate; a replica never seen costs nothing
+    # more than a snapshot until it is (the first window replicates every other snapshot: it is).
+    old_memory = None if old is None else old.cost_s
+    old_full = None if old is None else old.cost_s + (old.replica_cost_s or 0.0)
+    memory_us = _smoothed(memory, old_memory) if memory is not None or old_memory is not None else None
+    full_us = _smoothed(replicated, old_full) if replicated is not None or old_full is not None else None
+    if memory_us is None:
+        memory_us = full_us or 0.0
+    extra_us = max(0.0, (full_us if full_us is not None else memory_us) - memory_us)
+    chosen, spacing = _pair(memory_us, extra_us, budget, quiet_us, probe=probe, spread=spread_replicas)
+    return Decision(chosen, quiet_us / 1e6, memory_us / 1e6, spacing, extra_us / 1e6)
+
+
+def _kind_cost(rows: list[list[int]], quiet_us: float, at: tuple[int, int, int, int]) -> float | None:
+    """The worst rank's cost of one snapshot of a kind (its row's total, steps, snapshots and
+    blocked time at ``at``), or None when no rank took one."""
+    total, steps, snapshots, blocked = at
+    costs = [
+        max(row[total] - row[steps] * quiet_us, row[blocked]) / row[snapshots]
+        for row in rows
+        if len(row) > blocked and row[snapshots] > 0 and row[steps] > 0
+    ]
+    return max(0.0, max(costs)) if costs else None
+
+
+def _smoothed(measured: float | None, previous_s: float | None) -> float:
+    if measured is None:
+        return (previous_s or 0.0) * 1e6
+    return measured if previous_s is None else (measured + previous_s * 1e6) / 2
+
+
+def _interval(cost_us: float, budget: float, quiet_us: float) -> int:
+    return min(MAX_INTERVAL, max(1, math.ceil(cost_us / (budget * quiet_us))))
+
+
+def _pair(
+    memory_us: float, extra_us: float, budget: float, quiet_us: float, *, probe: bool, spread: bool
+) -> tuple[int, int]:
+    """(snapshot interval s, replica spacing k) under the budget minimising ``s + s * k``."""
+    best: tuple[int, int, int] | None = None  # (score, s, k)
+    for spacing in range(2 if spread else 1, MAX_REPLICA_SPACING + 1):
+        chosen = _interval(memory_us + extra_us / spacing, budget, quiet_us)
+        if probe:
+            chosen = max(chosen, PROBE_INTERVAL)
+        if chosen * spacing > MAX_INTERVAL and best is not None:
+            break
+        score = chosen * (1 + spacing)
+        if best is None or score < best[0]:
+            best = (score, chosen, spacing)
+    assert best is not None  # the loop's first pass always sets it
+    return best[1], best[2]
+
+
+@dataclass
+class _Kind:
+    """What a window measured of the intervals begun by one kind of snapshot."""
+
+    total: float = 0.0
+    steps: int = 0
+    snapshots: int = 0
+    blocked: float = 0.0
+
+    def row(self) -> tuple[int, int, int, int]:
+        return round(self.total * 1e6), self.steps, self.snapshots, round(self.blocked * 1e6)
 
 
 @dataclass
 class _Window:
     start: int  # its first step
-    periods: list[float] = field(default_factory=list)
+    replicas: bool = False  # the replicated kind is measured apart (--replicate-every auto)
+    kinds: tuple[_Kind, _Kind] = field(default_factory=lambda: (_Kind(), _Kind()))
     quiet: list[float] = field(default_factory=list)
-    snapshots: int = 0
-    blocked: float = 0.0
+
+    def add(self, kind: int, period: float, saved: bool, blocked: float) -> None:
+        measured = self.kinds[kind if self.replicas else MEMORY]
+        measured.total += period
+        measured.steps += 1
+        measured.snapshots += saved
+        measured.blocked += blocked
 
     def measured(self) -> Measured:
         quiet = statistics.median(self.quiet) if len(self.quiet) >= 3 else -1
-        total = sum(self.periods)
+        total, steps, snapshots, blocked = self.kinds[MEMORY].row()
         return Measured(
-            round(total * 1e6),
-            len(self.periods),
+            total,
+            steps,
             round(quiet * 1e6) if quiet > 0 else -1,
-            self.snapshots,
-            round(self.blocked * 1e6),
+            snapshots,
+            blocked,
+            self.kinds[REPLICATED].row() if self.replicas else None,
         )
 
 
@@ -132,14 +246,18 @@ class Schedule:
         every: int,
         *,
         budget: float = 0.03,
+        replicas: bool = False,
         gather: Callable[[list[int]], list[list[int]]] = lambda row: [row],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``every``: N, or ``AUTO``; ``budget``: the overhead fraction ``auto`` keeps under;
-        ``gather``: an all-gather of one row of ints over every rank (a collective: every rank
-        reaches each decision at the same step)."""
+        ``replicas``: which snapshots the peers get is decided here too (``--replicate-every auto``
+        with peer replicas; only with ``every=AUTO``); ``gather``: an all-gather of one row of ints
+        over every rank (a collective: every rank reaches each decision at the same step)."""
         self.auto = every == AUTO
+        self.replicas = replicas and self.auto
         self.interval = PROBE_INTERVAL if self.auto else max(1, every)
+        self.replicate_every = 1  # every k-th snapshot goes to the peers (``replicas`` only)
         self.budget = budget
         self.last_saved = -1  # the newest snapshotted step (or the restored one)
         self.decision: Decision | None = None
@@ -149,7 +267,10 @@ class Schedule:
         self._first = 0  # the generation's first step
         self._previous_end: float | None = None  # when the previous step's commit returned
         self._short_windows = 0  # windows in a row without quiet steps
+        self._dense_windows = 0  # windows in a row replicating every snapshot
         self._taken = 0  # snapshots taken in this generation
+        self._since_replica = 0  # snapshots since the newest replicated one
+        self._kind = MEMORY  # the kind of the newest snapshot: its interval's periods count for it
         self.start(-1)  # a fresh start unless a restore says otherwise
 
     def start(self, restored: int) -> None:
@@ -159,7 +280,10 @@ class Schedule:
         self._taken = 0
         if self.auto:
             self.interval = PROBE_INTERVAL
-            self._window = _Window(self._first)
+            self._window = _Window(self._first, self.replicas)
+        if self.replicas:
+            self.replicate_every = 2  # both kinds measured in the first window
+            self._since_replica = self.replicate_every - 1  # the first snapshot is replicated
 
     def due(self, step: int) -> bool:
         """Whether ``step``, just finished, is snapshotted. Fixed intervals keep absolute steps
@@ -168,6 +292,13 @@ class Schedule:
             return (step + 1) % self.interval == 0
         return step >= self.last_saved + self.interval
 
+    def replicates(self) -> bool | None:
+        """Whether the snapshot about to be taken goes to the peers too; None: the agent's
+        ``--replicate-every N`` decides (this schedule does not choose replicas)."""
+        if not self.replicas:
+            return None
+        return self._since_replica + 1 >= self.replicate_every
+
     def finished(self, step: int, saved: bool, blocked_s: float = 0.0) -> Decision | None:
         """``step``'s commit returned (``saved``: it was snapshotted, blocking training for
         ``blocked_s``); returns a new decision at the end of a window (after agreeing with every
@@ -175,6 +306,9 @@ class Schedule:
         now = self._clock()
         position = step - self.last_saved  # steps since the previous snapshot (before this one)
         if saved:
+            replicated = self.replicates()
+            self._kind = REPLICATED if replicated else MEMORY
+            self._since_replica = 0 if replicated else self._since_replica + 1
             self.last_saved = step
             self._taken += 1
         window = self._window
@@ -186,9 +320,7 @@ class Schedule:
             window.start = step + 1
         else:
             period = now - self._previous_end
-            window.periods.append(period)
-            window.snapshots += saved
-            window.blocked += blocked_s
+            window.add(self._kind, period, saved, blocked_s)
             if not saved and self.interval >= 3 and position > self.interval // 2:
                 window.quiet.append(period)
         self._previous_end = now
@@ -200,9 +332,19 @@ class Schedule:
         probe = self._short_windows >= REFRESH_WINDOWS
         if probe:
             self._short_windows = 0
-        self.decision = choose(rows, self.budget, self.interval, self.decision, probe=probe)
+        self._dense_windows = self._dense_windows + 1 if self.replicate_every == 1 else 0
+        spread = self._dense_windows >= REFRESH_WINDOWS
+        if spread:
+            self._dense_windows = 0
+        self.decision = choose(
+            rows, self.budget, self.interval, self.decision, probe=probe, replicas=self.replicas, spread_replicas=spread
+        )
         self.interval = self.decision.interval
-        self._window = _Window(step + 1)
+        if self.replicas:
+            self.replicate_every = self.decision.replicate_every
+            # a shorter spacing takes effect at once: the snapshots since the last replica count
+            self._since_replica = min(self._since_replica, self.replicate_every - 1)
+        self._window = _Window(step + 1, self.replicas)
         self._previous_end = self._clock()  # the all-gather is not a step's time
         return self.decision
 

@@ -86,6 +86,7 @@ class Job:
         dedup: bool = True,
         snapshot_every: int = 1,
         max_overhead: float = 0.03,
+        replicate_auto: bool = False,
     ) -> None:
         self._rank = rank
         self._world_size = world_size
@@ -100,7 +101,7 @@ class Job:
         self._round = round
         self._dedup = dedup
         gather = lambda row: _all_gather_ints(row, world_size, device)  # noqa: E731
-        self._schedule = Schedule(snapshot_every, budget=max_overhead, gather=gather)
+        self._schedule = Schedule(snapshot_every, budget=max_overhead, replicas=replicate_auto, gather=gather)
         self._done = -1  # the newest step finished (committed), snapshotted or not
         self._unsaved: int | None = None  # a finished step left out by --snapshot-every, if newest
         self._reported_first_step = False
@@ -191,13 +192,20 @@ class Job:
         """Steps between snapshots now (``auto`` changes it as it measures)."""
         return self._schedule.interval
 
+    @property
+    def replica_interval(self) -> int | None:
+        """About how many steps apart the snapshots copied to peers are now, under ``--replicate-every
+        auto``; None when the agent's ``--replicate-every N`` chooses them."""
+        schedule = self._schedule
+        return schedule.interval * schedule.replicate_every if schedule.replicas else None
+
     def finish(self) -> None:
         """Training is done: its last step is snapshotted (also when ``--snapshot-every`` left it
         out: it is what the persistent tier and ``resilrun export`` should hold), and acknowledged
         before the script goes on."""
         if self._unsaved is not None:
             step, self._unsaved = self._unsaved, None
-            self._commit(step)
+            self._commit(step, last=True)
             self._schedule.saved(step)
         if self._snapshotter is not None:
             self._snapshotter.flush()
@@ -224,6 +232,15 @@ class Job:
             snapshot_cost_s=None if decision.cost_s is None else round(decision.cost_s, 6),
             overhead=None if overhead is None else round(overhead, 5),
             budget=self._schedule.budget,
+            **(
+                {
+                    "replicate_every": decision.replicate_every,
+                    "replica_interval": decision.replica_interval,
+                    "replica_cost_s": None if decision.replica_cost_s is None else round(decision.replica_cost_s, 6),
+                }
+                if self._schedule.replicas
+                else {}
+            ),
         )
 
     def _collect(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -246,12 +263,17 @@ class Job:
             meta["meshes"] = meshes  # where each sharded tensor's shards sit: for export and resharding
         return tensors, meta
 
-    def _commit(self, step: int) -> None:
+    def _commit(self, step: int, *, last: bool = False) -> None:
+        """Snapshot ``step``; ``last``: training's last step, which the peers get whatever the
+        replica interval (it is what a node lost at the end would need)."""
         if self._snapshotter is None:
             return
         tensors, meta = self._collect()
         replicated = replicated_names(self._tracked.values(), tensors, self._world_size) if self._dedup else frozenset()
-        self._snapshotter.save(step, tensors, meta, replicated, previous=self._schedule.last_saved)
+        replicate = self._schedule.replicates()
+        if last and replicate is not None:
+            replicate = True
+        self._snapshotter.save(step, tensors, meta, replicated, previous=self._schedule.last_saved, replicate=replicate)
 
     def _restore(self) -> int:
         """Restore the newest step every rank holds in some tier; returns it (or -1: fresh start).

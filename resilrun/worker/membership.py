@@ -107,6 +107,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         dedup=variables.dedup,
         snapshot_every=variables.snapshot_every,
         max_overhead=variables.max_overhead,
+        replicate_auto=variables.replicate_auto,
     )
     if pg_seconds is not None:
         _JOB._report("collectives_rebuilt", seconds=round(pg_seconds, 6))

@@ -192,12 +192,15 @@ class Snapshotter:
         replicated: frozenset[str] = frozenset(),
         *,
         previous: int | None = None,
+        replicate: bool | None = None,
     ) -> None:
         """Copy ``tensors`` into the free slot, then commit ``step`` with ``values``.
 
         ``previous``: the step snapshotted before this one in this run (-1: none), the same on
         every rank: the agent's tiers pick the steps they copy by it (``--persist-every``,
         ``--replicate-every``) when snapshots are not evenly spaced (``--snapshot-every auto``).
+        ``replicate``: whether the peers get this snapshot (``--replicate-every auto``: every rank
+        says the same); None leaves it to the agent's ``--replicate-every N``.
 
         The commit message is posted, not awaited: its answer is read at the next request, so a
         refused commit raises one call later (``flush`` waits for it). Of the ``replicated``
@@ -249,6 +252,7 @@ class Snapshotter:
                 "round": self.round,
                 "layout": self._layout_crc,
                 **({"previous": previous} if previous is not None else {}),
+                **({"replicate": replicate} if replicate is not None else {}),
             }
         )
         self.held[slot] = (step, values)

@@ -156,7 +156,8 @@ def test_the_cli_imports_without_the_click_distribution() -> None:
         (["--snapshot-every", "often"], "--snapshot-every 'often'"),
         (["--max-overhead", "low"], "--max-overhead 'low' is not a percentage"),
         (["--max-overhead", "80"], "--max-overhead (80) must be between 0.1 and 50"),
-        (["--replicate-every", "0"], "--replicate-every (0) must be >= 1"),
+        (["--replicate-every", "0"], "--replicate-every '0' is not a positive integer or auto"),
+        (["--replicate-every", "auto"], "--replicate-every auto needs --snapshot-every auto"),
     ],
 )
 def test_a_bad_flag_value_is_a_one_line_usage_error(
@@ -397,3 +398,12 @@ def test_snapshot_every_auto_with_a_budget_reaches_the_config(
     assert invoke(capsys, *flags, script).code == 0
     (config,) = launched
     assert (config.snapshot_every, config.max_overhead_pct, config.replicate_every) == (SNAPSHOT_AUTO, 2.0, 10)
+
+
+
+def test_replicate_every_auto_reaches_the_config(
+    capsys: pytest.CaptureFixture[str], launched: list[Config], script: str
+) -> None:
+    assert invoke(capsys, "--snapshot-every", "auto", "--replicate-every", "auto", script).code == 0
+    (config,) = launched
+    assert (config.snapshot_every, config.replicate_every) == (SNAPSHOT_AUTO, SNAPSHOT_AUTO)

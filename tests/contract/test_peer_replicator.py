@@ -490,6 +490,30 @@ def test_with_replicas_every_n_steps_only_crossing_steps_are_pushed_and_the_othe
     assert sorted(peer.store.steps(0)) == [3, 7]
 
 
+def test_with_replicate_every_auto_the_commits_choose_what_is_pushed_whatever_the_agents_interval(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    # Given the agent's interval left at 1 (--replicate-every auto) and pushes slower than a step
+    peer = make_peer()
+    replicator = Replicator(
+        memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH, push_delay_s=0.1
+    )
+    replicators.append(replicator)
+    eventually(lambda: peer.server.address in replicator._targets)
+    held = {}
+    for step in range(9):
+        # When the workers' schedule replicates every third snapshot (steps 2, 5 and 8)
+        write_slot(memory, 0, step % 2, snapshot(step))
+        replicate = step % 3 == 2
+        memory.commit(0, step, step % 2, len(snapshot(step)), {"step": step}, previous=step - 1, replicate=replicate)
+        held[step] = memory.pass_gates(0, step)
+    # Then only those were pushed, each answer waiting for its push, and no other commit waited
+    assert min(held[2], held[5], held[8]) >= 0.09
+    assert max(t for s, t in held.items() if s not in (2, 5, 8)) < 0.05
+    assert lags(replicator)[0]["replicated"] == 8
+    assert sorted(peer.store.steps(0)) == [5, 8]  # the peer keeps a rank's newest two
+
+
 def test_the_gate_does_not_wait_for_a_peer_that_refuses_connections(
     memory: NodeMemoryTier, replicators: list[Replicator]
 ) -> None:

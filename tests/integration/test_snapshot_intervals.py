@@ -1,5 +1,5 @@
-"""A host lost under sparser snapshots: ``--replicate-every N`` and ``--snapshot-every auto``, on hosts
-in network namespaces (tests/helpers/netns_cluster.py).
+"""A host lost under sparser snapshots: ``--replicate-every N``, and ``--snapshot-every auto`` with
+``--replicate-every auto``, on hosts in network namespaces (tests/helpers/netns_cluster.py).
 
 A node loss resumes from the newest step every rank holds somewhere: for the lost ranks that is
 their newest replica, so with replicas every N steps a node loss redoes up to N steps, and the
@@ -67,24 +67,28 @@ def test_with_replicas_every_5_steps_a_lost_host_resumes_from_the_newest_replica
 
 
 @pytest.mark.timeout(400)
-def test_with_snapshot_every_auto_a_lost_host_resumes_bitwise_within_the_interval(
+def test_with_snapshot_and_replicate_every_auto_a_lost_host_resumes_bitwise_within_the_intervals(
     cluster_of, launcher, tmp_path: Path
 ) -> None:
-    # Given snapshots spaced by auto under the default 3% budget (large state next to the step time)
+    # Given snapshots spaced by auto under the default 3% budget (large state next to the step
+    # time), and replicas of every k-th snapshot, k chosen with the interval
     target = tmp_path / "sum"
     train = [
         str(EXAMPLE), "--steps", "80", "--hidden", "64", "--state-mib", "4", "--sleep", "0.05",
         "--checksum-file", str(target),
     ]  # fmt: skip
-    # When h1 is lost once the interval was agreed (the first window ends by step 47)
-    step, nodes = _lose_h1(cluster_of, launcher, tmp_path, train, "--snapshot-every", "auto", after=55)
-    # Then an interval longer than a step was agreed before the loss (the first decision comes at
-    # step 46, a function of the schedule; rank 0 had printed step 60 when h1 dropped off), and the
-    # resume redid at most an interval in force (the path, in-process or restart, does not matter)
+    auto = ("--snapshot-every", "auto", "--replicate-every", "auto")
+    # When h1 is lost once the intervals were agreed (the first window ends by step 47)
+    step, nodes = _lose_h1(cluster_of, launcher, tmp_path, train, *auto, after=55)
+    # Then intervals were agreed before the loss (the first decision comes at step 46, a function
+    # of the schedule; rank 0 had printed step 60 when h1 dropped off), each with its replica
+    # spacing, and the lost rank's replica (above) was one the schedule chose, so the resume redid
+    # at most the longest replica interval in force (the path, in-process or restart, does not matter)
     decisions = events(*nodes, kind="snapshot_interval")
     decided = [e for e in decisions if e["step"] < 60]
     assert decided and decided[0]["step"] == 46 and decided[-1]["interval"] > 1, decisions
-    longest = max(e["interval"] for e in decisions)
+    assert all(e["replicate_every"] >= 1 and e["replica_interval"] >= e["interval"] for e in decisions), decisions
+    longest = max(max(e["replica_interval"] for e in decisions), 2 * 6)  # the probe replicates every other of 6
     redone = [e["steps_redone"] for e in events(*nodes, kind="recovered") if e.get("steps_redone") is not None]
     assert redone and all(0 <= r <= longest + 1 for r in redone), (redone, decisions, step)
     assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *train[1:-2])

@@ -22,11 +22,22 @@ class _Saves:
     def __init__(self) -> None:
         self.steps: list[int] = []
         self.previous: list[int | None] = []
+        self.replicate: list[bool | None] = []
         self.flushed = False
 
-    def save(self, step: int, tensors: Any, meta: Any, replicated: Any, *, previous: int | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        tensors: Any,
+        meta: Any,
+        replicated: Any,
+        *,
+        previous: int | None = None,
+        replicate: bool | None = None,
+    ) -> None:
         self.steps.append(step)
         self.previous.append(previous)
+        self.replicate.append(replicate)
 
     def report(self, event: str, **fields: Any) -> None: ...
 
@@ -36,11 +47,17 @@ class _Saves:
         self.flushed = True
 
 
-def _job(every: int) -> tuple[Job, _Saves]:
+def _job(every: int, *, replicate_auto: bool = False) -> tuple[Job, _Saves]:
     saves = _Saves()
     job = Job(
-        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), snapshotter=saves, snapshot_every=every
-    )  # type: ignore[arg-type]
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        device=torch.device("cpu"),
+        snapshotter=saves,  # type: ignore[arg-type]
+        snapshot_every=every,
+        replicate_auto=replicate_auto,
+    )
     job.track(weights=torch.zeros(3))
     return job, saves
 
@@ -114,6 +131,30 @@ def test_the_interval_reaches_the_workers_and_nonsense_is_refused() -> None:
     assert read_worker_variables(env).snapshot_every == 5
     assert read_worker_variables({}).snapshot_every == 1
     assert read_worker_variables(WorkerEnv(**base, snapshot_every=0).to_env({})).snapshot_every == 0  # auto
+    replicas_auto = WorkerEnv(**base, snapshot_every=0, replicate_auto=True).to_env({})
+    assert read_worker_variables(replicas_auto).replicate_auto
+    assert not read_worker_variables(env).replicate_auto and not read_worker_variables({}).replicate_auto
     with pytest.raises(ConfigError, match=r"--snapshot-every \(-1\) must be >= 1 or auto") as raised:
         Config(script="train.py", snapshot_every=-1).validate()
     assert raised.value.hint is not None and "redoes at most N-1 steps" in raised.value.hint
+
+
+def test_a_commit_that_says_whether_to_replicate_is_obeyed_whatever_the_fixed_interval() -> None:
+    # --replicate-every auto: the workers' schedule decides, the agent's interval (1) does not
+    assert not Committed(19, 0, 1, None, previous=14, replicate=False).replicated(1)
+    assert Committed(20, 0, 1, None, previous=19, replicate=True).replicated(10)
+    assert Committed(19, 0, 1, None, previous=14).replicated(10)  # not said: the interval decides
+
+
+def test_with_replicate_every_auto_each_commit_says_whether_the_peers_get_it_and_the_last_always() -> None:
+    job, saves = _job(0, replicate_auto=True)
+    for step in range(20):
+        job.commit(step)
+    job.finish()
+    # the probe interval (6) and every other snapshot replicated until the first decision
+    assert saves.steps == [5, 11, 17, 19]
+    assert saves.replicate == [True, False, True, True]  # 19: training's last step goes to the peers
+    plain, fixed = _job(0)
+    for step in range(7):
+        plain.commit(step)
+    assert fixed.replicate == [None]  # without it the agent's --replicate-every decides

@@ -194,3 +194,72 @@ def test_the_first_snapshots_of_a_generation_allocating_node_memory_are_not_meas
             assert decision.cost_s == pytest.approx(0.3) and decision.interval == 10
             return
     raise AssertionError("no decision in 120 steps")
+
+
+def _train_replicating(
+    schedule: Schedule, clock: _Clock, steps: range, *, memory: float, replica: float
+) -> tuple[list[tuple[int, bool]], list[Decision]]:
+    """``_train`` with ``--replicate-every auto``: a snapshot blocks ``memory`` seconds, and a
+    replicated one ``replica`` more, half on its step and half on the step after (the push)."""
+    taken: list[tuple[int, bool]] = []
+    decisions: list[Decision] = []
+    after = 0.0
+    for step in steps:
+        due = schedule.due(step)
+        replicated = schedule.replicates() if due else None
+        clock.now += 1.0 + after
+        after = 0.0
+        if due:
+            clock.now += memory + (replica / 2 if replicated else 0.0)
+            after = replica / 2 if replicated else 0.0
+            taken.append((step, bool(replicated)))
+        decision = schedule.finished(step, due)
+        if decision is not None:
+            decisions.append(decision)
+    return taken, decisions
+
+
+def test_replicate_every_auto_spaces_expensive_replicas_among_cheap_snapshots() -> None:
+    clock = _Clock()
+    schedule = Schedule(AUTO, budget=0.03, replicas=True, clock=clock)
+    taken, decisions = _train_replicating(schedule, clock, range(600), memory=0.02, replica=0.5)
+    # the first window replicates every other snapshot, so both kinds are measured
+    assert [r for _, r in taken[:6]] == [True, False, True, False, True, False]
+    final = decisions[-1]
+    # (0.02 + 0.5 / k) / s <= 3% minimising s + s * k: k = 5 (~sqrt(0.5 / 0.02)), s = 4
+    assert (final.interval, final.replicate_every) == (4, 5), decisions
+    assert final.cost_s == pytest.approx(0.02, abs=0.005) and final.replica_cost_s == pytest.approx(0.5, abs=0.05)
+    assert final.overhead is not None and final.overhead <= 0.03 + 1e-9
+    late = [r for s, r in taken if s > 300]
+    assert sum(late) / len(late) == pytest.approx(1 / 5, abs=0.05)
+    assert final.replica_interval == 20
+
+
+def test_replicate_every_auto_replicates_every_snapshot_when_replicas_cost_nothing_more() -> None:
+    clock = _Clock()
+    schedule = Schedule(AUTO, budget=0.03, replicas=True, clock=clock)
+    _, decisions = _train_replicating(schedule, clock, range(1200), memory=0.3, replica=0.0)
+    spacings = [d.replicate_every for d in decisions]
+    assert spacings[0] == 1 and decisions[0].interval == 10
+    # replicating every snapshot leaves the memory-only cost unmeasured: now and then a window
+    # replicates every other snapshot to measure it again
+    assert 2 in spacings[1 : REFRESH_WINDOWS + 2] and spacings[-1] in (1, 2)
+
+
+def test_without_replicate_every_auto_the_schedule_does_not_choose_replicas() -> None:
+    clock = _Clock()
+    schedule = Schedule(AUTO, budget=0.03, clock=clock)
+    assert schedule.replicates() is None
+    fixed = Schedule(4, replicas=True, clock=clock)  # replicas are scheduled with auto snapshots only
+    assert fixed.replicates() is None
+
+
+def test_choose_for_replicas_is_a_pure_function_of_rows_with_both_kinds() -> None:
+    # memory kind: 12 steps, 2 snapshots, 0.04 s above quiet; replicated kind: 12 steps, 2, 1.04 s
+    rows = [[12_040_000, 12, 1_000_000, 2, 0, 13_040_000, 12, 2, 0]]
+    decision = choose(rows, 0.03, 6, None, replicas=True)
+    assert decision == choose([list(rows[0])], 0.03, 6, None, replicas=True)
+    assert decision.cost_s == pytest.approx(0.02) and decision.replica_cost_s == pytest.approx(0.5)
+    assert (decision.interval, decision.replicate_every) == (4, 5)
+    spread = choose(rows, 0.03, 6, None, replicas=True, spread_replicas=True)
+    assert spread.replicate_every >= 2

@@ -123,7 +123,8 @@ class Replicator:
             hold_commits: install the commit gate that bounds the replicas' lag (see the module).
             push_delay_s: a fault hook for tests: each push waits this long before its bytes.
             every: replicate the first snapshot at or past each multiple of this many steps
-                (``--replicate-every``; ``Committed.crosses``), the same steps on every node.
+                (``--replicate-every``; ``Committed.crosses``), the same steps on every node; a
+                commit that says whether to replicate (``--replicate-every auto``) is obeyed instead.
         """
         check_secret(secret)
         self._memory = memory
@@ -156,7 +157,7 @@ class Replicator:
         # the worker writes this slot again, so it identifies these bytes. O(1), no I/O, brief lock.
         if self._closed:
             return
-        if not committed.crosses(self._every):
+        if not committed.replicated(self._every):
             with self._cond:
                 self._skipped[rank] = committed.step  # its commit gate opens at once
                 self._cond.notify_all()
@@ -188,7 +189,7 @@ class Replicator:
                 now = time.monotonic()
                 source = self._latest.get(rank)
                 if self._skipped.get(rank) == step:
-                    break  # a step --replicate-every leaves out: nothing to wait for
+                    break  # a step the replica interval leaves out: nothing to wait for
                 if source is None or source.committed.step < step:
                     wait_until = min(end, complete_by)
                 elif any(self._holds_back(t, source, now) for t in self._targets.values()):
@@ -373,7 +374,7 @@ class Replicator:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
-        # The commit's crc32s, not the counter, prove the bytes sent (see tiers/memory.py).
+        # The commit's crc32s, not the counter, prove the bytes sent (see tiers/_segments.py).
         expected = crcs_at(committed, bounds)
         address, delay = target.address, self._push_delay_s
         sent = push_view(address, self._secret, announce, view, deadline, check, on_socket, whole, expected, delay)
