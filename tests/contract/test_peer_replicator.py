@@ -466,52 +466,46 @@ def test_the_gate_holds_a_commit_until_its_step_is_on_the_peer_so_replicas_lag_o
     assert peer.store.steps(0)[0] == 5
 
 
-def test_with_replicas_every_n_steps_only_crossing_steps_are_pushed_and_the_others_pass_the_gate_at_once(
-    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+@pytest.mark.parametrize(
+    ("every", "says", "steps", "pushed"),
+    [
+        # --replicate-every 4: the ends of intervals of 4, chosen by the agent from each commit's previous step
+        (4, lambda step: None, 10, (3, 7)),
+        # --replicate-every auto: the agent's interval is left at 1 and the workers' commits choose
+        # (every third snapshot here)
+        (1, lambda step: step % 3 == 2, 9, (2, 5, 8)),
+    ],
+    ids=["every-4", "auto"],
+)
+def test_only_the_snapshots_chosen_for_replicas_are_pushed_and_the_others_pass_the_gate_at_once(
+    memory: NodeMemoryTier,
+    make_peer: Callable[[], Peer],
+    replicators: list[Replicator],
+    every: int,
+    says: Callable[[int], bool | None],
+    steps: int,
+    pushed: tuple[int, ...],
 ) -> None:
-    # Given --replicate-every 4 and pushes slower than the worker's steps
+    # Given pushes slower than the worker's steps
     peer = make_peer()
     replicator = Replicator(
-        memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH, push_delay_s=0.1, every=4
+        memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH, push_delay_s=0.1, every=every
     )
     replicators.append(replicator)
     eventually(lambda: peer.server.address in replicator._targets)
     held = {}
-    for step in range(10):
-        # When a worker commits steps 0-9, saying which step it snapshotted before each
+    for step in range(steps):
+        # When a worker commits each step, saying which step it snapshotted before (and, under
+        # auto, whether this one goes to the peers)
         write_slot(memory, 0, step % 2, snapshot(step))
-        memory.commit(0, step, step % 2, len(snapshot(step)), {"step": step}, previous=step - 1)
+        memory.commit(0, step, step % 2, len(snapshot(step)), {"step": step}, previous=step - 1, replicate=says(step))
         held[step] = memory.pass_gates(0, step)
-    # Then steps 3 and 7 (the ends of intervals of 4) were pushed, each answer waiting for its push,
-    assert min(held[3], held[7]) >= 0.09
+    # Then the chosen steps were pushed, each answer waiting for its push,
+    assert min(held[s] for s in pushed) >= 0.09
     # and no other commit waited for anything
-    assert max(t for s, t in held.items() if s not in (3, 7)) < 0.05
-    assert lags(replicator)[0]["replicated"] == 7
-    assert sorted(peer.store.steps(0)) == [3, 7]
-
-
-def test_with_replicate_every_auto_the_commits_choose_what_is_pushed_whatever_the_agents_interval(
-    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
-) -> None:
-    # Given the agent's interval left at 1 (--replicate-every auto) and pushes slower than a step
-    peer = make_peer()
-    replicator = Replicator(
-        memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH, push_delay_s=0.1
-    )
-    replicators.append(replicator)
-    eventually(lambda: peer.server.address in replicator._targets)
-    held = {}
-    for step in range(9):
-        # When the workers' schedule replicates every third snapshot (steps 2, 5 and 8)
-        write_slot(memory, 0, step % 2, snapshot(step))
-        replicate = step % 3 == 2
-        memory.commit(0, step, step % 2, len(snapshot(step)), {"step": step}, previous=step - 1, replicate=replicate)
-        held[step] = memory.pass_gates(0, step)
-    # Then only those were pushed, each answer waiting for its push, and no other commit waited
-    assert min(held[2], held[5], held[8]) >= 0.09
-    assert max(t for s, t in held.items() if s not in (2, 5, 8)) < 0.05
-    assert lags(replicator)[0]["replicated"] == 8
-    assert sorted(peer.store.steps(0)) == [5, 8]  # the peer keeps a rank's newest two
+    assert max(t for s, t in held.items() if s not in pushed) < 0.05
+    assert lags(replicator)[0]["replicated"] == pushed[-1]
+    assert sorted(peer.store.steps(0)) == list(pushed[-2:])  # the peer keeps a rank's newest two
 
 
 def test_the_gate_does_not_wait_for_a_peer_that_refuses_connections(
