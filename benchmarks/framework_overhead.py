@@ -1,7 +1,7 @@
 """An unmodified framework script: resilrun's per-step cost and a failure's cost vs torchrun.
 
     python benchmarks/framework_overhead.py [--framework transformers|lightning|accelerate] [--runs 2] [--steps 60]
-        [--kill-step 25] [--snapshot-every 1] [--json out.json]
+        [--kill-step 25] [--snapshot-every 1|N|auto] [--steady-from 5] [--steady-only] [--json out.json]
 
 Why this shape (issue 18): the integration snapshots model, optimizer, scheduler, RNG and the
 framework's loop state after every optimizer step, which is what a user pays on every step; and it
@@ -10,8 +10,9 @@ checkpoint resume (the Hugging Face Trainer's ``resume_from_checkpoint``, Lightn
 ``ckpt_path="last"``, Accelerate's ``load_state`` with ``skip_first_batches``).
 So, side by side in one run, interleaved per round (the machine is small and noisy):
 
-- steady state (no fault): mean time per optimizer step over steps 5..N from rank 0's step-end
-  stamps, for torchrun, torchrun with the framework saving a checkpoint every --save-steps,
+- steady state (no fault): mean time per optimizer step over steps --steady-from..N from rank 0's
+  step-end stamps (with ``--snapshot-every auto``, start past its first decision, step 46, and one
+  window: what a long job pays), for torchrun, torchrun with the framework saving a checkpoint every --save-steps,
   resilrun with integrations off (the launcher alone) and resilrun (the integration on);
 - one worker SIGKILLed as step --kill-step starts: torchrun --max-restarts 1 resuming from the
   framework's newest checkpoint (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it, torchrun's
@@ -83,8 +84,10 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=10)
     parser.add_argument("--kill-step", type=int, default=25)
     parser.add_argument(
-        "--snapshot-every", type=int, default=1, help="resilrun's --snapshot-every in its runs (1: every step)"
+        "--snapshot-every", default="1", help="resilrun's --snapshot-every in its runs: N or auto (1: every step)"
     )
+    parser.add_argument("--steady-from", type=int, default=5, help="first step of the steady-state mean")
+    parser.add_argument("--steady-only", action="store_true", help="leave out the runs with a worker killed")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args()
@@ -94,7 +97,7 @@ def main() -> None:
     kill = ["--kill-rank", "1", "--kill-step", str(opts.kill_step)]
     saves = ["--save-steps", str(opts.save_steps)]
     torchrun = [py, "-m", "torch.distributed.run", *common]
-    resilrun = [py, "-m", "resilrun", *common, "--snapshot-every", str(opts.snapshot_every)]
+    resilrun = [py, "-m", "resilrun", *common, "--snapshot-every", opts.snapshot_every]
     off = {"RESILRUN_NO_INTEGRATIONS": "1"}
     unshared = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cases: dict[str, tuple[list[str], dict[str, str]]] = {
@@ -112,6 +115,10 @@ def main() -> None:
         "torchrun + checkpoints, killed": [*saves, *kill],
         "resilrun --spares 1, killed": kill,
     }
+    if opts.steady_only:
+        cases = {name: case for name, case in cases.items() if "killed" not in name}
+    if not 1 <= opts.steady_from < opts.steps:
+        parser.error(f"--steady-from must be in 1..{opts.steps - 1} (--steps {opts.steps})")
     results: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {name: [] for name in cases}
     names = list(cases)
     for round_ in range(opts.runs):
@@ -121,7 +128,7 @@ def main() -> None:
             wall, stamps = _launch(name, argv, env, WORKERS[opts.framework], worker_args, opts.steps, opts.timeout)
             results[name].append((wall, stamps))
             print(f"round {round_ + 1} {name}: {wall:.1f} s", file=sys.stderr, flush=True)
-    report = _report(results, opts.kill_step)
+    report = _report(results, opts.kill_step, opts.steady_from)
     print(report["markdown"])
     if opts.json:
         opts.json.write_text(json.dumps(report, indent=2))
@@ -156,15 +163,33 @@ def _launch(
     return wall, done
 
 
-def _report(results: dict[str, list[tuple[float, list[tuple[int, float]]]]], kill_step: int) -> dict[str, Any]:
+def _report(
+    results: dict[str, list[tuple[float, list[tuple[int, float]]]]], kill_step: int, steady_from: int
+) -> dict[str, Any]:
     steady = ["torchrun", "torchrun + own checkpoints", "resilrun, integrations off", "resilrun"]
-    step_ms = {name: statistics.median(_mean_step(s) for _, s in results[name]) * 1000 for name in steady}
+    means = {name: [_mean_step(s, steady_from) for _, s in results[name]] for name in steady}
+    step_ms = {name: statistics.median(m) * 1000 for name, m in means.items()}
+    # Each round's ratio against that round's torchrun (runs of one round are interleaved, so they
+    # share the machine's drift): the spread a single median hides.
+    rounds = [
+        {name: means[name][i] / means["torchrun"][i] for name in steady} for i in range(len(means["torchrun"]))
+    ]
     walls = {name: statistics.median(w for w, _ in runs) for name, runs in results.items()}
     base = step_ms["torchrun"]
     lines = [
-        "| steady state (no fault) | ms per optimizer step | vs torchrun |",
-        "| --- | ---: | ---: |",
-        *(f"| {name} | {step_ms[name]:.1f} | {step_ms[name] / base:.3f}x |" for name in steady),
+        f"| steady state (no fault), steps {steady_from}+ | ms per optimizer step | vs torchrun | rounds |",
+        "| --- | ---: | ---: | --- |",
+        *(
+            f"| {name} | {step_ms[name]:.1f} | {step_ms[name] / base:.3f}x | "
+            f"{', '.join(f'{r[name]:.3f}' for r in rounds)} |"
+            for name in steady
+        ),
+    ]
+    report: dict[str, Any] = {"step_ms": step_ms, "rounds": rounds, "wall_s": {}, "failure": {}}
+    if "resilrun --spares 1, killed" not in results:
+        report["markdown"] = "\n".join(lines)
+        return report
+    lines += [
         "",
         f"| one worker SIGKILLed at step {kill_step} | job wall (s) | failure cost (s, from stamps) | steps redone |",
         "| --- | ---: | ---: | ---: |",
@@ -178,7 +203,8 @@ def _report(results: dict[str, list[tuple[float, list[tuple[int, float]]]]], kil
     t, r = cost["torchrun + checkpoints, killed"], cost["resilrun --spares 1, killed"]
     lines.append("")
     lines.append(f"failure cost, resilrun / torchrun + the framework's resume: {r['cost_s'] / t['cost_s']:.2f}x")
-    return {"step_ms": step_ms, "wall_s": walls, "failure": cost, "markdown": "\n".join(lines)}
+    report.update(wall_s=walls, failure=cost, markdown="\n".join(lines))
+    return report
 
 
 if __name__ == "__main__":

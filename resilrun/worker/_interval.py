@@ -30,7 +30,10 @@ the kind of the snapshot that began its interval, so a window measures both: ``c
 under the budget, ``(c_m + c_r / k) / (s * quiet) <= budget``, that minimises ``s + s * k``: the steps
 a worker failure and a node loss would redo, weighed alike (without rates of either, the neutral
 choice). Its optimum, ``k = sqrt(c_r / c_m)``, is what a cheap memory snapshot and an expensive
-replica call for: snapshots often, replicas every few of them.
+replica call for: snapshots often, replicas every few of them. A push that outlasts its interval
+makes the *next* snapshot's commit wait (the commit gate), and that wait counts for the next
+snapshot's kind: ``c_m`` then comes out high and ``c_r`` low, which errs toward more replicas and a
+higher total estimate, never past the budget.
 """
 
 from __future__ import annotations

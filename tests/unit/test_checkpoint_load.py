@@ -7,7 +7,11 @@ exported files read back by safetensors and by torch.distributed.checkpoint; the
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import pty
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +283,32 @@ def test_the_export_command_writes_and_says_what(tmp_path: Path, capsys: pytest.
     # nothing in the DCP directory is read back by resilrun, and its own files were never unpickled
     assert not any(pickle.__name__ in str(p) for p in (tmp_path / "d").iterdir())
 
+
+def test_the_export_command_draws_its_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    """On a TTY the read of every rank's file shows as a bar on stderr (erased when done); the
+    piped run above prints nothing there. A real pseudo-terminal, as a user's shell has."""
+    root = write(tmp_path / "ckpt", world=3)
+    leader, follower = pty.openpty()
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "100"}
+    env.pop("NO_COLOR", None)
+    command = [sys.executable, "-m", "resilrun", "export", str(root), "--to", str(tmp_path / "m.safetensors")]
+    with subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower, env=env) as proc:
+        os.close(follower)
+        drawn = bytearray()
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        out = proc.stdout.read().decode() if proc.stdout else ""
+        assert proc.wait(60) == 0, drawn.decode(errors="replace")
+    os.close(leader)
+    text = drawn.decode(errors="replace")
+    assert "reading step 9" in text and "\x1b[" in text, text  # the bar, drawn with escape codes
+    assert out.startswith("exported step 9"), out  # the data still goes to stdout, plain
 
 @pytest.mark.parametrize(
     ("args", "code", "message"),
