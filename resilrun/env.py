@@ -87,10 +87,13 @@ class WorkerEnv:
                 "RESILRUN_SNAPSHOT_DEDUP": "1" if self.snapshot_dedup else "0",
                 "RESILRUN_SNAPSHOT_EVERY": "auto" if self.snapshot_every == SNAPSHOT_AUTO else str(self.snapshot_every),
                 "RESILRUN_MAX_OVERHEAD": f"{self.max_overhead_pct:g}",
-                "RESILRUN_REPLICATE_EVERY": "auto" if self.replicate_auto else "agent",
                 "RESILRUN_SPARE": "0",
             }
         )
+        # Set only when the workers choose the replicated snapshots; otherwise the agent does.
+        env.pop("RESILRUN_REPLICATE_EVERY", None)
+        if self.replicate_auto:
+            env["RESILRUN_REPLICATE_EVERY"] = "auto"
         if self.agent_socket:
             env["RESILRUN_AGENT_SOCKET"] = self.agent_socket
         return env

@@ -36,7 +36,7 @@ _RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300
 Snapshot = Callable[[], dict[str, Any] | None]
 
 
-class _StatusCollector(Collector):
+class StatusCollector(Collector):
     """Gauges computed at scrape time from the node's latest status document."""
 
     def __init__(self, snapshot: Snapshot) -> None:
@@ -167,7 +167,7 @@ class AgentMetrics:
             registry=r,
         )  # fmt: skip
         self.generation = Gauge(f"{_PREFIX}_generation", "Rendezvous round (generation) this node runs.", registry=r)
-        r.register(_StatusCollector(snapshot))
+        r.register(StatusCollector(snapshot))
         self._server: Any = None
         self.address: tuple[str, int] | None = None
 

@@ -37,6 +37,7 @@ from resilrun.tiers.memory import NodeMemoryTier
 if TYPE_CHECKING:
     from resilrun.agent.procs import WorkerSnapshot
     from resilrun.agent.supervisor import Supervisor
+    from resilrun.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class RankState(Enum):
         if silent_s is None:
             return cls.RUNNING if stepped else cls.STARTING
         return cls.RUNNING if silent_s <= timeout_s else cls.UNRESPONSIVE
+
 
 _WATCHED = 2
 # Event-triggered publishes closer together than this are merged (a burst of reports in a recovery).
@@ -177,25 +179,8 @@ class StatusPublisher:
         return max((s for s in (exact, beaten) if s is not None), default=None)
 
     def _snapshots(self) -> dict[str, Any]:
-        """How often each tier takes a step: the intervals set, and what ``auto`` measured and chose."""
         config = self.supervisor.config
-        auto = config.snapshot_every == SNAPSHOT_AUTO
-        replicas_auto = config.replicate_every == SNAPSHOT_AUTO and config.replicas > 0
-        decided = self.telemetry.interval
-        return {
-            "every": "auto" if auto else config.snapshot_every,
-            "interval": (decided or {}).get("interval") if auto else config.snapshot_every,
-            "max_overhead_pct": config.max_overhead_pct if auto else None,
-            # measured by the workers at their last decision (auto only): fraction of step time
-            "overhead": (decided or {}).get("overhead") if auto else None,
-            "step_time_s": (decided or {}).get("quiet_step_s") if auto else None,
-            "decided_at_step": (decided or {}).get("step") if auto else None,
-            "replicate_every": "auto" if config.replicate_every == SNAPSHOT_AUTO else config.replicate_every,
-            # --replicate-every auto: every k-th snapshot goes to the peers, about every N steps
-            "replicate_every_snapshots": (decided or {}).get("replicate_every") if replicas_auto else None,
-            "replica_interval": (decided or {}).get("replica_interval") if replicas_auto else None,
-            "persist_every": config.persist_every if config.checkpoint_uri else None,
-        }
+        return snapshot_policy(config, self.telemetry.interval, persisting=bool(config.checkpoint_uri))
 
     def _tiers(self, ranks: list[int], done: int | None) -> dict[str, Any]:
         """The newest step every local rank holds in each tier, and the steps at risk: how many
@@ -299,3 +284,31 @@ def _at_risk(done: int | None, step: int | None) -> int | None:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
+
+
+def snapshot_policy(config: Config, decided: dict[str, Any] | None, *, persisting: bool) -> dict[str, Any]:
+    """How often each tier takes a step: the intervals set, and what ``auto`` measured and chose
+    (``decided``: the workers' newest ``snapshot_interval`` decision). With ``--replicas 0`` no
+    snapshot goes to a peer, so no replica interval is claimed whatever ``--replicate-every`` says."""
+    auto = config.snapshot_every == SNAPSHOT_AUTO
+    replicating = config.replicas > 0
+    replicas_auto = config.replicate_every == SNAPSHOT_AUTO and replicating
+    decided = decided or {}
+    replicate_every: int | str | None = None
+    if replicating:
+        replicate_every = "auto" if config.replicate_every == SNAPSHOT_AUTO else config.replicate_every
+    return {
+        "every": "auto" if auto else config.snapshot_every,
+        "interval": decided.get("interval") if auto else config.snapshot_every,
+        "max_overhead_pct": config.max_overhead_pct if auto else None,
+        # measured by the workers at their last decision (auto only): fraction of step time
+        "overhead": decided.get("overhead") if auto else None,
+        "step_time_s": decided.get("quiet_step_s") if auto else None,
+        "decided_at_step": decided.get("step") if auto else None,
+        "replicas": config.replicas,
+        "replicate_every": replicate_every,
+        # --replicate-every auto: every k-th snapshot goes to the peers, about every N steps
+        "replicate_every_snapshots": decided.get("replicate_every") if replicas_auto else None,
+        "replica_interval": decided.get("replica_interval") if replicas_auto else None,
+        "persist_every": config.persist_every if persisting else None,
+    }

@@ -164,7 +164,9 @@ def policy_text(policy: dict[str, Any]) -> str:
             text += f", replicas: every {_ordinal(spacing)} snapshot (~{steps_apart} steps)"
         else:
             text += ", replicas: auto"
-    elif replicate != 1:
+    elif replicate is None and policy.get("replicas") == 0:
+        text += ", no replicas"
+    elif replicate not in (1, None):
         text += f", replicas every {replicate}"
     return text
 

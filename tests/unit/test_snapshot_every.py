@@ -134,6 +134,9 @@ def test_the_interval_reaches_the_workers_and_nonsense_is_refused() -> None:
     replicas_auto = WorkerEnv(**base, snapshot_every=0, replicate_auto=True).to_env({})
     assert read_worker_variables(replicas_auto).replicate_auto
     assert not read_worker_variables(env).replicate_auto and not read_worker_variables({}).replicate_auto
+    # the agent decides which snapshots replicate: the variable is absent, even if the agent's own
+    # environment (the workers' base) carried one
+    assert "RESILRUN_REPLICATE_EVERY" not in WorkerEnv(**base).to_env({"RESILRUN_REPLICATE_EVERY": "auto"})
     with pytest.raises(ConfigError, match=r"--snapshot-every \(-1\) must be >= 1 or auto") as raised:
         Config(script="train.py", snapshot_every=-1).validate()
     assert raised.value.hint is not None and "redoes at most N-1 steps" in raised.value.hint

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry
+
+from resilrun.agent.metrics import StatusCollector
+from resilrun.agent.status import snapshot_policy
 from resilrun.cli._status_render import policy_text
+from resilrun.config import Config
 
 
 def test_fixed_and_auto_intervals_read_as_a_sentence() -> None:
@@ -21,3 +26,24 @@ def test_replicate_every_auto_says_which_snapshots_go_to_the_peers() -> None:
     assert policy_text(second).endswith("every 2nd snapshot (~8 steps)")
     assert policy_text({**auto, "replicate_every_snapshots": 1}).endswith(", replicas: each snapshot")
     assert policy_text(auto).endswith(", replicas: auto")  # before the first decision
+
+
+def test_no_replicas_means_no_replica_interval_whatever_replicate_every_says() -> None:
+    """--replicas 0 takes no replica: neither the policy nor the gauge may claim an interval."""
+    config = Config(nnodes="1", nproc_per_node=1, replicas=0, replicate_every=4, snapshot_every=2)
+    policy = snapshot_policy(config, None, persisting=False)
+    assert policy["replicas"] == 0 and policy["replicate_every"] is None
+    assert policy_text(policy) == "every 2 steps, no replicas"
+    assert _gauge_value({"snapshots": policy}, "resilrun_replica_interval_steps") is None
+
+    replicated = snapshot_policy(
+        Config(nnodes="2", nproc_per_node=1, replicas=1, replicate_every=4), None, persisting=False
+    )
+    assert replicated["replicas"] == 1 and replicated["replicate_every"] == 4
+    assert _gauge_value({"snapshots": replicated}, "resilrun_replica_interval_steps") == 4
+
+
+def _gauge_value(doc: dict, name: str) -> float | None:
+    registry = CollectorRegistry()
+    registry.register(StatusCollector(lambda: doc))
+    return registry.get_sample_value(name)
