@@ -71,6 +71,7 @@ def _publisher(current: Round | None) -> StatusPublisher:
             checkpoint_uri=None,
             snapshot_every=1,
             max_overhead_pct=3.0,
+            replicas=1,
             replicate_every=1,
             persist_every=100,
         ),
