@@ -98,6 +98,10 @@ class StatusPublisher:
         self._stop = threading.Event()
         self._failing = False
         self._seq = 0
+        # (incarnation, seq) orders this node's documents for readers that read more than once: a
+        # replayed older one is refused (status/view.py DocumentVersions). Wall-clock start first,
+        # so a document of an earlier agent on this node also sorts before this one's.
+        self.incarnation = f"{time.time_ns():020d}-{os.urandom(4).hex()}"
         telemetry.events.add_listener(lambda record: self._wake.set())
         try:
             history.register_node(self.backend, self.run_id, self.node_id)
@@ -132,6 +136,8 @@ class StatusPublisher:
             "node_rank": node_rank,
             "round": state.round if state is not None else None,
             "seq": self._seq,
+            "incarnation": self.incarnation,
+            "written_at": round(time.time(), 3),
             "uptime_s": round(time.monotonic() - self.started, 3),
             "heartbeat_interval_s": sup.config.heartbeat_interval_s,
             "ranks": ranks,

@@ -84,6 +84,13 @@ def summary(doc: dict[str, Any]) -> str:
 NODE_COLUMNS = ("node", "host", "state", "round", "heartbeat", "ranks", "spares", "memory", "peer", "persisted")
 
 
+def _state(node: dict[str, Any]) -> str:
+    """The node's state, and how old its document is when it is stale (a silent agent, or a replay)."""
+    if node.get("status_stale"):
+        return f"{node['state']} (status {node['status_age_s']:.0f} s old)"
+    return str(node["state"])
+
+
 def node_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for node in doc["nodes"]:
@@ -94,7 +101,7 @@ def node_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
             (
                 _num(node["node_rank"]),
                 str(node.get("host") or "?"),
-                node["state"],
+                _state(node),
                 _num(node.get("round")),
                 _age(node.get("heartbeat_age_s")),
                 _span(node.get("ranks") or []),
@@ -237,9 +244,15 @@ def store_line(doc: dict[str, Any]) -> str:
     if not store.get("verified"):
         return "store documents: not verified (give the job's --job-secret-file to verify them)"
     refused = store.get("refused") or []
-    if not refused:
+    replayed = store.get("replayed") or []
+    if not refused and not replayed:
         return "store documents: verified with the job secret"
-    return f"store documents: verified; {len(refused)} refused (no valid MAC: forged): {', '.join(refused[:3])}"
+    said = []
+    if refused:
+        said.append(f"{len(refused)} refused (no valid MAC: forged): {', '.join(refused[:3])}")
+    if replayed:
+        said.append(f"{len(replayed)} refused (older than one read before: replayed): {', '.join(replayed[:3])}")
+    return "store documents: verified; " + "; ".join(said)
 
 
 def text_lines(doc: dict[str, Any]) -> list[str]:

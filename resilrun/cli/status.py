@@ -136,6 +136,7 @@ class _Reader:
         self.security = security  # etcd's TLS and user (rendezvous/etcd.py EtcdSecurity), or None
         self.backend: Any = None
         self.refused: list[str] = []  # keys whose documents did not verify (shown, never trusted)
+        self.versions: Any = None  # status/view.py DocumentVersions: refuses replays across reads
 
     def read(self) -> dict[str, Any]:
         """The composed document (see docs/status.md).
@@ -155,15 +156,18 @@ class _Reader:
             # Without the secret, documents are shown unverified (and the view says so).
             key = store_key(self.secret) if self.secret is not None else None
             self.backend = SealedBackend(opened, key, on_forged=self.refused.append)
+            self.versions = status_view.DocumentVersions()
         run_id = self.requested_id or history.latest_run(self.backend) or "none"
         raw = status_view.read_raw(self.backend, run_id, self.history)
+        # verified documents only: without the secret anyone could write a "newer" one
+        replayed = self.versions.admit(raw) if self.secret is not None else []
         if raw["rdzv"] is None and not raw["nodes"]:
             raise RendezvousError(
                 f"no job '{run_id}' at {self.endpoint}",
                 hint="pass the job's --rdzv-id" if self.requested_id else "is the job running at this endpoint?",
             )
-        store = {"verified": self.backend.verified, "refused": sorted(set(self.refused))}
-        return status_view.compose(raw, endpoint=self.endpoint, backend=self.kind, store=store)
+        store = {"verified": self.backend.verified, "refused": sorted(set(self.refused)), "replayed": replayed}
+        return status_view.compose(raw, endpoint=self.endpoint, backend=self.kind, store=store, now=time.time())
 
 
 def _show(out: Output, doc: dict[str, Any], json_output: bool, *, tty: bool) -> None:

@@ -10,7 +10,12 @@ Judgements made here, and why:
 - a node's heartbeat age is the smallest age any other agent reports for it (each agent watches its
   next nodes in rank order on its own clock);
 - the job-wide snapshot steps are the newest step *every* rank holds in that tier (min over ranks
-  and nodes), except persisted, which is job-wide already (max over nodes that saw it complete).
+  and nodes), except persisted, which is job-wide already (max over nodes that saw it complete);
+- a node document's age (``status_age_s``) is the reader's wall clock against the writer's, so it
+  includes their skew: it is shown, as "stale" past ``stale_after_s``, never used to judge a node
+  (heartbeat ages do that). It is what exposes an old document written back (a replay: its MAC
+  still verifies) to a reader that reads once; one that reads again (``--watch``) also refuses a
+  document older than one it saw (:class:`DocumentVersions`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,50 @@ from resilrun.status import records as history
 
 SCHEMA = 1
 TERMINAL = ("succeeded", "failed", "stopped")
+# A live agent rewrites its document every heartbeat interval and at every event; one this much
+# older (and more than a few intervals) is shown as stale: its agent stopped writing, or it is a
+# replay. Generous, since the age includes the two hosts' clock skew.
+STALE_AFTER_S = 10.0
+STALE_INTERVALS = 5
+
+
+class DocumentVersions:
+    """The replay guard of a reader that reads the job's documents more than once.
+
+    Each agent orders its documents by (incarnation, seq) (agent/status.py): a document with a
+    valid MAC that sorts before one this reader already saw from that node is an old one written
+    back. It is refused, and the newest one seen is shown in its place. A reader that reads once
+    cannot tell (a MAC cannot): the document's age says it there.
+    """
+
+    def __init__(self) -> None:
+        self._newest: dict[str, tuple[tuple[str, int], dict[str, Any]]] = {}
+
+    def admit(self, raw: dict[str, Any]) -> list[str]:
+        """Replace, in :func:`read_raw`'s records, each node document older than one seen before;
+        returns the status keys of those replaced."""
+        replayed = []
+        for entry in raw["nodes"]:
+            doc, node_id = entry["doc"], entry["node_id"]
+            version = _version(doc)
+            if version is None:
+                continue
+            seen = self._newest.get(node_id)
+            if seen is not None and version < seen[0]:
+                entry["doc"] = seen[1]
+                replayed.append(keys.node_status(raw["run_id"], node_id))
+                continue
+            self._newest[node_id] = (version, doc)
+        return replayed
+
+
+def _version(doc: Any) -> tuple[str, int] | None:
+    if not isinstance(doc, dict):
+        return None
+    incarnation, seq = doc.get("incarnation"), doc.get("seq")
+    if not isinstance(incarnation, str) or not isinstance(seq, int) or isinstance(seq, bool):
+        return None
+    return incarnation, seq
 
 
 def read_raw(backend: RendezvousBackend, run_id: str, history_limit: int = 20) -> dict[str, Any]:
@@ -55,12 +104,18 @@ def read_raw(backend: RendezvousBackend, run_id: str, history_limit: int = 20) -
 
 
 def compose(
-    raw: dict[str, Any], *, endpoint: str = "", backend: str = "", store: dict[str, Any] | None = None
+    raw: dict[str, Any],
+    *,
+    endpoint: str = "",
+    backend: str = "",
+    store: dict[str, Any] | None = None,
+    now: float | None = None,
 ) -> dict[str, Any]:
     """The job status document from :func:`read_raw`'s records (pure).
 
     ``store``: whether the records were verified with the job secret, and the keys whose documents
-    were refused (rendezvous/sealed.py); unverified when not given."""
+    were refused (rendezvous/sealed.py) or replayed; unverified when not given. ``now``: the
+    reader's wall clock, for each node document's age (None: not given)."""
     rdzv: RdzvState | None = raw["rdzv"]
     participants = [p.node_id for p in rdzv.participants] if rdzv is not None else []
     waiting = set(rdzv.waiting) if rdzv is not None else set()
@@ -88,6 +143,7 @@ def compose(
                 "round": doc.get("round"),
                 "heartbeat_age_s": ages.get(node_id),
                 "uptime_s": doc.get("uptime_s"),
+                **_age(doc, now, live=state not in TERMINAL and state != "lost"),
                 "ranks": [r["rank"] for r in doc.get("ranks", [])],
                 "spares": {**doc.get("spares", {}), "exited": int((doc.get("counts") or {}).get("spares_exited", 0))},
                 "tiers": doc.get("tiers", {}),
@@ -108,7 +164,7 @@ def compose(
         "run_id": raw["run_id"],
         "endpoint": endpoint,
         "backend": backend,
-        "store": store if store is not None else {"verified": False, "refused": []},
+        "store": store if store is not None else {"verified": False, "refused": [], "replayed": []},
         "job": job,
         "nodes": nodes,
         "ranks": ranks,
@@ -123,6 +179,19 @@ def compose(
         "snapshot_policy": _policy([live[n["node_id"]] for n in nodes if n["state"] != "lost"]),
         "history": [_entry(record, raw["parts"].get(record.get("round"), [])) for record in raw["history"]],
     }
+
+
+def _age(doc: dict[str, Any], now: float | None, *, live: bool) -> dict[str, Any]:
+    """``status_age_s`` (None unknown) and ``status_stale``: a live node's document past the bound."""
+    written = doc.get("written_at")
+    if now is None or not isinstance(written, (int, float)) or isinstance(written, bool):
+        return {"status_age_s": None, "status_stale": False}
+    age = round(now - float(written), 1)
+    interval = doc.get("heartbeat_interval_s")
+    bound = STALE_AFTER_S
+    if isinstance(interval, (int, float)):
+        bound = max(bound, STALE_INTERVALS * float(interval))
+    return {"status_age_s": age, "status_stale": live and age > bound}
 
 
 def _peer_ages(entries: list[dict[str, Any]]) -> dict[str, float]:

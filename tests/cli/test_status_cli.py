@@ -27,7 +27,7 @@ from tests.conftest import free_port
 from tests.unit.test_status_view import RUN, job, status
 
 SECRET_TEXT = "status-test-secret-" + "s" * 16
-UNVERIFIED = {"verified": False, "refused": []}
+UNVERIFIED = {"verified": False, "refused": [], "replayed": []}
 
 
 def sealed(backend: RendezvousBackend) -> SealedBackend:
@@ -149,7 +149,7 @@ def test_with_the_job_secret_documents_are_verified_and_a_forged_one_is_refused_
     result = invoke(capsys, *argv, "--json")
     assert result.code == 0, result.err
     doc = json.loads(result.out)["data"]
-    assert doc["store"] == {"verified": True, "refused": [forged]}
+    assert doc["store"] == {"verified": True, "refused": [forged], "replayed": []}
     assert all(node["host"] != "attacker" for node in doc["nodes"])
     text = invoke(capsys, *argv).out.splitlines()
     assert text[2] == f"store documents: verified; 1 refused (no valid MAC: forged): {forged}"

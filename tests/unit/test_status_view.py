@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from resilrun import keys
+from resilrun.cli._status_render import node_rows, store_line
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 from resilrun.status import records
-from resilrun.status.view import compose, read_raw, timeline
+from resilrun.status.view import DocumentVersions, compose, read_raw, timeline
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "job1"
@@ -280,3 +281,50 @@ def test_the_document_has_exactly_the_shape_docs_status_md_documents() -> None:
     backend = MemoryBackend()
     job(backend, lost_round=0)
     assert_matches_documented(status(backend))
+
+
+# -- replayed documents ---------------------------------------------------------------------------------
+def _versioned(doc: dict[str, Any], incarnation: str, seq: int, written_at: float) -> dict[str, Any]:
+    return {**doc, "incarnation": incarnation, "seq": seq, "written_at": written_at}
+
+
+def test_a_reader_that_reads_again_refuses_an_older_document_of_a_node_and_keeps_the_newest() -> None:
+    """An old document keeps its valid MAC: a --watch reader tells it by the agent's numbering."""
+    backend = MemoryBackend()
+    job(backend)
+    versions = DocumentVersions()
+    old = _versioned(node_doc("a", 0, [0, 1], step=5), "00000000000000000100-aa", 3, 1000.0)
+    new = _versioned(node_doc("a", 0, [0, 1], step=20), "00000000000000000100-aa", 9, 1010.0)
+    records.publish_node(backend, RUN, "a", new)
+    assert versions.admit(read_raw(backend, RUN)) == []
+    records.publish_node(backend, RUN, "a", old)  # written back by a party that recorded it
+    raw = read_raw(backend, RUN)
+    assert versions.admit(raw) == [keys.node_status(RUN, "a")]
+    doc = compose(raw, store={"verified": True, "refused": [], "replayed": [keys.node_status(RUN, "a")]})
+    assert {r["step"] for r in doc["ranks"] if r["rank"] in (0, 1)} == {20}
+    assert "1 refused (older than one read before: replayed)" in store_line(doc)
+    # a document of the agent that ran on this node before sorts first too; a newer one is taken
+    earlier = _versioned(node_doc("a", 0, [0, 1], step=30), "00000000000000000099-ff", 50, 1011.0)
+    records.publish_node(backend, RUN, "a", earlier)
+    assert versions.admit(read_raw(backend, RUN)) == [keys.node_status(RUN, "a")]
+    later = _versioned(node_doc("a", 0, [0, 1], step=31), "00000000000000000100-aa", 10, 1012.0)
+    records.publish_node(backend, RUN, "a", later)
+    raw = read_raw(backend, RUN)
+    assert versions.admit(raw) == [] and raw["nodes"][0]["doc"]["ranks"][0]["step"] == 31
+
+
+def test_a_live_nodes_old_document_is_shown_stale_with_its_age() -> None:
+    backend = MemoryBackend()
+    job(backend)
+    records.publish_node(backend, RUN, "a", _versioned(node_doc("a", 0, [0, 1]), "1-a", 4, 1000.0))
+    records.publish_node(backend, RUN, "b", _versioned(node_doc("b", 1, [2, 3]), "1-b", 4, 1041.0))
+    doc = compose(read_raw(backend, RUN), now=1042.0)
+    ages = {n["node_id"]: (n["status_age_s"], n["status_stale"]) for n in doc["nodes"]}
+    assert ages == {"a": (42.0, True), "b": (1.0, False)}
+    rows = {row[1]: row[2] for row in node_rows(doc)}
+    assert rows == {"host0": "active (status 42 s old)", "host1": "active"}
+    # an ended node's document is old by nature, and without the reader's clock nothing is judged
+    closed = _versioned({**node_doc("a", 0, [0, 1]), "state": "succeeded"}, "1-a", 5, 1000.0)
+    records.publish_node(backend, RUN, "a", closed)
+    assert not compose(read_raw(backend, RUN), now=1042.0)["nodes"][0]["status_stale"]
+    assert compose(read_raw(backend, RUN))["nodes"][0]["status_age_s"] is None
