@@ -370,6 +370,16 @@ def newest_step(node: Launch) -> int:
     return max(map(int, steps), default=-1)
 
 
+def active_workers(node: Launch) -> set[int]:
+    """The pids of a node's workers that run ranks (its warm spare workers have RESILRUN_SPARE=1)."""
+    found: set[int] = set()
+    for proc in psutil.Process(node.pid).children():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("RESILRUN_SPARE") == "0":
+                found.add(proc.pid)
+    return found
+
+
 def drop_off(cluster: Cluster, host: str, node: Launch) -> set[int]:
     """Take ``host`` off the network, then SIGKILL ``node``'s processes; returns their pids."""
     tree = node.remember_descendants() | {node.pid}

@@ -7,7 +7,6 @@ GLOO_SOCKET_IFNAME. See tests/helpers/netns_cluster.py for the fixture.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -16,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from resilrun.storage import LocalStorage
@@ -26,6 +24,7 @@ from tests.helpers.netns_cluster import Cluster
 from tests.integration.conftest import (
     PORT,
     Launch,
+    active_workers,
     alive,
     assert_nothing_left,
     clean_checksum,
@@ -77,7 +76,7 @@ def test_a_host_that_drops_off_the_network_is_replaced_by_a_spare_host(cluster_o
     wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
     wait_for(lambda: any("step 10 loss" in n.stdout() for n in first), 150, "training to pass step 10")
     survivor, doomed = first
-    survivor_workers = _active_workers(survivor)
+    survivor_workers = active_workers(survivor)
     assert len(survivor_workers) == 2
     # When h1 drops off the network (its link goes down: the others see silence, not a refused
     # connection) and its processes die with it
@@ -96,16 +95,6 @@ def test_a_host_that_drops_off_the_network_is_replaced_by_a_spare_host(cluster_o
     assert "recovering in-process" in survivor.stderr()
     assert target.read_text() == clean_checksum(launcher, tmp_path, 4, *train[1:-2])
     assert not alive(doomed_tree)
-
-
-def _active_workers(node: Launch) -> set[int]:
-    """The pids of a node's workers that run ranks (its warm spare workers have RESILRUN_SPARE=1)."""
-    found: set[int] = set()
-    for proc in psutil.Process(node.pid).children():
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get("RESILRUN_SPARE") == "0":
-                found.add(proc.pid)
-    return found
 
 
 @pytest.mark.timeout(300)

@@ -1,38 +1,40 @@
-"""A party that reaches the rendezvous store's port but lacks the job secret (issue 19).
+"""A party that reaches every port of a job but lacks the job secret (issue 19), on hosts of their own.
 
-TCPStore has no authentication: this test is such a party, a plain TCPStore client of the job's
-store. While a two-node job with a secret file trains (and recovers a killed worker in-process), it
-asks the replica servers it finds named there for snapshots and pushes them a replica, holds both
-nodes' heartbeat counters still (counters carry no MAC: it sets them back in a tight
-loop), writes a rendezvous document that assigns the ranks otherwise and lets it join, a node-lost
-marker, a failed status for a node, and, after the recovery, writes back a valid rendezvous document
-it recorded earlier (a replay). Every attempt is refused and said in the agents' log and in
-``resilrun status``; the job neither restarts nor rolls back, and ends bitwise equal to a
-failure-free run.
+On the network-namespace cluster (tests/helpers/netns_cluster.py): two hosts run a two-node job with
+a secret file, a third hosts its rendezvous store (as a shared rendezvous service does: the store
+outlives the job, so status is read after it ended), and the party runs on a fourth
+(tests/helpers/store_party.py): a plain TCPStore client of the job's store, since TCPStore has no
+authentication, and a peer-tier client with a guessed secret. While the job trains (and recovers a
+killed worker in-process) it asks the replica servers it finds named in the store for snapshots and
+pushes them a replica, holds both nodes' heartbeat counters still (counters carry no MAC), writes a
+rendezvous document that assigns the ranks otherwise and lets it join, a node-lost marker, a failed
+status for a node, and, after the recovery, writes back a valid rendezvous document and a node's
+valid status document it recorded earlier (replays). Every attempt is refused and said in the
+agents' log and in ``resilrun status``; the job neither restarts nor rolls back, and ends bitwise
+equal to a failure-free run.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
-import time
-from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
-from torch.distributed import TCPStore
 
 from resilrun import keys
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
-from resilrun.rendezvous.sealed import MAGIC, TAG_BYTES
-from resilrun.tiers.peer import ReplicationError, fetch, inventory, push
-from tests.conftest import free_port, make_snapshot
+from tests.helpers.netns_cluster import Cluster
 from tests.integration.conftest import (
     EXAMPLE,
+    PORT,
     ROOT,
+    active_workers,
     assert_nothing_left,
     clean_checksum,
     events,
@@ -42,126 +44,157 @@ from tests.integration.conftest import (
 
 pytestmark = pytest.mark.integration
 
-TRAIN = ["--steps", "50", "--hidden", "64", "--sleep", "0.1"]
+TRAIN = ["--steps", "100", "--hidden", "64", "--sleep", "0.1"]
 
 
-# resilrun's c10d backend frames every value with one byte (rendezvous/c10d.py); the party knows.
-def _write(store: TCPStore, key: str, value: bytes) -> None:
-    store.set(key, b"v" + value)
+class _Party:
+    """tests/helpers/store_party.py on a host: one command per line, one JSON answer per line."""
+
+    def __init__(self, cluster: Cluster, host: str, *argv: str) -> None:
+        command = cluster.command(host, [sys.executable, "-m", "tests.helpers.store_party", *argv])
+        self.popen = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
+
+    def first_line(self) -> str:
+        assert self.popen.stdout is not None
+        return self.popen.stdout.readline().strip()
+
+    def ask(self, *words: str) -> dict[str, Any]:
+        assert self.popen.stdin is not None and self.popen.stdout is not None
+        self.popen.stdin.write(" ".join(words) + "\n")
+        self.popen.stdin.flush()
+        answer = json.loads(self.popen.stdout.readline())
+        assert answer["ok"], answer
+        return answer
+
+    def close(self) -> None:
+        if self.popen.stdin is not None:
+            self.popen.stdin.close()
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
 
 
-def _read(store: TCPStore, key: str) -> bytes:
-    return store.get(key)[1:]
+class _Watch:
+    """``resilrun status --watch --json`` with the job secret on a host: every document it printed."""
 
-
-class _HeldCounters:
-    """Sets each counter back to one value in a tight loop, from a store connection of its own: a
-    watcher reading one every heartbeat interval nearly always finds it standing still."""
-
-    def __init__(self, port: int, counters: list[str]) -> None:
-        self._store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-        self._counters = counters
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    def __init__(self, cluster: Cluster, host: str, endpoint: str, run_id: str, secret: Path) -> None:
+        argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+                "--json", "--watch", "0.3", "--timeout", "10", "--job-secret-file", str(secret)]  # fmt: skip
+        self.popen = subprocess.Popen(cluster.command(host, argv), stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.docs: list[dict[str, Any]] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for key in self._counters:
-                self._store.set(key, b"5")
-            time.sleep(0.002)
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.docs.append(json.loads(line)["data"])
 
     def stop(self) -> None:
-        self._stop.set()
+        self.popen.terminate()
+        self.popen.wait(10)
         self._thread.join(5)
 
 
-def _status(port: int, run_id: str, secret: Path) -> dict:
-    argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
-    done = subprocess.run(
-        [*argv, "--json", "--timeout", "10", "--job-secret-file", str(secret)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+def _status(cluster: Cluster, host: str, endpoint: str, run_id: str, secret: Path) -> dict:
+    argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--json", "--timeout", "10", "--job-secret-file", str(secret)]  # fmt: skip
+    done = subprocess.run(cluster.command(host, argv), capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)["data"]
 
 
-@pytest.mark.timeout(300)
-def test_a_party_with_store_access_but_no_secret_cannot_join_reassign_declare_lost_fake_status_or_replay(
-    launcher, tmp_path: Path
+@pytest.mark.timeout(400)
+def test_a_party_on_another_host_without_the_secret_cannot_join_reassign_declare_lost_fake_status_or_replay(
+    cluster_of, launcher, tmp_path: Path
 ) -> None:
-    port, run_id = free_port(), "store-attack"
+    cluster, start = cluster_of(4)
+    endpoint, run_id = f"h2:{PORT}", "store-attack"
     secret = tmp_path / "job.secret"
     secret.write_text("a-job-secret-for-the-attack-test\n")
     secret.chmod(0o600)
     target = tmp_path / "attacked.sha"
     flags = [
-        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--job-secret-file", str(secret), "--spares", "1", "--max-restarts", "0",
         "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2",
     ]  # fmt: skip
     train = [str(EXAMPLE), *TRAIN, "--checksum-file", str(target)]
-    env = {"RESILRUN_FAULTS": "kill:rank=1,step=25"}
-    # Given a two-node job with a job secret, training, its rendezvous store hosted outside the job
-    # (as a shared rendezvous service is; the agents find the port taken and connect as clients):
-    # the store outlives the job, so status is read after it ended, not in a race with its end.
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    nodes = [launcher("resilrun", *flags, "--node-rank", str(rank), *train, env=env) for rank in (0, 1)]
+    # Given a two-node job with a job secret on h0 and h1, training, its store served from h2,
+    service = _Party(cluster, "h2", "serve", str(PORT))
+    assert service.first_line() == "ready"
+    nodes = [start(f"h{rank}", *flags, "--node-rank", str(rank), *train) for rank in (0, 1)]
     wait_for(lambda: max(newest_step(n) for n in nodes) >= 5, 150, "training to pass step 5")
+    # and a party on h3 that reaches every port (the store, the replica servers) but lacks the secret,
+    party = _Party(cluster, "h3", "attack", endpoint)
+    assert json.loads(party.first_line())["ok"]
     state_key = keys.rdzv_state(run_id)
-    recorded = _read(store, state_key)  # a valid document of generation 0, to replay later
-    body = recorded[len(MAGIC) + TAG_BYTES :] if recorded.startswith(MAGIC) else recorded  # no secrecy: it reads it
-    participants = json.loads(body)["participants"]
+    recorded = party.ask("read", state_key)  # a valid document of generation 0, to replay later
+    participants = recorded["body"]["participants"]  # no secrecy: it reads them
     node_ids = [p["node_id"] for p in participants]
-    # When the party, which reads the replica servers' addresses there, asks one for what it holds
-    # and for a snapshot, and pushes a replica to it, with the secret it guesses,
-    guess = b"a-guessed-secret-of-thirty-two-b"
-    replica = make_snapshot({"weight": torch.zeros(8)})
-    wait = timedelta(seconds=5)
+    status_key = keys.node_status(run_id, node_ids[0])
+    old_status = party.ask("read", status_key)  # node 0's valid status of now, to replay later
+    # When it asks each replica server, which it finds named there, for what it holds and for a
+    # snapshot, and pushes one a replica, with the secret it guesses,
     for address in (p["peer_addr"] for p in participants):
-        with pytest.raises(ReplicationError, match="refused our secret"):
-            inventory(address, guess, wait)
-        with pytest.raises(ReplicationError, match="refused our secret"):
-            fetch(address, guess, 0, 3, wait)
-        with pytest.raises(ReplicationError, match="refused our secret"):
-            push(address, guess, 0, 10**6, 2, replica, {}, wait)
-    # When the party holds both nodes' heartbeat counters still, for the rest of the job,
-    held = _HeldCounters(port, [keys.node_heartbeat(run_id, node_id) for node_id in node_ids])
+        assert address.startswith(("198.18.0.1:", "198.18.0.2:")), address
+        errors = party.ask("probe", address)["errors"]
+        assert all(e is not None and "refused our secret" in e for e in errors.values()), errors
+    # holds both nodes' heartbeat counters still, for the rest of the job,
+    party.ask("hold", ",".join(keys.node_heartbeat(run_id, node_id) for node_id in node_ids))
     # writes a document that reassigns the ranks and makes it a participant,
     forged = RdzvState(
         round=9,
         complete=True,
-        participants=(NodeInfo("attacker:1:x", "127.0.0.1", 1), NodeInfo(node_ids[0], "127.0.0.1", 1)),
+        participants=(NodeInfo("attacker:1:x", "198.18.0.4", 1), NodeInfo(node_ids[0], "198.18.0.1", 1)),
         seq=10**6,
     )
-    _write(store, state_key, forged.to_bytes())
+    party.ask("write", state_key, forged.to_bytes().hex())
     # marks node 1 lost and writes a failed status for node 0
-    _write(store, keys.node_lost(run_id, node_ids[1]), json.dumps({"round": 9, "node_rank": 1, "host": "x"}).encode())
-    _write(store, keys.node_status(run_id, node_ids[0]), json.dumps({"state": "failed", "host": "attacker"}).encode())
-    # and, once the killed worker's place was taken in-process, replays the generation-0 document
+    lost = json.dumps({"round": 9, "node_rank": 1, "host": "x"}).encode()
+    party.ask("write", keys.node_lost(run_id, node_ids[1]), lost.hex())
+    party.ask("write", status_key, json.dumps({"state": "failed", "host": "attacker"}).encode().hex())
+    # and, when rank 1's worker is killed after all that and its place taken in-process, replays
+    # the generation-0 document,
+    (worker,) = active_workers(nodes[1])
+    os.kill(worker, signal.SIGKILL)
     wait_for(lambda: events(*nodes, kind="generation_entered"), 120, "the in-process recovery")
-    _write(store, state_key, recorded)
+    party.ask("write", state_key, recorded["value"])
+    # and node 0's old status over and over while an operator on h3 watches with the secret
+    watch = _Watch(cluster, "h3", endpoint, run_id, secret)
+    wait_for(lambda: len(watch.docs) >= 2, 60, "the watch's first documents")
+    party.ask("replay", status_key, old_status["value"])
+    wait_for(lambda: any(d["store"]["replayed"] for d in watch.docs), 30, "the watch to see the replay")
+    watch.stop()
+    party.ask("stop")
     # Then the job ends as a failure-free run does: no restart, nobody else joined, nothing rolled back
     for node in nodes:
         assert node.wait(150) == 0, node.stderr()[-3000:]
         assert_nothing_left(node)
-    held.stop()
-    doc = _status(port, run_id, secret)
+    doc = _status(cluster, "h3", endpoint, run_id, secret)
+    party.close()
+    service.close()
     assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *TRAIN)
     assert not events(*nodes, kind="restart")
     assert not events(*nodes, kind="node_lost")
     started = events(*nodes, kind="round_started")
     assert started and all(e["nodes"] == 2 for e in started)
-    # and every attempt was refused and said: in the agents' log,
+    # and every attempt was refused and said: in the agents' log (naming the party's host),
     err = "".join(n.stderr() for n in nodes)
     assert "does not carry this job's MAC" in err
     assert "refused a replayed rendezvous document" in err or "is gone or forged" in err
     assert "attacker" not in err
     assert "yet its agent proved the job secret on its replica server: not judged lost" in err
-    assert err.count("refused a replica connection from 127.0.0.1: it did not prove the job secret") == 2
+    assert err.count("refused a replica connection from 198.18.0.4: it did not prove the job secret") == 2
+    # in the watch: the replayed status refused, and the newest one read shown in its place,
+    replayed = [d for d in watch.docs if d["store"]["replayed"]]
+    assert all(d["store"]["replayed"] == [status_key] for d in replayed)
+    seen = [n for d in replayed for n in d["nodes"] if n["node_id"] == node_ids[0]]
+    assert seen and all(n["host"] == "h0" and n["state"] != "failed" for n in seen)
     # and in status (read with the secret): the forged documents named, none of them shown
     assert doc["store"]["verified"] is True
     assert keys.node_lost(run_id, node_ids[1]) in doc["store"]["refused"]
