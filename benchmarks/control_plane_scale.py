@@ -4,16 +4,20 @@
         [--modes all-to-all,scalable] [--budget-s 900] [--out benchmarks/control_plane_scale]
 
 What an agent does here is what the supervisor does, through the same code: it joins with the
-rendezvous protocol (``protocol.decide_join`` + ``RendezvousClient`` reads and compare-and-sets),
+rendezvous client's own join steps (``executor.Joining``),
 then every monitor interval (0.1 s) reads the rendezvous state, and every heartbeat interval (1 s)
 bumps its heartbeat counter and reads the counters it watches into a ``StalenessJudge`` (5 s
 timeout). One agent then stops; the time until another agent judges it stale (detection) and
 until one of them has opened the next round with ``next_round`` (decision) is measured.
 
-Modes: ``all-to-all`` is the supervisor today (every agent reads the whole state document every
-tick and every other agent's counter every interval: O(N^2) store traffic); ``scalable`` reads the
-document only when its version counter moves (``RendezvousClient(refresh_s=...)``) and watches two
-ring successors (``heartbeat.watched_nodes``): O(N).
+Modes: ``all-to-all`` is the supervisor before issue 15 (every agent reads the whole state
+document every tick and every other agent's counter every interval: O(N^2) store traffic);
+``scalable`` is the agent today: it reads the document only when its version counter moves
+(``RendezvousClient(refresh_s=...)``), watches two ring successors (``heartbeat.watched_nodes``),
+and joins through the arrivals lane (rendezvous/executor.py: O(1) store operations per joining
+agent, one write admits every arrival so far); ``scalable-cas`` is ``scalable`` with every agent
+compare-and-setting itself into the document instead (before the lane), for the lane's ratio.
+Joining runs the client's own ``Joining.step``, the code ``RendezvousClient.join`` loops over.
 
 ``--backends torchrun`` runs the same N agents through **torchrun's own** c10d rendezvous handler
 (``torch.distributed.elastic.rendezvous.dynamic_rendezvous``, unchanged; ``_torchrun_rdzv_agents.py``)
@@ -48,10 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.etcd_serve
 
 from resilrun import keys  # noqa: E402
 from resilrun.agent.heartbeat import StalenessJudge, watched_nodes  # noqa: E402
-from resilrun.rendezvous import protocol  # noqa: E402
 from resilrun.rendezvous.api import RendezvousBackend  # noqa: E402
-from resilrun.rendezvous.executor import RendezvousClient  # noqa: E402
-from resilrun.rendezvous.protocol import NodeInfo, Verdict  # noqa: E402
+from resilrun.rendezvous.executor import Joining, RendezvousClient  # noqa: E402
+from resilrun.rendezvous.protocol import NodeInfo  # noqa: E402
 
 MONITOR_S, HEARTBEAT_S, TIMEOUT_S = 0.1, 1.0, 5.0  # the agent's defaults
 # Pool threads (one store connection each): more only adds GIL contention on 2 cores.
@@ -202,14 +205,14 @@ def run_cell(connect: Callable[[], RendezvousBackend], store_pid: int, n: int, m
     """One (backend, mode, N) measurement; every phase bounded."""
     run_id = f"scale-{uuid.uuid4().hex[:8]}"
     shared = ThreadBackend(connect)
-    scalable = mode == "scalable"
+    scalable = mode.startswith("scalable")
     agents = []
     for index in range(n):
         me = NodeInfo(node_id=f"node-{index:05d}", addr=f"10.0.{index // 256}.{index % 256}", local_world_size=8)
         client = RendezvousClient(
             shared, run_id, me, min_nodes=n, max_nodes=n,
             join_timeout=timedelta(seconds=RENDEZVOUS_DEADLINE_S), last_call_timeout=timedelta(seconds=1),
-            refresh_s=REFRESH_S if scalable else None,
+            refresh_s=REFRESH_S if scalable else None, arrivals=mode == "scalable",
         )  # fmt: skip
         agents.append(Agent(client, StalenessJudge(TIMEOUT_S)))
     result: dict[str, Any] = {"n": n, "mode": mode}
@@ -220,19 +223,16 @@ def run_cell(connect: Callable[[], RendezvousBackend], store_pid: int, n: int, m
     started = time.monotonic()
 
     def join_step(agent: Agent) -> Callable[[], float | None]:
+        attempt = Joining(agent.client)
+
         def step() -> float | None:
-            state, raw = agent.client.read()
-            decision = protocol.decide_join(state, agent.client.me, min_nodes=n, max_nodes=n, last_call_elapsed=False)
-            if decision.verdict is Verdict.FINISH:
+            if attempt.step() is not None:
                 with lock:
                     joined[0] += 1
                     if joined[0] == n:
                         done.set()
                 return None
-            if decision.verdict is Verdict.UPDATE and decision.state is not None:
-                agent.client._write(raw, decision.state)
-                return time.monotonic()
-            return time.monotonic() + 0.05  # RendezvousClient's poll period
+            return time.monotonic() + (attempt.poll_s if attempt.waits else 0.0)
 
         return step
 
@@ -482,8 +482,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     series = {
         ("c10d", "all-to-all"): ("tab:blue", "o-"),
         ("c10d", "scalable"): ("tab:orange", "s-"),
+        ("c10d", "scalable-cas"): ("tab:purple", "d-"),
         ("etcd", "all-to-all"): ("tab:green", "^-"),
         ("etcd", "scalable"): ("tab:red", "v-"),
+        ("etcd", "scalable-cas"): ("tab:brown", "P-"),
         ("c10d", TORCHRUN_MODE): ("black", "x--"),
     }
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))

@@ -22,6 +22,26 @@ def rdzv_version(run_id: str) -> str:
     return f"{_base(run_id)}/rdzv/version"
 
 
+def rdzv_phase(run_id: str) -> str:
+    """Counter bumped after a write that changes what a node waiting in an open round decides on."""
+    return f"{_base(run_id)}/rdzv/phase"
+
+
+def rdzv_arrivals(run_id: str) -> str:
+    """Counter handing each joining node its index in the arrivals lane (rendezvous/executor.py)."""
+    return f"{_base(run_id)}/rdzv/arrivals"
+
+
+def rdzv_arrival(run_id: str, index: int) -> str:
+    """The NodeInfo of the node that took arrival ``index``, for the node that admits it."""
+    return f"{_base(run_id)}/rdzv/arrival/{index}"
+
+
+def rdzv_admitted(run_id: str) -> str:
+    """The highest arrival index handled so far (a hint: the state document decides)."""
+    return f"{_base(run_id)}/rdzv/admitted"
+
+
 def node_heartbeat(run_id: str, node_id: str) -> str:
     """A counter the node's agent increments; observers judge staleness on their own clock."""
     return f"{_base(run_id)}/hb/{node_id}"

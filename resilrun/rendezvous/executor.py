@@ -9,13 +9,25 @@ polls it every monitor interval, so N agents re-reading it costs O(N^2) bytes pe
 write, always *after* the compare-and-set) and re-reads the document only when the counter moved,
 or when ``refresh_s`` has passed: the safety net for a writer that died between its write and its
 bump. A reader can therefore never keep a stale document past a bump it has seen.
+
+Joining at scale (the arrivals lane): N nodes each compare-and-setting themselves into the one
+document race, and every lost race re-reads O(N) bytes: O(N^2) retries of O(N) bytes while a
+large job forms. Instead a node joining an open round takes an index from a counter and writes
+its NodeInfo under that index (O(1) each), and the first node not yet admitted reads every
+arrival so far and admits them all in one write (``protocol.admit``), then raises the
+``admitted`` hint; the others poll that hint (a few bytes) until it covers their index, and only
+then read the document, which decides as before. Nothing depends on the lane for correctness: a
+node the hint passes over without admitting it (a spare before its grace, an index whose value
+was not written yet) writes itself as before, and a pending node whose admitter is gone admits
+itself and everyone before it after ``_ADMIT_GRACE_S``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +46,22 @@ _POLL_S = 0.05
 # How long a spare node lets the previous round's nodes rejoin a newly opened round before it
 # competes for a place: they poll every _POLL_S, so a second is plenty.
 _SPARE_GRACE_S = 1.0
+# How long a node waits in the arrivals lane for the first pending node to admit it before doing
+# so itself (that node may have died between taking its index and admitting).
+_ADMIT_GRACE_S = 1.0
+# Arrivals one write admits at most (bounds one read; the rest go in the next write).
+_ADMIT_BATCH = 4096
+_HINT_ATTEMPTS = 16
+# A node waiting on the lane or in an open round polls a few bytes; at scale it polls less often,
+# so all N together ask the store for at most about 1/_POLL_PER_NODE_S operations per second
+# until N passes _POLL_MAX_S/_POLL_PER_NODE_S (noticing the write it waits for up to that late).
+_POLL_PER_NODE_S = 0.0005
+_POLL_MAX_S = 0.5
+
+
+def scaled_poll(nodes: int) -> float:
+    """The poll period of a node waiting among ``nodes`` others."""
+    return min(_POLL_MAX_S, max(_POLL_S, nodes * _POLL_PER_NODE_S))
 
 
 class RendezvousClient:
@@ -51,8 +79,10 @@ class RendezvousClient:
         last_call_timeout: timedelta,
         clock: Clock | None = None,
         refresh_s: float | None = None,
+        arrivals: bool = True,
     ) -> None:
-        """See the module docstring for ``refresh_s`` (None: read the whole document every time)."""
+        """See the module docstring for ``refresh_s`` (None: read the whole document every time)
+        and ``arrivals`` (the arrivals lane; False: every node compare-and-sets itself in)."""
         self.backend = backend
         self.run_id = run_id
         self.me = me
@@ -70,6 +100,10 @@ class RendezvousClient:
         # is replaced with.
         self._newest: tuple[RdzvState, bytes] | None = None
         self.replayed = 0  # replayed documents refused
+        self.arrivals = arrivals
+        self._arrivals_key = keys.rdzv_arrivals(run_id)
+        self._admitted_key = keys.rdzv_admitted(run_id)
+        self._phase_key = keys.rdzv_phase(run_id)
 
     # -- reads ----------------------------------------------------------------------------------
     def read(self) -> tuple[RdzvState, bytes | None]:
@@ -111,15 +145,17 @@ class RendezvousClient:
             )
         if self.backend.compare_set(self._key, raw, newest[1]) and self.refresh_s is not None:
             self.backend.add(self._version_key, 1)
+            self.backend.add(self._phase_key, 1)
         return newest[0], newest[1]
 
     def _write(self, raw: bytes | None, proposed: RdzvState) -> bool:
         """Compare-and-set the document (its ``seq`` one past the one replaced); on success bump
-        the version so gated readers re-read it."""
-        current = self._newest[0].seq if self._newest is not None and self._newest[1] == raw else None
-        if current is None:
-            current = RdzvState.from_bytes(raw).seq
-        proposed = replace(proposed, seq=current + 1)
+        the version so gated readers re-read it, and the phase when a node waiting in an open
+        round must look again (``Joining``: it reads the document only then)."""
+        replaced = self._newest[0] if self._newest is not None and self._newest[1] == raw else None
+        if replaced is None:
+            replaced = RdzvState.from_bytes(raw)
+        proposed = replace(proposed, seq=replaced.seq + 1)
         document = proposed.to_bytes()
         written = self.backend.compare_set(self._key, raw, document)
         if written:
@@ -128,7 +164,21 @@ class RendezvousClient:
             self._cached = None  # ours or a newer one: read it afresh either way
             if written:
                 self.backend.add(self._version_key, 1)
+                if self._phase_moved(replaced, proposed):
+                    self.backend.add(self._phase_key, 1)
         return written
+
+    def _phase_moved(self, before: RdzvState, after: RdzvState) -> bool:
+        """What a participant waiting in an open round acts on: the round, its completion or
+        close, a node gone from it, and the participants reaching the minimum (its last call)."""
+        if (before.round, before.complete, before.closed) != (after.round, after.complete, after.closed):
+            return True
+        if len(after.participants) < len(before.participants):
+            return True
+        return len(before.participants) < self.min_nodes <= len(after.participants)
+
+    def _phase(self) -> int:
+        return self.backend.add(self._phase_key, 0)
 
     def state(self) -> RdzvState:
         return self.read()[0]
@@ -155,48 +205,57 @@ class RendezvousClient:
             RendezvousClosedError: the job was closed while waiting.
             RendezvousTimeoutError: not enough nodes joined before the join deadline.
         """
-        deadline = self.clock.monotonic() + self.join_timeout.total_seconds()
-        min_seen: tuple[int, float] | None = None  # (round, when MIN nodes were first seen)
-        open_seen: tuple[int, float] | None = None  # (round, when it was first seen open)
+        attempt = Joining(self)
         while True:
-            state, raw = self.read()
-            now = self.clock.monotonic()
-            if protocol.has_reached_min(state, self.me.node_id, self.min_nodes):
-                if min_seen is None or min_seen[0] != state.round:
-                    min_seen = (state.round, now)
-            else:
-                min_seen = None
-            elapsed = min_seen is not None and now - min_seen[1] >= self.last_call_timeout.total_seconds()
-            if not state.complete and (open_seen is None or open_seen[0] != state.round):
-                open_seen = (state.round, now)
-            grace = open_seen is not None and now - open_seen[1] >= _SPARE_GRACE_S
-            decision = protocol.decide_join(
-                state,
-                self.me,
-                min_nodes=self.min_nodes,
-                max_nodes=self.max_nodes,
-                last_call_elapsed=elapsed,
-                spare_grace_elapsed=grace,
-            )
-            if decision.verdict in (Verdict.FINISH, Verdict.SPARE):
+            state = attempt.step()
+            if state is not None:
                 return state
-            if decision.verdict is Verdict.CLOSED:
-                raise closed_error(state)
-            if decision.verdict is Verdict.UPDATE and decision.state is not None:
-                self._write(raw, decision.state)
+            if attempt.waits:
+                if on_wait is not None:
+                    on_wait()
+                self.clock.sleep(attempt.poll_s)
+
+    # -- the arrivals lane (see the module docstring) ----------------------------------------------
+    def _arrive(self) -> int:
+        """Take an index in the lane and publish this node under it; returns the index."""
+        index = self.backend.add(self._arrivals_key, 1)
+        self.backend.set(keys.rdzv_arrival(self.run_id, index), json.dumps(asdict(self.me)).encode())
+        return index
+
+    def _admitted(self) -> int:
+        raw = self.backend.get(self._admitted_key)
+        try:
+            return int(raw) if raw is not None else 0
+        except ValueError:
+            return 0
+
+    def _admit(self, admitted: int) -> None:
+        """Admit every arrival after ``admitted`` in one write, then raise the hint past them."""
+        count = min(self.backend.add(self._arrivals_key, 0), admitted + _ADMIT_BATCH)
+        if count <= admitted:
+            return
+        arrivals = []
+        wanted = [keys.rdzv_arrival(self.run_id, i) for i in range(admitted + 1, count + 1)]
+        for value in self.backend.get_many(wanted):
+            if value is None:
+                continue  # not written yet (or forged): that node writes itself in once passed over
+            try:
+                arrivals.append(NodeInfo(**json.loads(value)))
+            except (ValueError, TypeError):
                 continue
-            if now >= deadline:
-                self._update(lambda s: protocol.decide_leave(s, self.me.node_id))
-                joined = len(state.participants)
-                raise RendezvousTimeoutError(
-                    f"only {joined} of {self.min_nodes} required nodes joined round {state.round} "
-                    f"within {self.join_timeout.total_seconds():g} s",
-                    hint="start resilrun on every node with the same --rdzv-endpoint and --rdzv-id, "
-                    "or raise --rdzv-conf join_timeout=SECONDS",
-                )
-            if on_wait is not None:
-                on_wait()
-            self.clock.sleep(_POLL_S)
+        state, raw = self._fresh(self.backend.get(self._key))
+        proposed = protocol.admit(state, arrivals, min_nodes=self.min_nodes, max_nodes=self.max_nodes)
+        if proposed is not None and not self._write(raw, proposed):
+            return  # the document moved meanwhile: the next pass admits against the newer one
+        for _ in range(_HINT_ATTEMPTS):  # bounded: a party rewriting the hint only delays (grace)
+            current = self.backend.get(self._admitted_key)
+            try:
+                if current is not None and int(current) >= count:
+                    return
+            except ValueError:
+                pass
+            if self.backend.compare_set(self._admitted_key, current, str(count).encode()):
+                return
 
     def next_round(self, observed_round: int, *, failure: dict[str, Any] | None, max_restarts: int) -> RdzvState:
         """Open the next round (or close the job as failed when no restart is left)."""
@@ -230,6 +289,105 @@ class RendezvousClient:
 
     def closed_acks(self) -> int:
         return self.backend.add(keys.job_closed_ack(self.run_id), 0)
+
+
+
+class Joining:
+    """One node's attempt to join, one step at a time: ``join`` loops over it, and a simulator of
+    many nodes (benchmarks/control_plane_scale.py) schedules the steps of thousands on a few threads."""
+
+
+    def __init__(self, client: RendezvousClient) -> None:
+        self.client = client
+        self.deadline = client.clock.monotonic() + client.join_timeout.total_seconds()
+        self.min_seen: tuple[int, float] | None = None  # (round, when MIN nodes were first seen)
+        self.open_seen: tuple[int, float] | None = None  # (round, when it was first seen open)
+        self.arrival: tuple[int, float] | None = None  # (index in the arrivals lane, when taken) while pending
+        self.lane_used = False  # once admitted or passed over, this attempt writes itself in as before
+        self.waits = False  # whether the last step asks to poll again after ``poll_s`` (else at once)
+        self.poll_s = _POLL_S
+        # (phase, when read, state, raw) while this node waits as a participant of an open round:
+        # the document is read again only when the phase moves (or refresh_s passed).
+        self.settled: tuple[int, float, RdzvState, bytes | None] | None = None
+
+    def step(self) -> RdzvState | None:
+        """The state once joined (a participant of a complete round, or a spare node of a full
+        one), else None: call again, after ``poll_s`` when ``waits``.
+
+        Raises:
+            RendezvousClosedError: the job was closed while waiting.
+            RendezvousTimeoutError: not enough nodes joined before the join deadline.
+        """
+        rdzv = self.client
+        self.waits, self.poll_s = False, _POLL_S
+        if self.arrival is not None:
+            now = rdzv.clock.monotonic()
+            admitted = rdzv._admitted()
+            if admitted < self.arrival[0] and now < self.deadline:
+                if self.arrival[0] == admitted + 1 or now - self.arrival[1] >= _ADMIT_GRACE_S:
+                    rdzv._admit(admitted)
+                else:
+                    self.waits, self.poll_s = True, scaled_poll(self.arrival[0])
+                return None
+            self.arrival = None
+        phase, state, raw = self._read()
+        now = rdzv.clock.monotonic()
+        if protocol.has_reached_min(state, rdzv.me.node_id, rdzv.min_nodes):
+            if self.min_seen is None or self.min_seen[0] != state.round:
+                self.min_seen = (state.round, now)
+        else:
+            self.min_seen = None
+        elapsed = self.min_seen is not None and now - self.min_seen[1] >= rdzv.last_call_timeout.total_seconds()
+        if not state.complete and (self.open_seen is None or self.open_seen[0] != state.round):
+            self.open_seen = (state.round, now)
+        grace = self.open_seen is not None and now - self.open_seen[1] >= _SPARE_GRACE_S
+        decision = protocol.decide_join(
+            state,
+            rdzv.me,
+            min_nodes=rdzv.min_nodes,
+            max_nodes=rdzv.max_nodes,
+            last_call_elapsed=elapsed,
+            spare_grace_elapsed=grace,
+        )
+        if decision.verdict in (Verdict.FINISH, Verdict.SPARE):
+            return state
+        if decision.verdict is Verdict.CLOSED:
+            raise closed_error(state)
+        before, self.settled = self.settled, None
+        if decision.verdict is Verdict.UPDATE and decision.state is not None:
+            if rdzv.arrivals and not self.lane_used and not state.complete:
+                self.lane_used = True
+                self.arrival = (rdzv._arrive(), now)
+            else:
+                rdzv._write(raw, decision.state)
+            return None
+        if phase is not None and not state.complete and state.has_participant(rdzv.me.node_id):
+            read_at = before[1] if before is not None and before[2] is state else now
+            self.settled = (phase, read_at, state, raw)
+            self.poll_s = scaled_poll(len(state.participants))
+        if now >= self.deadline:
+            rdzv._update(lambda s: protocol.decide_leave(s, rdzv.me.node_id))
+            joined = len(state.participants)
+            raise RendezvousTimeoutError(
+                f"only {joined} of {rdzv.min_nodes} required nodes joined round {state.round} "
+                f"within {rdzv.join_timeout.total_seconds():g} s",
+                hint="start resilrun on every node with the same --rdzv-endpoint and --rdzv-id, "
+                "or raise --rdzv-conf join_timeout=SECONDS",
+            )
+        self.waits = True
+        return None
+
+    def _read(self) -> tuple[int | None, RdzvState, bytes | None]:
+        """The phase (None: ungated) and the document: the one read before while the phase has
+        not moved since and this node waits in an open round, else a fresh one."""
+        rdzv = self.client
+        if rdzv.refresh_s is None:
+            return None, *rdzv.read()
+        phase = rdzv._phase()  # before the document: a write after this read moves it again
+        settled = self.settled
+        if settled is not None and settled[0] == phase and rdzv.clock.monotonic() - settled[1] < rdzv.refresh_s:
+            return phase, settled[2], settled[3]
+        return phase, *rdzv.read()
 
 
 def closed_error(state: RdzvState) -> RendezvousClosedError:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -397,3 +398,19 @@ def test_a_newer_step_refills_the_recovery_budget() -> None:
     spared = replace(state, spares=(C,))
     replaced = decide_replace(spared, 7, ("a",), None, newest_step=5)
     assert replaced is not None and (replaced.progress_step, replaced.stalled_recoveries) == (5, 1)
+
+
+def test_the_document_encodes_as_its_dataclass_fields_do() -> None:
+    """to_bytes is written out by hand for speed: the bytes must be those of ``asdict``, since
+    compare-and-set compares documents byte for byte."""
+    nodes = tuple(
+        NodeInfo(f"n{i}", f"10.0.0.{i}", 8, i if i % 2 else None, f"h{i}", i, f"10.0.0.{i}:1") for i in range(5)
+    )
+    state = RdzvState(
+        round=3, complete=True, participants=nodes[:3], waiting=("n9",), restarts=1,
+        failure={"rank": 1, "nested": {"a": [1, 2]}}, recovering=True, recoveries=2, spares=nodes[3:],
+        progress_step=40, stalled_recoveries=1, seq=17,
+    )  # fmt: skip
+    expected = json.dumps(asdict(state), sort_keys=True, separators=(",", ":")).encode()
+    assert state.to_bytes() == expected
+    assert RdzvState.from_bytes(state.to_bytes()) == state

@@ -10,7 +10,8 @@ import pytest
 from resilrun import keys
 from resilrun.errors import ExitCode, RendezvousClosedError, RendezvousTimeoutError
 from resilrun.rendezvous import protocol
-from resilrun.rendezvous.executor import RendezvousClient
+from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.rendezvous.executor import Joining, RendezvousClient
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 
@@ -267,3 +268,120 @@ def test_a_gated_reader_refreshes_after_refresh_s_even_without_a_bump() -> None:
     assert reader.state().round == 0
     clock.sleep(5.0)
     assert reader.state().round == 7
+
+
+# -- the arrivals lane (issue 20) -------------------------------------------------------------------
+class CountingWrites(MemoryBackend):
+    """Counts compare-and-sets of the state document: what N racing joiners multiply."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state_writes = 0
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
+        if key == keys.rdzv_state(RUN):
+            self.state_writes += 1
+        return super().compare_set(key, expected, desired)
+
+
+def test_arrivals_are_admitted_in_one_write_by_the_first_pending_node_or_after_its_grace() -> None:
+    """Fifteen nodes took their places in the lane and their first one died before admitting:
+    the sixteenth waits one grace period, then admits all sixteen in one write, completing the round."""
+    backend, clock = CountingWrites(), FakeClock()
+    others = [client(backend, node(f"n{i:02d}"), clock, lo=16, hi=16) for i in range(15)]
+    for other in others:
+        other._arrive()
+    start = clock.monotonic()
+    state = client(backend, node("last"), clock, lo=16, hi=16).join()
+    assert state.complete and len(state.participants) == 16
+    assert sorted(p.node_id for p in state.participants) == sorted([o.me.node_id for o in others] + ["last"])
+    assert backend.state_writes == 1
+    assert 1.0 <= clock.monotonic() - start < 1.2  # the grace, not the join timeout
+    assert all(o.join() == state for o in others)  # each reads its place; nobody writes again
+    assert backend.state_writes == 1
+
+
+def test_an_index_whose_node_never_wrote_it_is_passed_over_and_a_late_writer_still_joins() -> None:
+    backend, clock = CountingWrites(), FakeClock()
+    backend.add(keys.rdzv_arrivals(RUN), 1)  # a node took index 1 and died before writing it
+    a, b = client(backend, node("a"), clock, lo=2, hi=2), client(backend, node("b"), clock, lo=2, hi=2)
+    waits: list[RdzvState] = []
+    # a (index 2) waits for index 1's admitter, then admits itself; b arrives while a waits
+    state = a.join(on_wait=lambda: waits.append(b.join()) if not waits else None)
+    assert state.complete and sorted(p.node_id for p in state.participants) == ["a", "b"]
+    assert waits == [state]
+
+
+def test_a_lane_node_left_out_by_the_admitter_writes_itself_in() -> None:
+    """The admitter only makes moves that need no observation of time: a spare waiting out its
+    grace in a newly opened round is passed over, and joins by itself once its grace elapsed."""
+    backend, clock = MemoryBackend(), FakeClock()
+    spare = node("s")
+    write_state(backend, RdzvState(round=1, spares=(spare,)))
+    state = client(backend, spare, clock, lo=1, hi=1).join()
+    assert state.complete and [p.node_id for p in state.participants] == ["s"]
+    assert int(backend.get(keys.rdzv_admitted(RUN)) or 0) >= 1
+
+
+def test_admit_applies_each_arrival_as_it_would_join_itself() -> None:
+    a, b, c = node("a"), node("b"), node("c", rank=0)
+    joined = protocol.admit(RdzvState(), [a, b, c], min_nodes=2, max_nodes=3)
+    assert joined is not None and joined.complete and [p.node_id for p in joined.participants] == ["c", "a", "b"]
+    assert protocol.admit(joined, [a, b], min_nodes=2, max_nodes=3) is None  # already in: nothing to write
+    full = protocol.admit(joined, [node("d")], min_nodes=2, max_nodes=3)
+    assert full is not None and [n.node_id for n in full.spares] == ["d"]  # a full round: a spare node
+    clash = protocol.admit(RdzvState(), [node("x", rank=0), node("y", rank=0)], min_nodes=2, max_nodes=2)
+    assert clash is not None and [p.node_id for p in clash.participants] == ["x"]  # y hears it itself
+
+
+class CountingReads(RendezvousBackend):
+    """One node's connection to a shared store, counting that node's reads of the state document."""
+
+    def __init__(self, shared: MemoryBackend) -> None:
+        self.shared = shared
+        self.state_reads = 0
+
+    def get(self, key: str) -> bytes | None:
+        if key == keys.rdzv_state(RUN):
+            self.state_reads += 1
+        return self.shared.get(key)
+
+    def set(self, key: str, value: bytes) -> None:
+        self.shared.set(key, value)
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
+        return self.shared.compare_set(key, expected, desired)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.shared.add(key, amount)
+
+
+def test_a_participant_waiting_in_an_open_round_rereads_the_document_only_when_its_phase_moves() -> None:
+    """Each arrival admitted rewrites the document; a thousand waiting nodes re-reading it each
+    time would be O(N^2) bytes. They look again only when the round's phase moves (complete here)."""
+    shared, clock = MemoryBackend(), FakeClock()
+    seen_by_a = CountingReads(shared)
+
+    def gated(name: str, backend: RendezvousBackend) -> RendezvousClient:
+        return RendezvousClient(
+            backend, RUN, node(name), min_nodes=3, max_nodes=3, join_timeout=timedelta(seconds=600),
+            last_call_timeout=timedelta(seconds=30), clock=clock, refresh_s=100.0,
+        )  # fmt: skip
+
+    b, c = Joining(gated("b", shared)), Joining(gated("c", shared))
+    reads: list[int] = []
+
+    def on_wait() -> None:
+        reads.append(seen_by_a.state_reads)
+        if len(reads) == 3:
+            while b.step() is None and not b.waits:
+                pass  # b arrives and admits itself: the document moves, its phase does not
+        if len(reads) == 8:
+            while c.step() is None and not c.waits:
+                pass  # c completes the round: the phase moves
+
+    state = gated("a", seen_by_a).join(on_wait=on_wait)
+    assert state.complete and sorted(p.node_id for p in state.participants) == ["a", "b", "c"]
+    assert reads[2] == reads[7]  # b's admission rewrote the document: a did not read it again
+    assert seen_by_a.state_reads == reads[7] + 1  # the completion: read once
+    assert b.step() is not None and c.step() is not None
