@@ -1,7 +1,7 @@
 """Control plane at scale: N simulated agents (no workers) against a c10d TCPStore and against etcd.
 
     python benchmarks/control_plane_scale.py [--sizes 64,128,256,512,1024] [--backends c10d,etcd]
-        [--modes all-to-all,scalable] [--budget-s 900] [--out benchmarks/control_plane_scale]
+        [--modes scalable,scalable-cas,all-to-all] [--budget-s 900] [--out benchmarks/control_plane_scale]
 
 What an agent does here is what the supervisor does, through the same code: it joins with the
 rendezvous client's own join steps (``executor.Joining``),
@@ -513,8 +513,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="64,128,256,512,1024")
-    parser.add_argument("--backends", default="c10d,etcd")
-    parser.add_argument("--modes", default="all-to-all,scalable")
+    parser.add_argument("--backends", default="c10d,torchrun,etcd")
+    parser.add_argument("--modes", default="scalable,scalable-cas")
     parser.add_argument("--budget-s", type=float, default=900.0, help="stop starting new cells after this long")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/control_plane_scale"))
     parser.add_argument("--from-json", type=Path, help="only redraw the table and plot of an earlier run")
