@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -144,3 +145,17 @@ def _bump_round(state: RdzvState) -> RdzvState:
     from dataclasses import replace
 
     return replace(state, round=state.round + 1)
+
+
+def test_an_arrival_written_without_the_secret_is_never_admitted() -> None:
+    """The arrivals lane takes NodeInfos from the store: a party without the secret that writes
+    one (and bumps the counter) is passed over, and the real nodes still form their round."""
+    store = MemoryBackend()
+    index = store.add(keys.rdzv_arrivals(RUN), 1)
+    intruder = json.dumps({"node_id": "intruder", "addr": "10.9.9.9", "local_world_size": 8}).encode()
+    store.set(keys.rdzv_arrival(RUN, index), intruder)
+    a, b = _client(sealed(store)[0], node("a")), _client(sealed(store)[0], node("b"))
+    waits: list[RdzvState] = []
+    state = a.join(on_wait=lambda: waits.append(b.join()) if not waits else None)
+    assert state.complete and sorted(p.node_id for p in state.participants) == ["a", "b"]
+    assert waits == [state]
