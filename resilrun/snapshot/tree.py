@@ -96,7 +96,9 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor], join: Joiner | None =
         return tree
     if _TENSOR in tree:
         tensor = tensors[tree[_TENSOR]]
-        return tensor.numpy() if tree.get("numpy") else tensor
+        # A NumPy array lives on the host, whatever device the restore copied tensors to (a CUDA
+        # job's private copies are made on its GPU: numpy's RNG state came back there).
+        return tensor.cpu().numpy() if tree.get("numpy") else tensor
     if _SHARDED in tree:
         if join is None:
             raise ValueError(f"'{tree[_SHARDED]}' is a shard of a sharded tensor; nothing given to rebuild it")
