@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -82,6 +82,12 @@ class CountingBackend(RendezvousBackend):
         self.bytes_read += len(value or b"")
         return value
 
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        self.ops += 1  # one contract call (the backend answers it in one or two requests)
+        values = self.inner.get_many(keys)
+        self.bytes_read += sum(len(value or b"") for value in values)
+        return values
+
     def set(self, key: str, value: bytes) -> None:
         self.ops += 1
         self.inner.set(key, value)
@@ -118,6 +124,9 @@ class ThreadBackend(RendezvousBackend):
 
     def get(self, key: str) -> bytes | None:
         return self._mine().get(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._mine().get_many(keys)
 
     def set(self, key: str, value: bytes) -> None:
         self._mine().set(key, value)

@@ -15,7 +15,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -240,7 +239,7 @@ def run(config: Config) -> None:
                 on_replicated=telemetry.replicated,
                 every=config.replicate_every,
             )
-            rdzv.me = replace(rdzv.me, peer_addr=peers.address)
+            rdzv.me = rdzv.me._replace(peer_addr=peers.address)
             tiers.peer_held, tiers.peer_fetch, tiers.peer_inventory = peers.held_steps, peers.fetch, peers.inventory
         persister = None
         if storage is not None:

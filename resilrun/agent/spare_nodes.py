@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import signal
-from dataclasses import replace
 
 from resilrun.agent.inprocess import InProcessRecovery
 from resilrun.agent.procs import Processes, WorkerProcess
@@ -110,7 +109,7 @@ class SpareNodeStandby:
         """This spare node was chosen for a lost node's place: its warm workers take those ranks."""
         started = self._clock.monotonic()
         round_.node_rank = node_rank
-        self._rdzv.me = replace(self._rdzv.me, preferred_rank=node_rank)
+        self._rdzv.me = self._rdzv.me._replace(preferred_rank=node_rank)
         ready = [] if self._config.no_python else self._spare_pool.ready(round_, self._setup.nproc)
         if len(ready) < self._setup.nproc or not self._generations.enter_generation(
             round_, new, dict(enumerate(ready))

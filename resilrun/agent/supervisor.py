@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import signal
-from dataclasses import replace
 
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.exit_barrier import ExitBarrier
@@ -148,7 +147,7 @@ class Supervisor:
                     return
                 continue
             self.standby.drop()
-            self.rdzv.me = replace(self.rdzv.me, preferred_rank=node_rank)
+            self.rdzv.me = self.rdzv.me._replace(preferred_rank=node_rank)
             if self._run_round(state, node_rank) is RoundEnd.DONE:
                 return
 

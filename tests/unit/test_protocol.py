@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 
@@ -346,7 +346,7 @@ def test_replace_puts_a_spare_node_in_the_lost_nodes_place_as_a_recovery() -> No
         (RdzvState(round=3, complete=True, participants=(A, B), spares=(C,)), 2, ("a",)),  # job moved on
         (RdzvState(round=2, complete=True, participants=(A, B), spares=(C,)), 2, ("a", "b")),  # too few
         (RdzvState(round=2, complete=True, participants=(A, B), spares=(C,)), 2, ("z",)),  # not a participant
-        (RdzvState(round=2, complete=True, participants=(A, B), spares=(replace(C, local_world_size=1),)), 2, ("a",)),
+        (RdzvState(round=2, complete=True, participants=(A, B), spares=(C._replace(local_world_size=1),)), 2, ("a",)),
         (RdzvState(round=2, complete=True, closed=True, participants=(A, B), spares=(C,)), 2, ("a",)),
     ],
 )
@@ -400,9 +400,9 @@ def test_a_newer_step_refills_the_recovery_budget() -> None:
     assert replaced is not None and (replaced.progress_step, replaced.stalled_recoveries) == (5, 1)
 
 
-def test_the_document_encodes_as_its_dataclass_fields_do() -> None:
-    """to_bytes is written out by hand for speed: the bytes must be those of ``asdict``, since
-    compare-and-set compares documents byte for byte."""
+def test_the_document_writes_its_nodes_column_by_column_and_reads_the_older_lists_too() -> None:
+    """Columns decode ~4x faster at 1,024 nodes; the bytes stay canonical (compare-and-set
+    compares documents byte for byte) and a document of the earlier layout still reads."""
     nodes = tuple(
         NodeInfo(f"n{i}", f"10.0.0.{i}", 8, i if i % 2 else None, f"h{i}", i, f"10.0.0.{i}:1") for i in range(5)
     )
@@ -411,6 +411,31 @@ def test_the_document_encodes_as_its_dataclass_fields_do() -> None:
         failure={"rank": 1, "nested": {"a": [1, 2]}}, recovering=True, recoveries=2, spares=nodes[3:],
         progress_step=40, stalled_recoveries=1, seq=17,
     )  # fmt: skip
-    expected = json.dumps(asdict(state), sort_keys=True, separators=(",", ":")).encode()
-    assert state.to_bytes() == expected
-    assert RdzvState.from_bytes(state.to_bytes()) == state
+    raw = state.to_bytes()
+    doc = json.loads(raw)
+    assert doc["participants"]["node_id"] == ["n0", "n1", "n2"]
+    assert doc["spares"]["requested_rank"] == [3, None]
+    assert raw == json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    assert RdzvState.from_bytes(raw) == state and RdzvState.from_bytes(raw).to_bytes() == raw
+    older = {**doc, "participants": [n._asdict() for n in nodes[:3]], "spares": [n._asdict() for n in nodes[3:]]}
+    assert RdzvState.from_bytes(json.dumps(older).encode()) == state  # one object per node
+    assert RdzvState.from_bytes(RdzvState().to_bytes()) == RdzvState()
+
+
+@pytest.mark.parametrize(
+    "columns",
+    [{"node_id": ["a"], "addr": ["x"]}, {"node_id": ["a"], "addr": ["x"], "local_world_size": [1], "evil": [1]}],
+    ids=["a required column missing", "an unknown column"],
+)
+def test_a_document_whose_node_columns_are_not_nodeinfos_is_refused(columns: dict[str, list[object]]) -> None:
+    doc = json.loads(RdzvState().to_bytes())
+    doc["participants"] = columns
+    with pytest.raises(TypeError, match="node columns"):
+        RdzvState.from_bytes(json.dumps(doc).encode())
+
+
+def test_node_columns_of_different_lengths_are_refused() -> None:
+    doc = json.loads(RdzvState(participants=(A, B)).to_bytes())
+    doc["participants"]["addr"].pop()
+    with pytest.raises(ValueError, match="differ in length"):
+        RdzvState.from_bytes(json.dumps(doc).encode())
