@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.etcd_serve
 
 from resilrun import keys  # noqa: E402
 from resilrun.agent.heartbeat import StalenessJudge, watched_nodes  # noqa: E402
-from resilrun.rendezvous.api import RendezvousBackend  # noqa: E402
+from resilrun.rendezvous.api import CounterWatch, RendezvousBackend  # noqa: E402
 from resilrun.rendezvous.executor import Joining, RendezvousClient  # noqa: E402
 from resilrun.rendezvous.protocol import NodeInfo  # noqa: E402
 
@@ -100,6 +100,12 @@ class CountingBackend(RendezvousBackend):
         self.ops += 1
         return self.inner.add(key, amount)
 
+    def watch_counter(self, key: str) -> CounterWatch | None:
+        watch = self.inner.watch_counter(key)
+        if watch is not None:
+            self.ops += 2  # its range and its watch request (the pushed changes are not requests)
+        return watch
+
     def close(self) -> None:
         self.inner.close()
 
@@ -136,6 +142,9 @@ class ThreadBackend(RendezvousBackend):
 
     def add(self, key: str, amount: int) -> int:
         return self._mine().add(key, amount)
+
+    def watch_counter(self, key: str) -> CounterWatch | None:
+        return self._mine().watch_counter(key)  # one stream per agent, as each agent would hold
 
     def totals(self) -> tuple[int, int]:
         with self.lock:
@@ -253,6 +262,7 @@ def run_cell(connect: Callable[[], RendezvousBackend], store_pid: int, n: int, m
         result.update(rendezvous_s=None, note=note)
         return result
     result["rendezvous_s"] = time.monotonic() - started
+    result["version_pushed"] = scalable and agents[0].client.version_watched
     ops0, bytes0 = shared.totals()
     result["rendezvous_ops"] = ops0
     sched.lags.clear()
@@ -464,13 +474,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def _demanded(row: dict[str, Any]) -> str:
-    return "—" if row["mode"] == TORCHRUN_MODE else f"{demand(row['mode'], row['n']):.0f}"
+    if row["mode"] == TORCHRUN_MODE:
+        return "—"
+    return f"{demand(row['mode'], row['n'], pushed=bool(row.get('version_pushed'))):.0f}"
 
 
-def demand(mode: str, n: int) -> float:
-    """Store ops per agent per second the protocol asks for (what a store that keeps up serves)."""
+def demand(mode: str, n: int, *, pushed: bool = False) -> float:
+    """Store ops per agent per second the protocol asks for (what a store that keeps up serves);
+    ``pushed``: the version counter comes by watch, not by a read every tick."""
     watched = n - 1 if mode == "all-to-all" else min(FANOUT, n - 1)
-    return 1 / MONITOR_S + (1 + watched) / HEARTBEAT_S
+    return (0 if pushed else 1 / MONITOR_S) + (1 + watched) / HEARTBEAT_S
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:

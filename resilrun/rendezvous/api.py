@@ -9,6 +9,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol
+
+
+class CounterWatch(Protocol):
+    """A counter's value as the store pushes it (``RendezvousBackend.watch_counter``)."""
+
+    def value(self) -> int | None:
+        """The newest value pushed so far; None while the push is not known to be current (not
+        started yet, or its stream broke and is being re-opened): the caller reads the counter."""
+
+    def close(self) -> None:
+        """Stop following the counter."""
 
 
 class RendezvousBackend(ABC):
@@ -46,6 +58,17 @@ class RendezvousBackend(ABC):
         only say "something changed" or hand out unique indices; what must count each node once
         (a barrier) is one key per node read with :meth:`get_many`.
         """
+
+    def watch_counter(self, key: str) -> CounterWatch | None:
+        """A view of counter ``key`` that the store keeps current by pushing its changes, or None
+        when this store cannot push (the caller polls with ``add(key, 0)``).
+
+        Why: every agent checks the rendezvous version counter every monitor interval; N agents
+        polling it ask the store for N/interval reads per second, all to learn that nothing moved.
+        A store that can watch (etcd) answers that with one idle stream per agent. The backend owns
+        the watch: ``close`` ends it.
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default has none."""

@@ -19,6 +19,8 @@ How the contract maps onto etcd:
 | add(key, 0)   | one range (a read never writes: polling a counter costs no raft proposal) |
 | add(key, n)   | one txn: compare mod_revision == cached, put value+n; on a lost race the   |
 |               | failure branch returns the fresh value and the txn is retried             |
+| watch_counter | one range, then one watch stream from the next revision (no request per    |
+|               | check: the value is pushed); re-opened the same way when the stream breaks |
 
 Invariants: every call is bounded by the operation timeout (a deadline on the monotonic clock, and
 a per-request HTTP timeout); connection failures move to the next endpoint of
@@ -44,7 +46,9 @@ the lease's TTL, so a cluster that runs many jobs is not polluted and a rerun wi
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -54,7 +58,7 @@ from typing import Any
 
 from resilrun.errors import StoreConnectionError
 from resilrun.option_values import parse_endpoints
-from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.rendezvous.api import CounterWatch, RendezvousBackend
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +81,11 @@ _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 0.5
 # etcd refuses a transaction of more operations than its --max-txn-ops (128 by default).
 _MAX_TXN_OPS = 128
+# A watch stream that has said nothing for this long is re-opened (one range, one watch): a stream
+# whose connection was cut without a FIN would otherwise look current for ever. Readers re-read
+# the rendezvous document every refresh interval anyway, so this only bounds the streams' staleness.
+_WATCH_IDLE_S = 30.0
+_WATCH_BACKOFF_MAX_S = 2.0
 # Job keys outlive their last agent by this long: long enough that every agent being cut off from
 # etcd for a moment does not erase a running job, short enough that a rerun soon starts clean.
 JOB_LEASE_TTL_S = 120
@@ -146,6 +155,7 @@ class EtcdBackend(RendezvousBackend):
         self._lease_id: int | None = None
         self._keepalive: threading.Thread | None = None
         self._stop = threading.Event()
+        self._watches: list[_CounterWatch] = []
 
     # -- the contract ---------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
@@ -211,9 +221,21 @@ class EtcdBackend(RendezvousBackend):
                     hint="too many writers on one counter; raise --rdzv-conf read_timeout=SECONDS",
                 )
 
+    def watch_counter(self, key: str) -> CounterWatch | None:
+        """See base class: a thread follows one watch stream on ``key`` (one HTTP connection)."""
+        watch = _CounterWatch(self, key)
+        with self._lock:
+            self._watches.append(watch)
+        return watch
+
     def close(self) -> None:
-        """Stop keeping the job lease alive (the job's keys expire once no agent refreshes it)."""
+        """Stop keeping the job lease alive (the job's keys expire once no agent refreshes it) and
+        end this backend's watches."""
         self._stop.set()
+        with self._lock:
+            watches, self._watches = self._watches, []
+        for watch in watches:
+            watch.close()
         if self._keepalive is not None:
             self._keepalive.join(timeout=_CONNECT_TIMEOUT_S + _MAX_REQUEST_TIMEOUT_S)
         for client in self._clients:
@@ -274,6 +296,44 @@ class EtcdBackend(RendezvousBackend):
             "failure": [{"request_range": {"key": _b64(key)}}],
         }
         return self._post("/kv/txn", body)
+
+    def _open_stream(self, path: str, body: dict[str, Any]) -> Any:
+        """A streaming POST to the current endpoint (a watch): its ``requests`` response, status 200.
+
+        Raises:
+            StoreConnectionError: the endpoint refused or did not answer (the caller re-opens later).
+        """
+        import requests
+
+        token = None if self.security.user is None else (self._token or self._authenticate(None))
+        with self._lock:
+            index = self._current
+        client = self._clients[index]
+        session = requests.Session()  # its own connection: a stream holds it for as long as it lasts
+        session.cert = client.session.cert
+        try:
+            response = session.post(
+                client.get_url(path),
+                json=body,
+                stream=True,
+                timeout=(_CONNECT_TIMEOUT_S, _WATCH_IDLE_S),
+                verify=self._verify,
+                headers={"Authorization": token} if token else None,
+            )
+        except (requests.RequestException, OSError) as exc:
+            session.close()
+            with self._lock:
+                if self._current == index:
+                    self._current = (index + 1) % len(self._clients)
+            raise StoreConnectionError(f"etcd at {self.endpoints[index]}: could not open a watch: {exc}") from exc
+        if response.status_code != 200:
+            response.close()
+            session.close()
+            if response.status_code == 401 and token is not None:
+                self._authenticate(token)
+            raise StoreConnectionError(f"etcd at {self.endpoints[index]} refused a watch: HTTP {response.status_code}")
+        response.resilrun_session = session  # closed with the stream
+        return response
 
     def _lease_ttl(self, lease_id: int) -> int:
         return int(self._post("/kv/lease/timetolive", {"ID": str(lease_id)}).get("TTL", -1))
@@ -395,6 +455,85 @@ class EtcdBackend(RendezvousBackend):
         raise StoreConnectionError(
             f"etcd at {self.endpoint_list} did not answer within {self.timeout_s:g} s: {detail}", hint=hint
         ) from last
+
+
+class _CounterWatch:
+    """A counter's value pushed by an etcd watch (``EtcdBackend.watch_counter``).
+
+    The thread reads the counter and its revision, then watches from the next revision, so no
+    change between the read and the watch is missed; events update the value in order. While no
+    stream is open (starting, broken, being re-opened after a backoff) ``value`` is None and the
+    caller polls instead, so a broken stream never hides a change.
+    """
+
+    def __init__(self, backend: EtcdBackend, key: str) -> None:
+        self._backend = backend
+        self._key = key
+        self._value: int | None = None
+        self._stopping = threading.Event()
+        self._response: Any = None
+        self._thread = threading.Thread(target=self._run, name="resilrun-etcd-watch", daemon=True)
+        self._thread.start()
+
+    def value(self) -> int | None:
+        return self._value
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._drop()
+        self._thread.join(timeout=_CONNECT_TIMEOUT_S)
+
+    def _run(self) -> None:
+        backoff = _BACKOFF_FIRST_S
+        while not self._stopping.is_set():
+            try:
+                self._follow()
+                backoff = _BACKOFF_FIRST_S  # it ran, then ended (idle, or etcd closed it)
+            except Exception as exc:  # noqa: BLE001 - any failure: poll meanwhile, open again
+                logger.debug("watch on %s broke: %s", self._key, exc)
+            self._value = None
+            self._drop()
+            if self._stopping.wait(backoff):
+                return
+            backoff = min(backoff * 2, _WATCH_BACKOFF_MAX_S)
+
+    def _follow(self) -> None:
+        result = self._backend._post("/kv/range", {"key": _b64(self._key)})
+        revision = int(result.get("header", {}).get("revision", 0))
+        kvs = result.get("kvs")
+        current = int(_value(kvs[0]) or b"0") if kvs else 0
+        create = {"key": _b64(self._key), "start_revision": str(revision + 1)}
+        self._response = self._backend._open_stream("/watch", {"create_request": create})
+        for line in self._response.iter_lines():
+            if self._stopping.is_set():
+                return
+            if not line.strip():
+                continue
+            chunk = json.loads(line)
+            if "error" in chunk:
+                raise StoreConnectionError(f"etcd ended the watch on {self._key}: {chunk['error']}")
+            answer = chunk.get("result", {})
+            if answer.get("canceled"):
+                raise StoreConnectionError(f"etcd canceled the watch on {self._key}: {answer.get('cancel_reason')}")
+            for event in answer.get("events", []):
+                deleted = event.get("type") == "DELETE"  # (the job lease expired: reads as 0, like add)
+                current = 0 if deleted else int(_value(event["kv"]) or b"0")
+            if answer.get("created") or answer.get("events"):
+                self._value = current
+
+    def _drop(self) -> None:
+        """Close the stream, waking the thread blocked reading it (closing a socket another thread
+        reads does not wake that thread on Linux; shutting it down does)."""
+        response, self._response = self._response, None
+        if response is None:
+            return
+        with contextlib.suppress(Exception):
+            stream = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+            stream.shutdown(socket.SHUT_RDWR)
+            stream.close()
+        with contextlib.suppress(Exception):
+            response.close()
+            response.resilrun_session.close()
 
 
 class _TokenRejected(Exception):

@@ -8,7 +8,9 @@ polls it every monitor interval, so N agents re-reading it costs O(N^2) bytes pe
 ``refresh_s`` set, a client polls a tiny version counter instead (bumped after every successful
 write, always *after* the compare-and-set) and re-reads the document only when the counter moved,
 or when ``refresh_s`` has passed: the safety net for a writer that died between its write and its
-bump. A reader can therefore never keep a stale document past a bump it has seen.
+bump. A reader can therefore never keep a stale document past a bump it has seen. Where the store
+can push the counter (etcd's watch: ``RendezvousBackend.watch_counter``) even that poll goes: the
+reader checks the pushed value, and polls only while the watch is not current.
 
 Joining at scale (the arrivals lane): N nodes each compare-and-setting themselves into the one
 document race, and every lost race re-reads O(N) bytes: O(N^2) retries of O(N) bytes while a
@@ -35,7 +37,7 @@ from resilrun import keys
 from resilrun.clock import Clock, SystemClock
 from resilrun.errors import RendezvousClosedError, RendezvousTimeoutError
 from resilrun.rendezvous import protocol
-from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.rendezvous.api import CounterWatch, RendezvousBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState, Verdict
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class RendezvousClient:
         self._key = keys.rdzv_state(run_id)
         self._version_key = keys.rdzv_version(run_id)
         self.refresh_s = refresh_s
+        self._version_watch: CounterWatch | None = None  # asked for at the first gated read
+        self._watch_asked = False
         # (version, state, raw document, when it was read) of the last full read, when gated.
         self._cached: tuple[int, RdzvState, bytes | None, float] | None = None
         # The newest document read or written (by seq) and its raw bytes: what a replayed older one
@@ -110,7 +114,7 @@ class RendezvousClient:
         """The current state and its raw bytes (the compare-and-set's expected value)."""
         if self.refresh_s is None:
             return self._fresh(self.backend.get(self._key))
-        version = self.backend.add(self._version_key, 0)
+        version = self._version()
         now = self.clock.monotonic()
         cached = self._cached
         if cached is not None and cached[0] == version and now - cached[3] < self.refresh_s:
@@ -118,6 +122,20 @@ class RendezvousClient:
         state, raw = self._fresh(self.backend.get(self._key))
         self._cached = (version, state, raw, now)
         return state, raw
+
+    def _version(self) -> int:
+        """The version counter: pushed by the store where it can watch (etcd: no request per
+        check), else read."""
+        if self._version_watch is None and not self._watch_asked:
+            self._watch_asked = True
+            self._version_watch = self.backend.watch_counter(self._version_key)
+        pushed = self._version_watch.value() if self._version_watch is not None else None
+        return pushed if pushed is not None else self.backend.add(self._version_key, 0)
+
+    @property
+    def version_watched(self) -> bool:
+        """Whether the store pushes this client's version counter (once it was first read)."""
+        return self._version_watch is not None
 
     def _fresh(self, raw: bytes | None) -> tuple[RdzvState, bytes | None]:
         """The document read, unless it is older than one this node saw: a replay (every write

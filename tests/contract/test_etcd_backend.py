@@ -95,3 +95,85 @@ def test_job_keys_are_attached_to_one_shared_lease_and_vanish_after_it(etcd_serv
     # And a later job with the same key gets a fresh lease
     assert reader.attach_job_lease(lease_key, ttl_s=2) != lease
     reader.close()
+
+
+def _until(predicate: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_watched_counter_follows_every_change_without_a_request_per_check(etcd_server: Any) -> None:
+    # Given a counter already at 2 and an agent watching it
+    key = _key()
+    writer = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=5))
+    reader = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=5))
+    writer.add(key, 2)
+    posts = 0
+    post = reader._post
+
+    def counted(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        nonlocal posts
+        posts += 1
+        return post(path, body)
+
+    reader._post = counted  # type: ignore[method-assign]
+    try:
+        watch = reader.watch_counter(key)
+        assert watch is not None
+        # Then it reads 2 once the stream is open, and each later change another agent makes
+        assert _until(lambda: watch.value() == 2)
+        for expected in (3, 4, 9):
+            writer.add(key, expected - writer.add(key, 0))
+            assert _until(lambda expected=expected: watch.value() == expected), (watch.value(), expected)
+        # with one request in all (the range it started from), however often it is checked
+        for _ in range(200):
+            assert watch.value() == 9
+        assert posts == 1
+    finally:
+        writer.close()
+        reader.close()
+    assert watch.value() is None  # closed: its stream is gone, so it claims nothing
+
+
+def test_an_idle_watch_is_reopened_and_misses_no_change(etcd_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given streams re-opened after 0.3 s without an event (a cut connection looks like that)
+    monkeypatch.setattr("resilrun.rendezvous.etcd._WATCH_IDLE_S", 0.3)
+    key = _key()
+    backend = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=5))
+    try:
+        backend.add(key, 1)
+        watch = backend.watch_counter(key)
+        assert watch is not None and _until(lambda: watch.value() == 1)
+        time.sleep(1.0)  # a few re-opens
+        # Then changes made across them are followed
+        for expected in (2, 3):
+            backend.add(key, 1)
+            assert _until(lambda expected=expected: watch.value() == expected)
+    finally:
+        backend.close()
+
+
+def test_a_watch_whose_etcd_is_gone_claims_no_value(tmp_path: Any) -> None:
+    from tests.conftest import _require_etcd
+    from tests.etcd_server import EtcdCluster
+
+    _require_etcd()
+    cluster = EtcdCluster(tmp_path / "etcd").start()
+    backend = EtcdBackend(parse_endpoints(cluster.endpoint), timeout=timedelta(seconds=1))
+    try:
+        key = _key()
+        backend.add(key, 5)
+        watch = backend.watch_counter(key)
+        assert watch is not None and _until(lambda: watch.value() == 5)
+        # When etcd stops, the watch no longer claims a value: its readers poll, and hear the failure
+        cluster.stop()
+        assert _until(lambda: watch.value() is None)
+        time.sleep(0.5)
+        assert watch.value() is None
+    finally:
+        backend.close()
+        cluster.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -385,3 +386,61 @@ def test_a_participant_waiting_in_an_open_round_rereads_the_document_only_when_i
     assert reads[2] == reads[7]  # b's admission rewrote the document: a did not read it again
     assert seen_by_a.state_reads == reads[7] + 1  # the completion: read once
     assert b.step() is not None and c.step() is not None
+
+
+class PushedCounter:
+    """A watch the test drives: ``current`` False is a broken stream."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read, self.current = read, True
+
+    def value(self) -> int | None:
+        return self.read() if self.current else None
+
+    def close(self) -> None:
+        self.current = False
+
+
+class PushingStore(MemoryBackend):
+    """A store that can push counters (as etcd's watch does), counting the counter reads asked of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter_reads = 0
+        self.watches: list[PushedCounter] = []
+
+    def add(self, key: str, amount: int) -> int:
+        if amount == 0:
+            self.counter_reads += 1
+        return super().add(key, amount)
+
+    def watch_counter(self, key: str) -> PushedCounter:
+        watch = PushedCounter(lambda: MemoryBackend.add(self, key, 0))  # pushed: not a read asked of the store
+        self.watches.append(watch)
+        return watch
+
+
+def test_a_gated_reader_checks_a_pushed_version_without_asking_the_store_and_polls_when_the_push_breaks() -> None:
+    store = PushingStore()
+
+    def gated(name: str) -> RendezvousClient:
+        return RendezvousClient(
+            store, RUN, node(name), min_nodes=1, max_nodes=2, join_timeout=timedelta(seconds=5),
+            last_call_timeout=timedelta(seconds=1), clock=FakeClock(), refresh_s=100.0,
+        )  # fmt: skip
+
+    writer, reader = gated("a"), gated("b")
+    first = reader.state()
+    store.counter_reads = 0
+    # Given a store that pushes the version counter: checking it a thousand times asks nothing
+    for _ in range(1000):
+        assert reader.state() == first
+    assert store.counter_reads == 0 and len(store.watches) == 1
+    # and a write is seen at the next check
+    writer.next_round(first.round, failure=None, max_restarts=0)
+    moved = reader.state()
+    assert moved.round == first.round + 1
+    # When the push breaks, the reader asks the store instead, and still sees what moves
+    store.watches[0].current = False
+    writer.close("stopped")
+    assert reader.state().closed and store.counter_reads == 1
