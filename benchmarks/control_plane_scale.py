@@ -13,7 +13,8 @@ until one of them has opened the next round with ``next_round`` (decision) is me
 Modes: ``all-to-all`` is the supervisor before issue 15 (every agent reads the whole state
 document every tick and every other agent's counter every interval: O(N^2) store traffic);
 ``scalable`` is the agent today: it reads the document only when its version counter moves
-(``RendezvousClient(refresh_s=...)``), watches two ring successors (``heartbeat.watched_nodes``),
+(``RendezvousClient(refresh_s=...)``; on etcd that counter is pushed by a watch, one stream per
+agent, counted as two operations when opened), watches two ring successors (``heartbeat.watched_nodes``),
 and joins through the arrivals lane (rendezvous/executor.py: O(1) store operations per joining
 agent, one write admits every arrival so far); ``scalable-cas`` is ``scalable`` with every agent
 compare-and-setting itself into the document instead (before the lane), for the lane's ratio.
@@ -262,7 +263,6 @@ def run_cell(connect: Callable[[], RendezvousBackend], store_pid: int, n: int, m
         result.update(rendezvous_s=None, note=note)
         return result
     result["rendezvous_s"] = time.monotonic() - started
-    result["version_pushed"] = scalable and agents[0].client.version_watched
     ops0, bytes0 = shared.totals()
     result["rendezvous_ops"] = ops0
     sched.lags.clear()
@@ -318,6 +318,7 @@ def run_cell(connect: Callable[[], RendezvousBackend], store_pid: int, n: int, m
     result["ops_per_agent_s"] = result["ops_per_s"] / n
     result["kib_read_per_agent_s"] = (bytes2 - bytes1) / elapsed / n / 1024
     result["tick_lag_p99_ms"] = 1000 * lags[int(0.99 * (len(lags) - 1))] if lags else None
+    result["version_pushed"] = any(agent.client.version_watched for agent in agents)  # opened at the first tick
     # Now the victim stops: no more ticks, no more heartbeats
     next(a for a in agents if a.client.me.node_id == victim).stopped = True
     killed = time.monotonic()
@@ -474,7 +475,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def _demanded(row: dict[str, Any]) -> str:
-    if row["mode"] == TORCHRUN_MODE:
+    if row["mode"] == TORCHRUN_MODE or row.get("ops_per_agent_s") is None:
         return "—"
     return f"{demand(row['mode'], row['n'], pushed=bool(row.get('version_pushed'))):.0f}"
 

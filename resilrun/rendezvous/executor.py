@@ -110,11 +110,15 @@ class RendezvousClient:
         self._phase_key = keys.rdzv_phase(run_id)
 
     # -- reads ----------------------------------------------------------------------------------
-    def read(self) -> tuple[RdzvState, bytes | None]:
-        """The current state and its raw bytes (the compare-and-set's expected value)."""
+    def read(self, *, watch: bool = True) -> tuple[RdzvState, bytes | None]:
+        """The current state and its raw bytes (the compare-and-set's expected value).
+
+        ``watch``: where the store can push the version counter, open that watch at this read if
+        not yet open. Joins pass False: N nodes forming a round would otherwise open N streams
+        (two requests each) while the store is busiest; the watch opens at the first read after."""
         if self.refresh_s is None:
             return self._fresh(self.backend.get(self._key))
-        version = self._version()
+        version = self._version(watch)
         now = self.clock.monotonic()
         cached = self._cached
         if cached is not None and cached[0] == version and now - cached[3] < self.refresh_s:
@@ -123,10 +127,10 @@ class RendezvousClient:
         self._cached = (version, state, raw, now)
         return state, raw
 
-    def _version(self) -> int:
+    def _version(self, watch: bool) -> int:
         """The version counter: pushed by the store where it can watch (etcd: no request per
         check), else read."""
-        if self._version_watch is None and not self._watch_asked:
+        if watch and self._version_watch is None and not self._watch_asked:
             self._watch_asked = True
             self._version_watch = self.backend.watch_counter(self._version_key)
         pushed = self._version_watch.value() if self._version_watch is not None else None
@@ -403,12 +407,12 @@ class Joining:
         not moved since and this node waits in an open round, else a fresh one."""
         rdzv = self.client
         if rdzv.refresh_s is None:
-            return None, *rdzv.read()
+            return None, *rdzv.read(watch=False)
         phase = rdzv._phase()  # before the document: a write after this read moves it again
         settled = self.settled
         if settled is not None and settled[0] == phase and rdzv.clock.monotonic() - settled[1] < rdzv.refresh_s:
             return phase, settled[2], settled[3]
-        return phase, *rdzv.read()
+        return phase, *rdzv.read(watch=False)
 
 
 def closed_error(state: RdzvState) -> RendezvousClosedError:

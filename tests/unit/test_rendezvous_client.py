@@ -444,3 +444,16 @@ def test_a_gated_reader_checks_a_pushed_version_without_asking_the_store_and_pol
     store.watches[0].current = False
     writer.close("stopped")
     assert reader.state().closed and store.counter_reads == 1
+
+
+def test_a_join_opens_no_watch_and_the_first_read_after_it_does() -> None:
+    """N nodes forming a round would open N streams while the store is busiest."""
+    store = PushingStore()
+    joining = RendezvousClient(
+        store, RUN, node("a"), min_nodes=1, max_nodes=1, join_timeout=timedelta(seconds=5),
+        last_call_timeout=timedelta(seconds=1), clock=FakeClock(), refresh_s=100.0,
+    )  # fmt: skip
+    assert joining.join().complete
+    assert store.watches == [] and not joining.version_watched
+    joining.state()
+    assert len(store.watches) == 1 and joining.version_watched
