@@ -297,8 +297,9 @@ class EtcdBackend(RendezvousBackend):
         }
         return self._post("/kv/txn", body)
 
-    def _open_stream(self, path: str, body: dict[str, Any]) -> Any:
-        """A streaming POST to the current endpoint (a watch): its ``requests`` response, status 200.
+    def _open_stream(self, path: str, body: dict[str, Any]) -> tuple[Any, int]:
+        """A streaming POST to the current endpoint (a watch): its ``requests`` response (status
+        200) and the endpoint's index.
 
         Raises:
             StoreConnectionError: the endpoint refused or did not answer (the caller re-opens later).
@@ -333,7 +334,11 @@ class EtcdBackend(RendezvousBackend):
                 self._authenticate(token)
             raise StoreConnectionError(f"etcd at {self.endpoints[index]} refused a watch: HTTP {response.status_code}")
         response.resilrun_session = session  # closed with the stream
-        return response
+        return response, index
+
+    def _endpoint_index(self) -> int:
+        with self._lock:
+            return self._current
 
     def _lease_ttl(self, lease_id: int) -> int:
         return int(self._post("/kv/lease/timetolive", {"ID": str(lease_id)}).get("TTL", -1))
@@ -463,7 +468,10 @@ class _CounterWatch:
     The thread reads the counter and its revision, then watches from the next revision, so no
     change between the read and the watch is missed; events update the value in order. While no
     stream is open (starting, broken, being re-opened after a backoff) ``value`` is None and the
-    caller polls instead, so a broken stream never hides a change.
+    caller polls instead, so a broken stream never hides a change. A member cut off the network
+    without closing its connections leaves a stream that just goes quiet: once the backend's
+    other requests have moved to another member, the stream on the old one is dropped at the next
+    ``value`` (None: the caller polls) and opened again where the requests go.
     """
 
     def __init__(self, backend: EtcdBackend, key: str) -> None:
@@ -472,11 +480,17 @@ class _CounterWatch:
         self._value: int | None = None
         self._stopping = threading.Event()
         self._response: Any = None
+        self._index = -1  # the endpoint the stream is open on
         self._thread = threading.Thread(target=self._run, name="resilrun-etcd-watch", daemon=True)
         self._thread.start()
 
     def value(self) -> int | None:
-        return self._value
+        value = self._value
+        if value is not None and self._index != self._backend._endpoint_index():
+            self._value = None
+            self._drop()  # wakes the thread, which opens the stream where the requests now go
+            return None
+        return value
 
     def close(self) -> None:
         self._stopping.set()
@@ -503,7 +517,7 @@ class _CounterWatch:
         kvs = result.get("kvs")
         current = int(_value(kvs[0]) or b"0") if kvs else 0
         create = {"key": _b64(self._key), "start_revision": str(revision + 1)}
-        self._response = self._backend._open_stream("/watch", {"create_request": create})
+        self._response, self._index = self._backend._open_stream("/watch", {"create_request": create})
         for line in self._response.iter_lines():
             if self._stopping.is_set():
                 return

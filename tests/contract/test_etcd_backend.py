@@ -177,3 +177,26 @@ def test_a_watch_whose_etcd_is_gone_claims_no_value(tmp_path: Any) -> None:
     finally:
         backend.close()
         cluster.stop()
+
+
+def test_a_watch_left_on_a_member_the_requests_moved_away_from_is_reopened_where_they_go(etcd_server: Any) -> None:
+    """A member cut off without closing its connections leaves a quiet stream, not a broken one."""
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    # Given a backend with two endpoints (one member under two names), its watch open on the first
+    backend = open_etcd(f"{host}:{port},localhost:{port}", timeout=timedelta(seconds=5))
+    try:
+        key = _key()
+        backend.add(key, 1)
+        watch = backend.watch_counter(key)
+        assert watch is not None and _until(lambda: watch.value() == 1)
+        # When the backend's requests fail over to the second endpoint
+        with backend._lock:
+            backend._current = 1
+        # Then the watch claims nothing (its readers poll) until it follows from there
+        assert watch.value() is None
+        assert _until(lambda: watch.value() == 1)
+        assert watch._index == 1  # type: ignore[attr-defined]
+        backend.add(key, 1)
+        assert _until(lambda: watch.value() == 2)
+    finally:
+        backend.close()
