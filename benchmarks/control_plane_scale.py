@@ -5,10 +5,13 @@
 
 What an agent does here is what the supervisor does, through the same code: it joins with the
 rendezvous client's own join steps (``executor.Joining``),
-then every monitor interval (0.1 s) reads the rendezvous state, and every heartbeat interval (1 s)
-bumps its heartbeat counter and reads the counters it watches into a ``StalenessJudge`` (5 s
-timeout). One agent then stops; the time until another agent judges it stale (detection) and
-until one of them has opened the next round with ``next_round`` (decision) is measured.
+then every monitor interval (0.1 s) reads the rendezvous state, and beats as ``HeartbeatSender``
+does (``heartbeat.Heartbeat``: a counter bump every heartbeat interval, 1 s; on etcd a renewal of
+its liveness lease three times per TTL, through a connection of its own) and every heartbeat
+interval reads the heartbeats it watches (``read_heartbeats``: counters, or on etcd liveness keys
+followed by watch) into a ``StalenessJudge`` (5 s timeout). One agent then stops; the time
+until another agent judges it stale (detection) and until one of them has opened the next round
+with ``next_round`` (decision) is measured.
 
 Modes: ``all-to-all`` is the supervisor before issue 15 (every agent reads the whole state
 document every tick and every other agent's counter every interval: O(N^2) store traffic);
@@ -51,9 +54,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.etcd_server starts etcd
 
-from resilrun import keys  # noqa: E402
-from resilrun.agent.heartbeat import StalenessJudge, watched_nodes  # noqa: E402
-from resilrun.rendezvous.api import CounterWatch, RendezvousBackend  # noqa: E402
+from resilrun.agent.heartbeat import (  # noqa: E402
+    Heartbeat,
+    StalenessJudge,
+    lease_ttl_s,
+    read_heartbeats,
+    watched_nodes,
+)
+from resilrun.rendezvous.api import CounterWatch, LeasedKey, Presence, RendezvousBackend  # noqa: E402
 from resilrun.rendezvous.executor import Joining, RendezvousClient  # noqa: E402
 from resilrun.rendezvous.protocol import NodeInfo  # noqa: E402
 
@@ -76,6 +84,7 @@ class CountingBackend(RendezvousBackend):
         self.inner = inner
         self.ops = 0
         self.bytes_read = 0
+        self.watched: set[str] = set()
 
     def get(self, key: str) -> bytes | None:
         self.ops += 1
@@ -106,6 +115,38 @@ class CountingBackend(RendezvousBackend):
         if watch is not None:
             self.ops += 2  # its range and its watch request (the pushed changes are not requests)
         return watch
+
+    def leases(self) -> bool:
+        return self.inner.leases()
+
+    def lease_key(self, key: str, value: bytes, ttl_s: int) -> LeasedKey | None:
+        leased = self.inner.lease_key(key, value, ttl_s)
+        if leased is None:
+            return None
+        self.ops += 2  # the grant and the put
+        return CountedLease(leased, self)
+
+    def watch_presence(self, key: str) -> Presence | None:
+        presence = self.inner.watch_presence(key)  # (one stream per key and connection)
+        if presence is not None and key not in self.watched:
+            self.watched.add(key)
+            self.ops += 2  # a new stream: its range and its watch request
+        return presence
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class CountedLease:
+    """A liveness lease whose renewals count as store operations."""
+
+    def __init__(self, inner: LeasedKey, counter: CountingBackend) -> None:
+        self.inner, self.counter = inner, counter
+        self.ttl_s = inner.ttl_s
+
+    def refresh(self) -> None:
+        self.counter.ops += 1
+        self.inner.refresh()
 
     def close(self) -> None:
         self.inner.close()
@@ -147,6 +188,16 @@ class ThreadBackend(RendezvousBackend):
     def watch_counter(self, key: str) -> CounterWatch | None:
         return self._mine().watch_counter(key)  # one stream per agent, as each agent would hold
 
+    def leases(self) -> bool:
+        return self._mine().leases()
+
+    def own(self) -> CountingBackend:
+        """A connection of one agent's own (its liveness lease and watches, on a store with leases)."""
+        mine = CountingBackend(self.connect())
+        with self.lock:
+            self.all.append(mine)
+        return mine
+
     def totals(self) -> tuple[int, int]:
         with self.lock:
             return sum(b.ops for b in self.all), sum(b.bytes_read for b in self.all)
@@ -162,6 +213,9 @@ class Agent:
     judge: StalenessJudge
     watched: list[str] = field(default_factory=list)
     next_heartbeat: float = 0.0
+    next_beat: float = 0.0
+    heartbeat: Heartbeat | None = None
+    liveness: RendezvousBackend | None = None  # where its heartbeat and its watches go
     joined: bool = False
     stopped: bool = False
 
@@ -282,10 +336,18 @@ def run_cell(connect: Callable[[], RendezvousBackend], store_pid: int, n: int, m
             current = agent.client.state()
             if current.round != state.round:
                 return None  # the decision was made: the cell is over for this agent
+            if agent.heartbeat is None:  # the agent's own heartbeat, as HeartbeatSender beats
+                # On a store with leases each agent has its own connection for it (its lease and
+                # its watch streams, as a real agent has); counters go through the pool's.
+                agent.liveness = shared.own() if shared.leases() else shared
+                agent.heartbeat = Heartbeat(agent.liveness, run_id, me, interval_s=HEARTBEAT_S, timeout_s=TIMEOUT_S)
+            if now >= agent.next_beat:
+                agent.heartbeat.beat()
+                agent.next_beat = now + agent.heartbeat.period_s
             if now >= agent.next_heartbeat:
-                shared.add(keys.node_heartbeat(run_id, me), 1)
-                for node in agent.watched:
-                    agent.judge.observe(node, shared.add(keys.node_heartbeat(run_id, node), 0))
+                assert agent.liveness is not None
+                for node, reading in read_heartbeats(agent.liveness, run_id, agent.watched).items():
+                    agent.judge.observe_reading(node, reading)
                 agent.next_heartbeat = now + HEARTBEAT_S
                 if victim in agent.judge.stale():
                     detected.setdefault("detected", time.monotonic())
@@ -303,6 +365,12 @@ def run_cell(connect: Callable[[], RendezvousBackend], store_pid: int, n: int, m
     for index, agent in enumerate(agents):  # spread the first ticks over one interval, as real agents
         agent.next_heartbeat = begin + HEARTBEAT_S * index / n
         sched.at(begin + MONITOR_S * index / n, tick_step(agent))
+    # Warm: every agent has started its heartbeat (on etcd: its lease granted, its watches being
+    # opened), then WARMUP_S more; the start-up requests are not the steady state.
+    settle_by = time.monotonic() + DETECT_DEADLINE_S
+    while any(agent.heartbeat is None for agent in agents) and time.monotonic() < settle_by:
+        time.sleep(0.1)
+    result["warmup_s"] = time.monotonic() - begin + WARMUP_S
     time.sleep(WARMUP_S)
     ops1, bytes1 = shared.totals()
     window, store1, sim1 = time.monotonic(), _cpu(store_pid), _cpu(None)
@@ -319,6 +387,7 @@ def run_cell(connect: Callable[[], RendezvousBackend], store_pid: int, n: int, m
     result["kib_read_per_agent_s"] = (bytes2 - bytes1) / elapsed / n / 1024
     result["tick_lag_p99_ms"] = 1000 * lags[int(0.99 * (len(lags) - 1))] if lags else None
     result["version_pushed"] = any(agent.client.version_watched for agent in agents)  # opened at the first tick
+    result["leased"] = any(agent.heartbeat is not None and agent.heartbeat.lease is not None for agent in agents)
     # Now the victim stops: no more ticks, no more heartbeats
     next(a for a in agents if a.client.me.node_id == victim).stopped = True
     killed = time.monotonic()
@@ -477,12 +546,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 def _demanded(row: dict[str, Any]) -> str:
     if row["mode"] == TORCHRUN_MODE or row.get("ops_per_agent_s") is None:
         return "—"
-    return f"{demand(row['mode'], row['n'], pushed=bool(row.get('version_pushed'))):.0f}"
+    asked = demand(row["mode"], row["n"], pushed=bool(row.get("version_pushed")), leased=bool(row.get("leased")))
+    return f"{asked:.2g}" if asked < 1 else f"{asked:.0f}"
 
 
-def demand(mode: str, n: int, *, pushed: bool = False) -> float:
+def demand(mode: str, n: int, *, pushed: bool = False, leased: bool = False) -> float:
     """Store ops per agent per second the protocol asks for (what a store that keeps up serves);
-    ``pushed``: the version counter comes by watch, not by a read every tick."""
+    ``pushed``: the version counter comes by watch, not by a read every tick; ``leased``:
+    liveness by lease renewals (three per TTL) and watches, not counter bumps and reads."""
+    if leased:
+        return (0 if pushed else 1 / MONITOR_S) + 3 / lease_ttl_s(HEARTBEAT_S, TIMEOUT_S)
     watched = n - 1 if mode == "all-to-all" else min(FANOUT, n - 1)
     return (0 if pushed else 1 / MONITOR_S) + (1 + watched) / HEARTBEAT_S
 

@@ -47,6 +47,11 @@ def node_heartbeat(run_id: str, node_id: str) -> str:
     return f"{_base(run_id)}/hb/{node_id}"
 
 
+def node_alive(run_id: str, node_id: str) -> str:
+    """Present while the node's agent renews its liveness lease (stores with leases: etcd)."""
+    return f"{_base(run_id)}/alive/{node_id}"
+
+
 def round_master(run_id: str, round: int) -> str:
     """host:port of the worker store the round leader hosts for that round."""
     return f"{_base(run_id)}/round/{round}/master"

@@ -181,7 +181,10 @@ def run(config: Config) -> None:
             last_call_timeout=_seconds(rdzv_conf.last_call_timeout_s),
             refresh_s=_STATE_REFRESH_S,
         )
-        heartbeat = HeartbeatSender(backend, config.rdzv_id, me.node_id, config.heartbeat_interval_s, rdzv.clock)
+        heartbeat = HeartbeatSender(
+            backend, config.rdzv_id, me.node_id, config.heartbeat_interval_s, rdzv.clock,
+            timeout_s=config.heartbeat_timeout_s,
+        )  # fmt: skip
         log_root = _log_root(config)
         logger.info(
             "resilrun agent: run %s, %s store %s, nnodes %s, %d worker(s) on this node, logs in %s",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from resilrun import keys
-from resilrun.agent.heartbeat import StalenessJudge
+from resilrun.agent.heartbeat import StalenessJudge, read_heartbeats
 from resilrun.agent.node_loss import WATCH_FANOUT, NodeWatch
 from resilrun.agent.restarts import Restarts
 from resilrun.agent.rounds import RoundEnd, SignalFlag
@@ -99,8 +99,8 @@ class ExitBarrier:
 
     def _lost_before_finishing(self, state: RdzvState, watched: list[str], judge: StalenessJudge) -> tuple[str, ...]:
         judge.forget_all_but(watched)
-        for node in watched:
-            judge.observe(node, self._rdzv.backend.add(keys.node_heartbeat(self._rdzv.run_id, node), 0))
+        for node, reading in read_heartbeats(self._rdzv.backend, self._rdzv.run_id, watched).items():
+            judge.observe_reading(node, reading)
         lost = judge.lost()
         # A node that finished just before it went silent is not lost: read its flag once more.
         lost = [n for n, done in zip(lost, self._done_flags(state.round, lost), strict=True) if not done]

@@ -9,13 +9,23 @@ further apart than half the timeout, the watcher itself was blind (its store rea
 e.g. during an etcd leader election, or its process was descheduled), and the senders' writes were
 most likely stalled by the same cause; the excess is not held against the node. Without this, a
 store hiccup longer than the timeout made every node declare every other node lost at once.
+
+On a store with leases (etcd: ``RendezvousBackend.lease_key``) a node beats by renewing a lease of
+its own instead, which holds its *alive* key (no store write per beat), and watchers follow that
+key by watch (no read per check). The key is gone once the lease expired: its watchers then count
+the node silent for the lease's TTL (``StalenessJudge.observe_silence``). The TTL is the timeout
+less one interval, so the node is *pending* (silent past half the timeout) from its expiry and
+stale one interval later, as a stopped counter would be: nodes that died together are still
+judged together.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from resilrun import keys
 from resilrun.clock import Clock, SystemClock
@@ -50,6 +60,24 @@ class StalenessJudge:
         _, changed, observed = previous
         blind = now - observed - self.max_gap_s
         self._seen[node] = (counter, changed + max(blind, 0.0), now)
+
+    def observe_silence(self, node: str, silent_s: float) -> None:
+        """The store says ``node`` has been silent for at least ``silent_s`` (its lease expired).
+
+        Its silence counts from then; a later call never moves that earlier than it already is
+        (the same expiry read again, or the node revived since by its own proof of life)."""
+        now = self.clock.monotonic()
+        since = now - silent_s
+        previous = self._seen.get(node)
+        if previous is not None and previous[0] == _GONE:
+            since = max(since, previous[1])
+        self._seen[node] = (_GONE, since, now)
+
+    def observe_reading(self, node: str, reading: Reading) -> None:
+        if reading.silent_s is None:
+            self.observe(node, reading.counter)
+        else:
+            self.observe_silence(node, reading.silent_s)
 
     def revive(self, node: str) -> None:
         """The node was seen alive another way (rendezvous/peer proof): its silence starts over now."""
@@ -89,22 +117,65 @@ class StalenessJudge:
         return None if seen is None else self.clock.monotonic() - seen[1]
 
 
-class HeartbeatSender:
-    """A daemon thread that bumps this node's counter every interval (failures are logged once)."""
+def lease_ttl_s(interval_s: float, timeout_s: float) -> int:
+    """The TTL of a node's liveness lease: the timeout less one interval (see the module
+    docstring), in the whole seconds a lease has, at least one (the store may raise it)."""
+    return max(1, int(timeout_s - interval_s))
+
+
+class Heartbeat:
+    """One node's heartbeat, one beat per ``beat()``: a counter bump, or a renewal of the node's
+    liveness lease where the store has leases (created here: its key is then present)."""
 
     def __init__(
-        self, backend: RendezvousBackend, run_id: str, node_id: str, interval_s: float, clock: Clock | None = None
+        self, backend: RendezvousBackend, run_id: str, node_id: str, *, interval_s: float, timeout_s: float
     ) -> None:
-        self._key = keys.node_heartbeat(run_id, node_id)
         self._backend = backend
-        self._interval = interval_s
+        self._key = keys.node_heartbeat(run_id, node_id)
+        ttl = lease_ttl_s(interval_s, timeout_s)
+        self.lease = backend.lease_key(keys.node_alive(run_id, node_id), str(ttl).encode(), ttl)
+        # A lease is renewed three times per TTL (two renewals may fail before it expires); a
+        # counter is bumped every interval, as watchers check it.
+        self.period_s = interval_s if self.lease is None else max(interval_s, self.lease.ttl_s / 3)
+
+    def beat(self) -> None:
+        """Raises: ResilrunError (StoreConnectionError): the store did not take it."""
+        if self.lease is None:
+            self._backend.add(self._key, 1)
+        else:
+            self.lease.refresh()
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.close()
+
+
+class HeartbeatSender:
+    """A daemon thread that beats every period (failures are logged once)."""
+
+    def __init__(
+        self,
+        backend: RendezvousBackend,
+        run_id: str,
+        node_id: str,
+        interval_s: float,
+        clock: Clock | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """``timeout_s``: the heartbeat timeout (the lease's TTL follows from it; None: 5 intervals)."""
         self._clock = clock or SystemClock()
+        # When the newest beat that reached the store began (this node's monotonic clock): a
+        # watcher saw it no earlier, so it cannot judge this node lost before this plus the
+        # heartbeat timeout (the write fence's lease). One float: readers see a whole value.
+        self.confirmed_at: float | None = None
+        began = self._clock.monotonic()
+        timeout = 5 * interval_s if timeout_s is None else timeout_s
+        self._heartbeat = Heartbeat(backend, run_id, node_id, interval_s=interval_s, timeout_s=timeout)
+        if self._heartbeat.lease is not None:
+            self.confirmed_at = began  # the lease was granted and its key written
         self._stop = threading.Event()
         self._failing = False
-        # When the newest bump that reached the store began (this node's monotonic clock): a
-        # watcher saw the counter move no earlier, so it cannot judge this node lost before this
-        # plus the heartbeat timeout (the write fence's lease). One float: readers see a whole value.
-        self.confirmed_at: float | None = None
         self._thread = threading.Thread(target=self._run, name="resilrun-heartbeat", daemon=True)
         self._thread.start()
 
@@ -112,28 +183,72 @@ class HeartbeatSender:
         while not self._stop.is_set():
             began = self._clock.monotonic()
             try:
-                self._backend.add(self._key, 1)
+                self._heartbeat.beat()
                 self.confirmed_at = began
                 self._failing = False
             except ResilrunError as exc:
                 if not self._failing:
                     logger.warning("heartbeat to the store failed: %s", exc.message)
                 self._failing = True
-            self._stop.wait(self._interval)
+            self._stop.wait(self._heartbeat.period_s)
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(self._interval + 5)
+        self._thread.join(self._heartbeat.period_s + 5)
+        self._heartbeat.close()
 
 
-def read_counters(backend: RendezvousBackend, run_id: str, nodes: Iterable[str]) -> Callable[[], dict[str, int]]:
-    """A reader of the given nodes' heartbeat counters (one small read per node)."""
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What the store says of one node's heartbeat: a counter that moves while it beats, and,
+    where its liveness lease expired, how long it has been silent at least."""
+
+    counter: int
+    silent_s: float | None = None
+
+
+_GONE = -2  # the counter of a node whose lease expired
+_ABSENT = -1  # ... of one whose liveness key was never seen
+
+
+def read_heartbeats(
+    backend: RendezvousBackend, run_id: str, nodes: Iterable[str], *, watch: bool = True
+) -> dict[str, Reading]:
+    """The heartbeats of ``nodes``: their counters (one small read each), or on a store with
+    leases their liveness keys, followed by watches (``watch``: no read per check; False: one
+    batched read, for a one-off look at many nodes)."""
     node_list = list(nodes)
+    if not node_list:
+        return {}
+    if not backend.leases():
+        return {node: Reading(backend.add(keys.node_heartbeat(run_id, node), 0)) for node in node_list}
+    now = time.monotonic()
+    moving = int(now * 1000)  # a counter that moves at every check: the node's key is present
+    readings: dict[str, Reading] = {}
+    unknown = []
+    for node in node_list:
+        presence = backend.watch_presence(keys.node_alive(run_id, node)) if watch else None
+        seen = presence.seen() if presence is not None else None
+        if presence is None or seen is None:
+            unknown.append(node)  # not watched, or its stream is not current: read the key
+        elif seen[0] is not None:
+            readings[node] = Reading(moving)
+        elif presence.last_present is not None:
+            readings[node] = Reading(_GONE, _ttl(presence.last_present) + now - seen[1])
+        else:
+            readings[node] = Reading(_ABSENT)  # never seen alive: silent since first looked at
+    if unknown:
+        values = backend.get_many([keys.node_alive(run_id, node) for node in unknown])
+        for node, value in zip(unknown, values, strict=True):
+            readings[node] = Reading(moving if value is not None else _ABSENT)
+    return {node: readings[node] for node in node_list}
 
-    def read() -> dict[str, int]:
-        return {node: backend.add(keys.node_heartbeat(run_id, node), 0) for node in node_list}
 
-    return read
+def _ttl(value: bytes) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0
 
 
 def watched_nodes(participants: Sequence[str], me: str, fanout: int) -> list[str]:

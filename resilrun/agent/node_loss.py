@@ -23,8 +23,7 @@ from datetime import timedelta
 
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.failures import ProcessFailure, root_cause
-from resilrun.agent.heartbeat import StalenessJudge, watched_nodes
-from resilrun.agent.heartbeat import read_counters as heartbeat_reader
+from resilrun.agent.heartbeat import StalenessJudge, read_heartbeats, watched_nodes
 from resilrun.agent.restarts import Restarts
 from resilrun.agent.rounds import Round
 from resilrun.agent.telemetry import Telemetry
@@ -132,8 +131,8 @@ class NodeWatch:
         judge.forget_all_but(watched)
         if not watched:
             return ()
-        for node, counter in heartbeat_reader(self._rdzv.backend, self._rdzv.run_id, watched)().items():
-            judge.observe(node, counter)
+        for node, reading in read_heartbeats(self._rdzv.backend, self._rdzv.run_id, watched).items():
+            judge.observe_reading(node, reading)
         stale = set(judge.stale())
         lost = set(judge.lost())
         confirmed = set(self.confirm_lost((state, current), [n for n in watched if n in stale], judge))

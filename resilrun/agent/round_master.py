@@ -14,7 +14,7 @@ from typing import Any
 
 from resilrun import keys
 from resilrun.agent.control import WorkerControl
-from resilrun.agent.heartbeat import StalenessJudge
+from resilrun.agent.heartbeat import StalenessJudge, read_heartbeats
 from resilrun.agent.node_loss import NodeWatch
 from resilrun.agent.restarts import Restarts
 from resilrun.agent.rounds import Membership, SignalFlag
@@ -81,7 +81,7 @@ class RoundMaster:
             if current.closed or current.round != state.round:
                 return None
             if clock.monotonic() >= next_check:
-                judge.observe(leader, backend.add(keys.node_heartbeat(self._rdzv.run_id, leader), 0))
+                judge.observe_reading(leader, read_heartbeats(backend, self._rdzv.run_id, [leader])[leader])
                 next_check = clock.monotonic() + self._config.heartbeat_interval_s
                 if judge.stale() and self._node_watch.confirm_lost((state, current), (leader,), judge):
                     self._leader_lost(state, leader, judge)

@@ -25,9 +25,8 @@ from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from resilrun import keys
 from resilrun.agent.control import WorkerControl
-from resilrun.agent.heartbeat import StalenessJudge
+from resilrun.agent.heartbeat import StalenessJudge, read_heartbeats
 from resilrun.agent.telemetry import AgentTelemetry
 from resilrun.env import SNAPSHOT_AUTO
 from resilrun.errors import ResilrunError
@@ -239,8 +238,8 @@ class StatusPublisher:
             return {}
         nodes = state.participants
         watched = [nodes[(rank + i) % len(nodes)].node_id for i in range(1, min(_WATCHED, len(nodes) - 1) + 1)]
-        for node in watched:
-            self._judge.observe(node, self.backend.add(keys.node_heartbeat(self.run_id, node), 0))
+        for node, reading in read_heartbeats(self.backend, self.run_id, watched).items():
+            self._judge.observe_reading(node, reading)
         self._judge.forget_all_but(watched)
         return {node: _round(self._judge.age(node)) for node in watched}
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.failures import FailureLedger
-from resilrun.agent.heartbeat import read_counters
+from resilrun.agent.heartbeat import read_heartbeats
 from resilrun.agent.rounds import Round
 from resilrun.agent.telemetry import Telemetry
 from resilrun.config import Config
@@ -126,7 +126,8 @@ class RaisedVerdict:
         if self.failures.count(state.round) > 0:
             return
         others = [p.node_id for p in state.participants if p.node_id != self.node_id]
-        counters = read_counters(self.backend, self.failures.run_id, others)() if others else {}
+        readings = read_heartbeats(self.backend, self.failures.run_id, others, watch=False)
+        counters = {node: reading.counter for node, reading in readings.items()}
         now = self._clock()
         if self._probe is None:
             self._probe = _Probe(now, counters)

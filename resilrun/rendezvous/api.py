@@ -23,6 +23,37 @@ class CounterWatch(Protocol):
         """Stop following the counter."""
 
 
+class LeasedKey(Protocol):
+    """A key its writer holds alive on a lease of its own (``RendezvousBackend.lease_key``)."""
+
+    ttl_s: int  # as granted: the store may raise a TTL below its minimum
+
+    def refresh(self) -> None:
+        """Renew the lease (re-creating key and lease if it expired meanwhile).
+
+        Raises:
+            StoreConnectionError: the store did not answer.
+        """
+
+    def close(self) -> None:
+        """Stop renewing it: the key expires after its TTL."""
+
+
+class Presence(Protocol):
+    """A leased key as a watch pushes it (``RendezvousBackend.watch_presence``)."""
+
+    def seen(self) -> tuple[bytes | None, float] | None:
+        """(its value, None when absent; when it last appeared or went, on this process's
+        monotonic clock), or None while the watch is not current (the caller reads the key)."""
+
+    @property
+    def last_present(self) -> bytes | None:
+        """The value it last held while present (what an expired key said)."""
+
+    def close(self) -> None:
+        """Stop watching."""
+
+
 class RendezvousBackend(ABC):
     """Coordination data only: membership, counters and small status records, never tensors."""
 
@@ -68,6 +99,25 @@ class RendezvousBackend(ABC):
         A store that can watch (etcd) answers that with one idle stream per agent. The backend owns
         the watch: ``close`` ends it.
         """
+        return None
+
+    def leases(self) -> bool:
+        """Whether ``lease_key`` holds keys on leases here (then nodes' liveness is leased, not counted)."""
+        return False
+
+    def lease_key(self, key: str, value: bytes, ttl_s: int) -> LeasedKey | None:
+        """Write ``key`` under a lease of its own that the caller renews, so that the key goes
+        away ``ttl_s`` after its writer stops (a node's liveness); None when this store has no
+        leases (the caller bumps a counter instead).
+
+        Why: a counter bumped every heartbeat interval is a store write per node per interval,
+        and on etcd every write is a raft proposal (1 ms of etcd's CPU through its gateway); a
+        lease keep-alive is not, and the key's expiry tells its watchers without any reads.
+        """
+        return None
+
+    def watch_presence(self, key: str) -> Presence | None:
+        """A pushed view of a leased key (see ``lease_key``), or None when this store cannot push."""
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -21,6 +21,9 @@ How the contract maps onto etcd:
 |               | failure branch returns the fresh value and the txn is retried             |
 | watch_counter | one range, then one watch stream from the next revision (no request per    |
 |               | check: the value is pushed); re-opened the same way when the stream breaks |
+| lease_key     | a lease grant and a put on it; then one keep-alive per refresh (no raft     |
+|               | write); an expired lease is granted anew and the key put again             |
+| watch_presence| as watch_counter, one stream per key shared by the backend's callers       |
 
 Invariants: every call is bounded by the operation timeout (a deadline on the monotonic clock, and
 a per-request HTTP timeout); connection failures move to the next endpoint of
@@ -58,7 +61,7 @@ from typing import Any
 
 from resilrun.errors import StoreConnectionError
 from resilrun.option_values import parse_endpoints
-from resilrun.rendezvous.api import CounterWatch, RendezvousBackend
+from resilrun.rendezvous.api import CounterWatch, LeasedKey, Presence, RendezvousBackend
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +158,8 @@ class EtcdBackend(RendezvousBackend):
         self._lease_id: int | None = None
         self._keepalive: threading.Thread | None = None
         self._stop = threading.Event()
-        self._watches: list[_CounterWatch] = []
+        self._watches: list[_KeyWatch] = []
+        self._shared: dict[str, _KeyWatch] = {}  # presence watches, one per key
 
     # -- the contract ---------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
@@ -223,10 +227,28 @@ class EtcdBackend(RendezvousBackend):
 
     def watch_counter(self, key: str) -> CounterWatch | None:
         """See base class: a thread follows one watch stream on ``key`` (one HTTP connection)."""
-        watch = _CounterWatch(self, key)
+        return _CounterView(self._watch(key))
+
+    def watch_presence(self, key: str) -> Presence | None:
+        """See base class: one watch stream per key, shared by every caller of this backend."""
+        return _PresenceView(self._watch(key, shared=True))
+
+    def leases(self) -> bool:
+        return True
+
+    def lease_key(self, key: str, value: bytes, ttl_s: int) -> LeasedKey | None:
+        """See base class: a lease granted (etcd may raise the TTL to its minimum), the key put on it."""
+        return _LeasedKey(self, key, value, ttl_s)
+
+    def _watch(self, key: str, *, shared: bool = False) -> _KeyWatch:
         with self._lock:
+            if shared and key in self._shared:
+                return self._shared[key]
+            watch = _KeyWatch(self, key)
             self._watches.append(watch)
-        return watch
+            if shared:
+                self._shared[key] = watch
+            return watch
 
     def close(self) -> None:
         """Stop keeping the job lease alive (the job's keys expire once no agent refreshes it) and
@@ -234,6 +256,7 @@ class EtcdBackend(RendezvousBackend):
         self._stop.set()
         with self._lock:
             watches, self._watches = self._watches, []
+            self._shared = {}
         for watch in watches:
             watch.close()
         if self._keepalive is not None:
@@ -462,35 +485,39 @@ class EtcdBackend(RendezvousBackend):
         ) from last
 
 
-class _CounterWatch:
-    """A counter's value pushed by an etcd watch (``EtcdBackend.watch_counter``).
+class _KeyWatch:
+    """One key as an etcd watch pushes it: its value (None: absent) and when this process saw it
+    last change (``EtcdBackend.watch_counter``, ``watch_presence``).
 
-    The thread reads the counter and its revision, then watches from the next revision, so no
-    change between the read and the watch is missed; events update the value in order. While no
-    stream is open (starting, broken, being re-opened after a backoff) ``value`` is None and the
-    caller polls instead, so a broken stream never hides a change. A member cut off the network
-    without closing its connections leaves a stream that just goes quiet: once the backend's
-    other requests have moved to another member, the stream on the old one is dropped at the next
-    ``value`` (None: the caller polls) and opened again where the requests go.
+    The thread reads the key and its revision, then watches from the next revision, so no change
+    between the read and the watch is missed; events update the value in order. While no stream is
+    open (starting, broken, being re-opened after a backoff) ``seen`` is None and the caller reads
+    the store instead, so a broken stream never hides a change. A member cut off the network
+    without closing its connections leaves a stream that just goes quiet: once the backend's other
+    requests have moved to another member, the stream on the old one is dropped at the next
+    ``seen`` (None) and opened again where the requests go.
     """
 
     def __init__(self, backend: EtcdBackend, key: str) -> None:
         self._backend = backend
         self._key = key
-        self._value: int | None = None
+        # (value, when it last changed) while the stream is current; the last value that was present
+        self._seen: tuple[bytes | None, float] | None = None
+        self._known: tuple[bytes | None, float] | None = None  # the last (value, since), current or not
+        self.last_present: bytes | None = None
         self._stopping = threading.Event()
         self._response: Any = None
         self._index = -1  # the endpoint the stream is open on
         self._thread = threading.Thread(target=self._run, name="resilrun-etcd-watch", daemon=True)
         self._thread.start()
 
-    def value(self) -> int | None:
-        value = self._value
-        if value is not None and self._index != self._backend._endpoint_index():
-            self._value = None
+    def seen(self) -> tuple[bytes | None, float] | None:
+        seen = self._seen
+        if seen is not None and self._index != self._backend._endpoint_index():
+            self._seen = None
             self._drop()  # wakes the thread, which opens the stream where the requests now go
             return None
-        return value
+        return seen
 
     def close(self) -> None:
         self._stopping.set()
@@ -503,9 +530,9 @@ class _CounterWatch:
             try:
                 self._follow()
                 backoff = _BACKOFF_FIRST_S  # it ran, then ended (idle, or etcd closed it)
-            except Exception as exc:  # noqa: BLE001 - any failure: poll meanwhile, open again
+            except Exception as exc:  # noqa: BLE001 - any failure: read meanwhile, open again
                 logger.debug("watch on %s broke: %s", self._key, exc)
-            self._value = None
+            self._seen = None
             self._drop()
             if self._stopping.wait(backoff):
                 return
@@ -515,7 +542,9 @@ class _CounterWatch:
         result = self._backend._post("/kv/range", {"key": _b64(self._key)})
         revision = int(result.get("header", {}).get("revision", 0))
         kvs = result.get("kvs")
-        current = int(_value(kvs[0]) or b"0") if kvs else 0
+        value = _value(kvs[0]) if kvs else None
+        known = self._known  # kept across streams: a key gone before a re-open stays gone since then
+        since = known[1] if known is not None and known[0] == value else time.monotonic()
         create = {"key": _b64(self._key), "start_revision": str(revision + 1)}
         self._response, self._index = self._backend._open_stream("/watch", {"create_request": create})
         for line in self._response.iter_lines():
@@ -530,10 +559,12 @@ class _CounterWatch:
             if answer.get("canceled"):
                 raise StoreConnectionError(f"etcd canceled the watch on {self._key}: {answer.get('cancel_reason')}")
             for event in answer.get("events", []):
-                deleted = event.get("type") == "DELETE"  # (the job lease expired: reads as 0, like add)
-                current = 0 if deleted else int(_value(event["kv"]) or b"0")
+                value = None if event.get("type") == "DELETE" else _value(event["kv"])
+                since = time.monotonic()
             if answer.get("created") or answer.get("events"):
-                self._value = current
+                if value is not None:
+                    self.last_present = value
+                self._known = self._seen = (value, since)
 
     def _drop(self) -> None:
         """Close the stream, waking the thread blocked reading it (closing a socket another thread
@@ -548,6 +579,69 @@ class _CounterWatch:
         with contextlib.suppress(Exception):
             response.close()
             response.resilrun_session.close()
+
+
+class _CounterView:
+    """A counter's value from a key watch (absent reads as 0, as ``add`` reads it)."""
+
+    def __init__(self, watch: _KeyWatch) -> None:
+        self._watch = watch
+
+    def value(self) -> int | None:
+        seen = self._watch.seen()
+        if seen is None:
+            return None
+        return int(seen[0] or b"0")
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+class _PresenceView:
+    """A leased key's presence from a key watch (``EtcdBackend.watch_presence``)."""
+
+    def __init__(self, watch: _KeyWatch) -> None:
+        self._watch = watch
+
+    def seen(self) -> tuple[bytes | None, float] | None:
+        return self._watch.seen()
+
+    @property
+    def last_present(self) -> bytes | None:
+        return self._watch.last_present
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+class _LeasedKey:
+    """A key held by a lease of its own (``EtcdBackend.lease_key``)."""
+
+    def __init__(self, backend: EtcdBackend, key: str, value: bytes, ttl_s: int) -> None:
+        self._backend = backend
+        self._key = key
+        self._value = value
+        self._ttl_requested = ttl_s
+        self._lease_id = 0
+        self.ttl_s = ttl_s
+        self._grant()
+
+    def _grant(self) -> None:
+        granted = self._backend._post("/lease/grant", {"TTL": str(self._ttl_requested), "ID": "0"})
+        self._lease_id = int(granted["ID"])
+        self.ttl_s = int(granted.get("TTL", self._ttl_requested))  # etcd raises a TTL below its minimum
+        put = {"key": _b64(self._key), "value": _b64(self._value), "lease": str(self._lease_id)}
+        self._backend._post("/kv/put", put)
+
+    def refresh(self) -> None:
+        """Renew the lease; one that expired meanwhile (this node was cut off or frozen for longer
+        than the TTL, and its watchers heard it go) is granted anew and the key written again."""
+        answer = self._backend._post("/lease/keepalive", {"ID": str(self._lease_id)})
+        if int(answer.get("result", {}).get("TTL", 0)) <= 0:
+            self._grant()
+
+    def close(self) -> None:
+        """Stop renewing: the key expires after its TTL, as a node that stops beating goes quiet."""
 
 
 class _TokenRejected(Exception):

@@ -32,7 +32,7 @@ import hmac
 import threading
 from collections.abc import Callable, Sequence
 
-from resilrun.rendezvous.api import CounterWatch, RendezvousBackend
+from resilrun.rendezvous.api import CounterWatch, LeasedKey, Presence, RendezvousBackend
 
 MAGIC = b"RSM1"
 TAG_BYTES = 16
@@ -131,6 +131,15 @@ class SealedBackend(RendezvousBackend):
 
     def watch_counter(self, key: str) -> CounterWatch | None:
         return self.inner.watch_counter(key)  # counters carry no MAC (see the module docstring)
+
+    def leases(self) -> bool:
+        return self.inner.leases()
+
+    def lease_key(self, key: str, value: bytes, ttl_s: int) -> LeasedKey | None:
+        return self.inner.lease_key(key, value, ttl_s)  # liveness, like counters: no MAC
+
+    def watch_presence(self, key: str) -> Presence | None:
+        return self.inner.watch_presence(key)
 
     def close(self) -> None:
         self.inner.close()

@@ -11,7 +11,7 @@ import pytest
 
 from resilrun.errors import ConfigError, ExitCode, StoreConnectionError
 from resilrun.option_values import parse_endpoints
-from resilrun.rendezvous.etcd import EtcdBackend, open_etcd
+from resilrun.rendezvous.etcd import EtcdBackend, _b64, open_etcd
 from tests.conftest import free_port
 
 
@@ -195,8 +195,41 @@ def test_a_watch_left_on_a_member_the_requests_moved_away_from_is_reopened_where
         # Then the watch claims nothing (its readers poll) until it follows from there
         assert watch.value() is None
         assert _until(lambda: watch.value() == 1)
-        assert watch._index == 1  # type: ignore[attr-defined]
+        assert watch._watch._index == 1  # type: ignore[attr-defined]
         backend.add(key, 1)
         assert _until(lambda: watch.value() == 2)
     finally:
         backend.close()
+
+
+def test_a_leased_key_lives_while_renewed_goes_after_its_ttl_and_comes_back_when_renewed_again(
+    etcd_server: Any,
+) -> None:
+    key = _key()
+    owner = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=5))
+    watcher = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=5))
+    try:
+        # Given a key on a 1 s lease (etcd raises it to its minimum) and a watcher of it
+        leased = owner.lease_key(key, b"ttl", 1)
+        assert leased is not None and leased.ttl_s >= 1
+        presence = watcher.watch_presence(key)
+        assert presence is not None
+        assert _until(lambda: (presence.seen() or (None,))[0] == b"ttl")
+        # While it is renewed it stays, with no write to the store (its revision does not move)
+        revision = int(owner._post("/kv/range", {"key": _b64(key)})["kvs"][0]["mod_revision"])
+        for _ in range(int(3 * leased.ttl_s / 0.5)):
+            leased.refresh()
+            time.sleep(0.5)
+        kv = owner._post("/kv/range", {"key": _b64(key)})["kvs"][0]
+        assert int(kv["mod_revision"]) == revision
+        # When renewals stop, it is gone after its TTL, and the watcher hears it, with its last value
+        stopped = time.monotonic()
+        assert _until(lambda: (presence.seen() or (b"",))[0] is None, timeout_s=leased.ttl_s + 3)
+        seen = presence.seen()
+        assert seen is not None and seen[1] - stopped >= leased.ttl_s - 0.6 and presence.last_present == b"ttl"
+        # and a renewal after that (a node back from a cut) puts it back
+        leased.refresh()
+        assert _until(lambda: (presence.seen() or (None,))[0] == b"ttl")
+    finally:
+        owner.close()
+        watcher.close()

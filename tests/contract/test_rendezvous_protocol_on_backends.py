@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 
-from resilrun.agent.heartbeat import HeartbeatSender, StalenessJudge, read_counters
+from resilrun.agent.heartbeat import HeartbeatSender, StalenessJudge, read_heartbeats
 from resilrun.errors import RendezvousClosedError
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.rendezvous.executor import RendezvousClient
@@ -112,28 +112,33 @@ def test_close_is_seen_by_every_node_and_acknowledged(connect: Callable[[], Rend
         late.join()
 
 
-def test_heartbeat_counters_show_a_live_node_and_a_stopped_one(connect: Callable[[], RendezvousBackend]) -> None:
+def test_heartbeats_show_a_live_node_and_a_stopped_one(connect: Callable[[], RendezvousBackend]) -> None:
+    """Counters on most stores; on etcd a liveness lease per node, its key followed by watch."""
     # Given two nodes heartbeating every 0.1 s, observed by a third
     run_id = f"proto-{uuid.uuid4().hex[:8]}"
-    senders = [HeartbeatSender(connect(), run_id, name, 0.1) for name in ("alive", "dies")]
+    senders = [HeartbeatSender(connect(), run_id, name, 0.1, timeout_s=0.6) for name in ("alive", "dies")]
     judge = StalenessJudge(timeout_s=0.6)
-    read = read_counters(connect(), run_id, ["alive", "dies"])
+    observer = connect()
+
+    def observe() -> None:
+        for node, reading in read_heartbeats(observer, run_id, ["alive", "dies"]).items():
+            judge.observe_reading(node, reading)
+
     try:
         import time
 
         for _ in range(5):
-            for node, counter in read().items():
-                judge.observe(node, counter)
+            observe()
             time.sleep(0.1)
         # When one stops heartbeating
         senders[1].close()
         deadline = time.monotonic() + 10
         while "dies" not in judge.stale() and time.monotonic() < deadline:
-            for node, counter in read().items():
-                judge.observe(node, counter)
+            observe()
             time.sleep(0.1)
         # Then only it goes stale
         assert judge.stale() == ["dies"]
     finally:
         for sender in senders:
             sender.close()
+        observer.close()

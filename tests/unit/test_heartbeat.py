@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
 import pytest
 
-from resilrun.agent.heartbeat import StalenessJudge, watched_nodes
+from resilrun import keys
+from resilrun.agent.heartbeat import Reading, StalenessJudge, lease_ttl_s, read_heartbeats, watched_nodes
 from resilrun.agent.policy import Action, AgentView, decide
+from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import RdzvState
 
 
@@ -183,3 +188,100 @@ def test_a_slow_node_that_moves_again_releases_the_verdict_on_the_lost_one() -> 
     assert judge.stale() == ["a"] and judge.lost() == []
     judge.observe("slow", 2)
     assert judge.lost() == ["a"]
+
+
+# -- liveness leases (stores with leases: etcd) ------------------------------------------------------
+def test_a_node_whose_lease_expired_is_pending_at_once_and_stale_one_interval_later() -> None:
+    # Given a 5 s timeout, 1 s interval: the lease's TTL is 4 s
+    assert lease_ttl_s(1.0, 5.0) == 4 and lease_ttl_s(0.5, 1.0) == 1
+    clock = FakeClock()
+    judge = StalenessJudge(5.0, clock)
+    judge.observe("a", 1)
+    # When its key is gone (silent for the TTL at least)
+    clock.sleep(2.0)
+    judge.observe_silence("a", 4.0)
+    # Then it is silent past half the timeout, not yet stale; stale once the timeout is reached
+    assert judge.age("a") == pytest.approx(4.0) and judge.stale() == []
+    clock.sleep(1.1)
+    judge.observe_silence("a", 5.1)
+    assert judge.stale() == ["a"]
+
+
+def test_nodes_whose_leases_expired_together_are_judged_together() -> None:
+    # Given two nodes killed at once, their last renewals 0.9 s apart (so their keys go 0.9 s apart)
+    clock = FakeClock()
+    judge = StalenessJudge(5.0, clock)
+    judge.observe_silence("a", 4.0)
+    judge.observe("b", 7)
+    clock.sleep(0.9)
+    judge.observe_silence("a", 4.9)
+    judge.observe_silence("b", 4.0)
+    clock.sleep(0.2)
+    # When "a" is stale and "b" only pending, the verdict waits; then names both
+    assert judge.stale() == ["a"] and judge.lost() == []
+    clock.sleep(0.9)
+    assert judge.lost() == ["a", "b"]
+
+
+def test_a_revived_node_stays_revived_while_its_old_expiry_is_read_again() -> None:
+    clock = FakeClock()
+    judge = StalenessJudge(5.0, clock)
+    judge.observe_silence("a", 6.0)
+    assert judge.stale() == ["a"]
+    judge.revive("a")  # it proved the job secret: someone deleted its key
+    clock.sleep(1.0)
+    judge.observe_silence("a", 7.0)  # the same expiry, read again
+    assert judge.stale() == [] and judge.age("a") == pytest.approx(1.0)
+
+
+class LeasingStore(MemoryBackend):
+    """A store with leases whose presence watches the test sets by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.presence: dict[str, FakePresence] = {}
+        self.reads = 0
+
+    def leases(self) -> bool:
+        return True
+
+    def watch_presence(self, key: str) -> FakePresence:
+        return self.presence.setdefault(key, FakePresence())
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        self.reads += 1
+        return super().get_many(keys)
+
+
+class FakePresence:
+    def __init__(self) -> None:
+        self.current: tuple[bytes | None, float] | None = None
+        self.last_present: bytes | None = None
+
+    def seen(self) -> tuple[bytes | None, float] | None:
+        return self.current
+
+    def close(self) -> None:
+        self.current = None
+
+
+def test_readings_on_a_store_with_leases_come_from_watches_and_from_one_read_while_a_watch_is_not_current() -> None:
+    store = LeasingStore()
+    now = time.monotonic()
+    alive, gone, never, unknown = (store.watch_presence(keys.node_alive("job", n)) for n in ("a", "g", "n", "u"))
+    alive.current, alive.last_present = (b"4", now), b"4"
+    gone.current, gone.last_present = (None, now - 1.0), b"4"
+    never.current = (None, now)
+    store.set(keys.node_alive("job", "u"), b"4")  # its watch is not current: read, and found
+    readings = read_heartbeats(store, "job", ["a", "g", "n", "u"])
+    assert readings["a"].silent_s is None and readings["u"].silent_s is None
+    assert readings["g"].silent_s == pytest.approx(5.0, abs=0.2)  # the TTL, and a second since
+    assert readings["n"] == Reading(-1)  # never seen alive: a counter standing still
+    assert store.reads == 1
+    time.sleep(0.002)
+    later = read_heartbeats(store, "job", ["a"])
+    assert later["a"].counter != readings["a"].counter  # present: a counter that moves at every look
+    # A store without leases: counters, as ever
+    plain = MemoryBackend()
+    plain.add(keys.node_heartbeat("job", "a"), 3)
+    assert read_heartbeats(plain, "job", ["a"]) == {"a": Reading(3)}
