@@ -69,9 +69,9 @@ class StalenessJudge:
         now = self.clock.monotonic()
         since = now - silent_s
         previous = self._seen.get(node)
-        if previous is not None and previous[0] == _GONE:
+        if previous is not None and previous[0] == _SILENT:
             since = max(since, previous[1])
-        self._seen[node] = (_GONE, since, now)
+        self._seen[node] = (_SILENT, since, now)
 
     def observe_reading(self, node: str, reading: Reading) -> None:
         if reading.silent_s is None:
@@ -207,8 +207,9 @@ class Reading:
     silent_s: float | None = None
 
 
-_GONE = -2  # the counter of a node whose lease expired
-_ABSENT = -1  # ... of one whose liveness key was never seen
+# The counter of a node whose liveness key is absent (expired, or never seen): one value, so that
+# a key read as absent once its watch broke does not restart the silence counted since it went.
+_SILENT = -1
 
 
 def read_heartbeats(
@@ -234,13 +235,13 @@ def read_heartbeats(
         elif seen[0] is not None:
             readings[node] = Reading(moving)
         elif presence.last_present is not None:
-            readings[node] = Reading(_GONE, _ttl(presence.last_present) + now - seen[1])
+            readings[node] = Reading(_SILENT, _ttl(presence.last_present) + now - seen[1])
         else:
-            readings[node] = Reading(_ABSENT)  # never seen alive: silent since first looked at
+            readings[node] = Reading(_SILENT)  # never seen alive: silent since first looked at
     if unknown:
         values = backend.get_many([keys.node_alive(run_id, node) for node in unknown])
         for node, value in zip(unknown, values, strict=True):
-            readings[node] = Reading(moving if value is not None else _ABSENT)
+            readings[node] = Reading(moving if value is not None else _SILENT)
     return {node: readings[node] for node in node_list}
 
 

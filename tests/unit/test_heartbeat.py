@@ -285,3 +285,13 @@ def test_readings_on_a_store_with_leases_come_from_watches_and_from_one_read_whi
     plain = MemoryBackend()
     plain.add(keys.node_heartbeat("job", "a"), 3)
     assert read_heartbeats(plain, "job", ["a"]) == {"a": Reading(3)}
+
+
+def test_an_expired_node_read_as_absent_once_its_watch_broke_keeps_the_silence_counted_so_far() -> None:
+    clock = FakeClock()
+    judge = StalenessJudge(5.0, clock)
+    judge.observe_reading("a", Reading(-1, 4.0))  # its key expired: silent 4 s
+    clock.sleep(0.5)
+    judge.observe_reading("a", Reading(-1))  # the watch broke: the key is read, and absent
+    clock.sleep(0.6)
+    assert judge.stale() == ["a"]  # 5.1 s of silence, not 0.6
