@@ -49,9 +49,7 @@ the lease's TTL, so a cluster that runs many jobs is not polluted and a rerun wi
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -62,6 +60,10 @@ from typing import Any
 from resilrun.errors import StoreConnectionError
 from resilrun.option_values import parse_endpoints
 from resilrun.rendezvous.api import CounterWatch, LeasedKey, Presence, RendezvousBackend
+from resilrun.rendezvous.etcd_push import CounterView, KeyWatch, PresenceView
+from resilrun.rendezvous.etcd_push import LeasedKey as EtcdLeasedKey
+from resilrun.rendezvous.etcd_push import b64 as _b64
+from resilrun.rendezvous.etcd_push import kv_value as _value
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +90,6 @@ _MAX_TXN_OPS = 128
 # whose connection was cut without a FIN would otherwise look current for ever. Readers re-read
 # the rendezvous document every refresh interval anyway, so this only bounds the streams' staleness.
 _WATCH_IDLE_S = 30.0
-_WATCH_BACKOFF_MAX_S = 2.0
 # Job keys outlive their last agent by this long: long enough that every agent being cut off from
 # etcd for a moment does not erase a running job, short enough that a rerun soon starts clean.
 JOB_LEASE_TTL_S = 120
@@ -158,8 +159,8 @@ class EtcdBackend(RendezvousBackend):
         self._lease_id: int | None = None
         self._keepalive: threading.Thread | None = None
         self._stop = threading.Event()
-        self._watches: list[_KeyWatch] = []
-        self._shared: dict[str, _KeyWatch] = {}  # presence watches, one per key
+        self._watches: list[KeyWatch] = []
+        self._shared: dict[str, KeyWatch] = {}  # presence watches, one per key
 
     # -- the contract ---------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
@@ -227,24 +228,24 @@ class EtcdBackend(RendezvousBackend):
 
     def watch_counter(self, key: str) -> CounterWatch | None:
         """See base class: a thread follows one watch stream on ``key`` (one HTTP connection)."""
-        return _CounterView(self._watch(key))
+        return CounterView(self._watch(key))
 
     def watch_presence(self, key: str) -> Presence | None:
         """See base class: one watch stream per key, shared by every caller of this backend."""
-        return _PresenceView(self._watch(key, shared=True))
+        return PresenceView(self._watch(key, shared=True))
 
     def leases(self) -> bool:
         return True
 
     def lease_key(self, key: str, value: bytes, ttl_s: int) -> LeasedKey | None:
         """See base class: a lease granted (etcd may raise the TTL to its minimum), the key put on it."""
-        return _LeasedKey(self, key, value, ttl_s)
+        return EtcdLeasedKey(self, key, value, ttl_s)
 
-    def _watch(self, key: str, *, shared: bool = False) -> _KeyWatch:
+    def _watch(self, key: str, *, shared: bool = False) -> KeyWatch:
         with self._lock:
             if shared and key in self._shared:
                 return self._shared[key]
-            watch = _KeyWatch(self, key)
+            watch = KeyWatch(self, key)
             self._watches.append(watch)
             if shared:
                 self._shared[key] = watch
@@ -485,181 +486,8 @@ class EtcdBackend(RendezvousBackend):
         ) from last
 
 
-class _KeyWatch:
-    """One key as an etcd watch pushes it: its value (None: absent) and when this process saw it
-    last change (``EtcdBackend.watch_counter``, ``watch_presence``).
-
-    The thread reads the key and its revision, then watches from the next revision, so no change
-    between the read and the watch is missed; events update the value in order. While no stream is
-    open (starting, broken, being re-opened after a backoff) ``seen`` is None and the caller reads
-    the store instead, so a broken stream never hides a change. A member cut off the network
-    without closing its connections leaves a stream that just goes quiet: once the backend's other
-    requests have moved to another member, the stream on the old one is dropped at the next
-    ``seen`` (None) and opened again where the requests go.
-    """
-
-    def __init__(self, backend: EtcdBackend, key: str) -> None:
-        self._backend = backend
-        self._key = key
-        # (value, when it last changed) while the stream is current; the last value that was present
-        self._seen: tuple[bytes | None, float] | None = None
-        self._known: tuple[bytes | None, float] | None = None  # the last (value, since), current or not
-        self.last_present: bytes | None = None
-        self._stopping = threading.Event()
-        self._response: Any = None
-        self._index = -1  # the endpoint the stream is open on
-        self._thread = threading.Thread(target=self._run, name="resilrun-etcd-watch", daemon=True)
-        self._thread.start()
-
-    def seen(self) -> tuple[bytes | None, float] | None:
-        seen = self._seen
-        if seen is not None and self._index != self._backend._endpoint_index():
-            self._seen = None
-            self._drop()  # wakes the thread, which opens the stream where the requests now go
-            return None
-        return seen
-
-    def close(self) -> None:
-        self._stopping.set()
-        self._drop()
-        self._thread.join(timeout=_CONNECT_TIMEOUT_S)
-
-    def _run(self) -> None:
-        backoff = _BACKOFF_FIRST_S
-        while not self._stopping.is_set():
-            try:
-                self._follow()
-                backoff = _BACKOFF_FIRST_S  # it ran, then ended (idle, or etcd closed it)
-            except Exception as exc:  # noqa: BLE001 - any failure: read meanwhile, open again
-                logger.debug("watch on %s broke: %s", self._key, exc)
-            self._seen = None
-            self._drop()
-            if self._stopping.wait(backoff):
-                return
-            backoff = min(backoff * 2, _WATCH_BACKOFF_MAX_S)
-
-    def _follow(self) -> None:
-        result = self._backend._post("/kv/range", {"key": _b64(self._key)})
-        revision = int(result.get("header", {}).get("revision", 0))
-        kvs = result.get("kvs")
-        value = _value(kvs[0]) if kvs else None
-        known = self._known  # kept across streams: a key gone before a re-open stays gone since then
-        since = known[1] if known is not None and known[0] == value else time.monotonic()
-        create = {"key": _b64(self._key), "start_revision": str(revision + 1)}
-        self._response, self._index = self._backend._open_stream("/watch", {"create_request": create})
-        for line in self._response.iter_lines():
-            if self._stopping.is_set():
-                return
-            if not line.strip():
-                continue
-            chunk = json.loads(line)
-            if "error" in chunk:
-                raise StoreConnectionError(f"etcd ended the watch on {self._key}: {chunk['error']}")
-            answer = chunk.get("result", {})
-            if answer.get("canceled"):
-                raise StoreConnectionError(f"etcd canceled the watch on {self._key}: {answer.get('cancel_reason')}")
-            for event in answer.get("events", []):
-                value = None if event.get("type") == "DELETE" else _value(event["kv"])
-                since = time.monotonic()
-            if answer.get("created") or answer.get("events"):
-                if value is not None:
-                    self.last_present = value
-                self._known = self._seen = (value, since)
-
-    def _drop(self) -> None:
-        """Close the stream, waking the thread blocked reading it (closing a socket another thread
-        reads does not wake that thread on Linux; shutting it down does)."""
-        response, self._response = self._response, None
-        if response is None:
-            return
-        with contextlib.suppress(Exception):
-            stream = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-            stream.shutdown(socket.SHUT_RDWR)
-            stream.close()
-        with contextlib.suppress(Exception):
-            response.close()
-            response.resilrun_session.close()
-
-
-class _CounterView:
-    """A counter's value from a key watch (absent reads as 0, as ``add`` reads it)."""
-
-    def __init__(self, watch: _KeyWatch) -> None:
-        self._watch = watch
-
-    def value(self) -> int | None:
-        seen = self._watch.seen()
-        if seen is None:
-            return None
-        return int(seen[0] or b"0")
-
-    def close(self) -> None:
-        self._watch.close()
-
-
-class _PresenceView:
-    """A leased key's presence from a key watch (``EtcdBackend.watch_presence``)."""
-
-    def __init__(self, watch: _KeyWatch) -> None:
-        self._watch = watch
-
-    def seen(self) -> tuple[bytes | None, float] | None:
-        return self._watch.seen()
-
-    @property
-    def last_present(self) -> bytes | None:
-        return self._watch.last_present
-
-    def close(self) -> None:
-        self._watch.close()
-
-
-class _LeasedKey:
-    """A key held by a lease of its own (``EtcdBackend.lease_key``)."""
-
-    def __init__(self, backend: EtcdBackend, key: str, value: bytes, ttl_s: int) -> None:
-        self._backend = backend
-        self._key = key
-        self._value = value
-        self._ttl_requested = ttl_s
-        self._lease_id = 0
-        self.ttl_s = ttl_s
-        self._grant()
-
-    def _grant(self) -> None:
-        granted = self._backend._post("/lease/grant", {"TTL": str(self._ttl_requested), "ID": "0"})
-        self._lease_id = int(granted["ID"])
-        self.ttl_s = int(granted.get("TTL", self._ttl_requested))  # etcd raises a TTL below its minimum
-        put = {"key": _b64(self._key), "value": _b64(self._value), "lease": str(self._lease_id)}
-        self._backend._post("/kv/put", put)
-
-    def refresh(self) -> None:
-        """Renew the lease; one that expired meanwhile (this node was cut off or frozen for longer
-        than the TTL, and its watchers heard it go) is granted anew and the key written again."""
-        answer = self._backend._post("/lease/keepalive", {"ID": str(self._lease_id)})
-        if int(answer.get("result", {}).get("TTL", 0)) <= 0:
-            self._grant()
-
-    def close(self) -> None:
-        """Stop renewing: the key expires after its TTL, as a node that stops beating goes quiet."""
-
-
 class _TokenRejected(Exception):
     """etcd answered 401: the auth token expired or was revoked (authenticate again)."""
-
-
-def _b64(data: str | bytes) -> str:
-    import base64
-
-    raw = data.encode() if isinstance(data, str) else data
-    return base64.b64encode(raw).decode("ascii")
-
-
-def _value(kv: dict[str, Any]) -> bytes:
-    import base64
-
-    # The gateway omits empty fields (proto3 JSON): an absent "value" is b"", not a missing key.
-    return base64.b64decode(kv.get("value", ""))
 
 
 def _failure_kvs(result: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,201 @@
+"""What etcd pushes or holds for the backend (``rendezvous/etcd.py``): key watches and leased keys.
+
+Split from the backend's request path: a watch is a thread following one streaming request, a
+leased key a lease the caller renews; both use the backend's requests (failover, retries, auth)
+and nothing else of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from resilrun.errors import StoreConnectionError
+
+if TYPE_CHECKING:
+    from resilrun.rendezvous.etcd import EtcdBackend
+
+logger = logging.getLogger("resilrun.rendezvous.etcd")
+
+_CONNECT_TIMEOUT_S = 2.0  # the most close() waits for a watch's thread
+_BACKOFF_FIRST_S = 0.05
+_WATCH_BACKOFF_MAX_S = 2.0
+
+
+def b64(data: str | bytes) -> str:
+    import base64
+
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode("ascii")
+
+
+def kv_value(kv: dict[str, Any]) -> bytes:
+    import base64
+
+    # The gateway omits empty fields (proto3 JSON): an absent "value" is b"", not a missing key.
+    return base64.b64decode(kv.get("value", ""))
+
+
+
+class KeyWatch:
+    """One key as an etcd watch pushes it: its value (None: absent) and when this process saw it
+    last change (``EtcdBackend.watch_counter``, ``watch_presence``).
+
+    The thread reads the key and its revision, then watches from the next revision, so no change
+    between the read and the watch is missed; events update the value in order. While no stream is
+    open (starting, broken, being re-opened after a backoff) ``seen`` is None and the caller reads
+    the store instead, so a broken stream never hides a change. A member cut off the network
+    without closing its connections leaves a stream that just goes quiet: once the backend's other
+    requests have moved to another member, the stream on the old one is dropped at the next
+    ``seen`` (None) and opened again where the requests go.
+    """
+
+    def __init__(self, backend: EtcdBackend, key: str) -> None:
+        self._backend = backend
+        self._key = key
+        # (value, when it last changed) while the stream is current; the last value that was present
+        self._seen: tuple[bytes | None, float] | None = None
+        self._known: tuple[bytes | None, float] | None = None  # the last (value, since), current or not
+        self.last_present: bytes | None = None
+        self._stopping = threading.Event()
+        self._response: Any = None
+        self._index = -1  # the endpoint the stream is open on
+        self._thread = threading.Thread(target=self._run, name="resilrun-etcd-watch", daemon=True)
+        self._thread.start()
+
+    def seen(self) -> tuple[bytes | None, float] | None:
+        seen = self._seen
+        if seen is not None and self._index != self._backend._endpoint_index():
+            self._seen = None
+            self._drop()  # wakes the thread, which opens the stream where the requests now go
+            return None
+        return seen
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._drop()
+        self._thread.join(timeout=_CONNECT_TIMEOUT_S)
+
+    def _run(self) -> None:
+        backoff = _BACKOFF_FIRST_S
+        while not self._stopping.is_set():
+            try:
+                self._follow()
+                backoff = _BACKOFF_FIRST_S  # it ran, then ended (idle, or etcd closed it)
+            except Exception as exc:  # noqa: BLE001 - any failure: read meanwhile, open again
+                logger.debug("watch on %s broke: %s", self._key, exc)
+            self._seen = None
+            self._drop()
+            if self._stopping.wait(backoff):
+                return
+            backoff = min(backoff * 2, _WATCH_BACKOFF_MAX_S)
+
+    def _follow(self) -> None:
+        result = self._backend._post("/kv/range", {"key": b64(self._key)})
+        revision = int(result.get("header", {}).get("revision", 0))
+        kvs = result.get("kvs")
+        value = kv_value(kvs[0]) if kvs else None
+        known = self._known  # kept across streams: a key gone before a re-open stays gone since then
+        since = known[1] if known is not None and known[0] == value else time.monotonic()
+        create = {"key": b64(self._key), "start_revision": str(revision + 1)}
+        self._response, self._index = self._backend._open_stream("/watch", {"create_request": create})
+        for line in self._response.iter_lines():
+            if self._stopping.is_set():
+                return
+            if not line.strip():
+                continue
+            chunk = json.loads(line)
+            if "error" in chunk:
+                raise StoreConnectionError(f"etcd ended the watch on {self._key}: {chunk['error']}")
+            answer = chunk.get("result", {})
+            if answer.get("canceled"):
+                raise StoreConnectionError(f"etcd canceled the watch on {self._key}: {answer.get('cancel_reason')}")
+            for event in answer.get("events", []):
+                value = None if event.get("type") == "DELETE" else kv_value(event["kv"])
+                since = time.monotonic()
+            if answer.get("created") or answer.get("events"):
+                if value is not None:
+                    self.last_present = value
+                self._known = self._seen = (value, since)
+
+    def _drop(self) -> None:
+        """Close the stream, waking the thread blocked reading it (closing a socket another thread
+        reads does not wake that thread on Linux; shutting it down does)."""
+        response, self._response = self._response, None
+        if response is None:
+            return
+        with contextlib.suppress(Exception):
+            stream = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+            stream.shutdown(socket.SHUT_RDWR)
+            stream.close()
+        with contextlib.suppress(Exception):
+            response.close()
+            response.resilrun_session.close()
+
+
+class CounterView:
+    """A counter's value from a key watch (absent reads as 0, as ``add`` reads it)."""
+
+    def __init__(self, watch: KeyWatch) -> None:
+        self._watch = watch
+
+    def value(self) -> int | None:
+        seen = self._watch.seen()
+        if seen is None:
+            return None
+        return int(seen[0] or b"0")
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+class PresenceView:
+    """A leased key's presence from a key watch (``EtcdBackend.watch_presence``)."""
+
+    def __init__(self, watch: KeyWatch) -> None:
+        self._watch = watch
+
+    def seen(self) -> tuple[bytes | None, float] | None:
+        return self._watch.seen()
+
+    @property
+    def last_present(self) -> bytes | None:
+        return self._watch.last_present
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+class LeasedKey:
+    """A key held by a lease of its own (``EtcdBackend.lease_key``)."""
+
+    def __init__(self, backend: EtcdBackend, key: str, value: bytes, ttl_s: int) -> None:
+        self._backend = backend
+        self._key = key
+        self._value = value
+        self._ttl_requested = ttl_s
+        self._lease_id = 0
+        self.ttl_s = ttl_s
+        self._grant()
+
+    def _grant(self) -> None:
+        granted = self._backend._post("/lease/grant", {"TTL": str(self._ttl_requested), "ID": "0"})
+        self._lease_id = int(granted["ID"])
+        self.ttl_s = int(granted.get("TTL", self._ttl_requested))  # etcd raises a TTL below its minimum
+        put = {"key": b64(self._key), "value": b64(self._value), "lease": str(self._lease_id)}
+        self._backend._post("/kv/put", put)
+
+    def refresh(self) -> None:
+        """Renew the lease; one that expired meanwhile (this node was cut off or frozen for longer
+        than the TTL, and its watchers heard it go) is granted anew and the key written again."""
+        answer = self._backend._post("/lease/keepalive", {"ID": str(self._lease_id)})
+        if int(answer.get("result", {}).get("TTL", 0)) <= 0:
+            self._grant()
+
+    def close(self) -> None:
+        """Stop renewing: the key expires after its TTL, as a node that stops beating goes quiet."""
