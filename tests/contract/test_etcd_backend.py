@@ -233,3 +233,51 @@ def test_a_leased_key_lives_while_renewed_goes_after_its_ttl_and_comes_back_when
     finally:
         owner.close()
         watcher.close()
+
+
+def test_proxy_variables_in_the_environment_do_not_route_etcd_traffic(
+    etcd_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cluster nodes often carry http(s)_proxy for the internet; etcd is reached directly, as the
+    TCPStore is (a proxy that cannot reach it would fail every rendezvous, one that can would see
+    the job's keys and tokens)."""
+    import socket
+    import threading
+
+    # Given a "proxy" that counts the connections it receives and answers none
+    proxy = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = proxy.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(name, url)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    backend = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=3))
+    try:
+        # When the backend writes, reads, holds a leased key and watches it
+        key = _key()
+        assert backend.compare_set(key, None, b"x") is True
+        assert backend.get(key) == b"x"
+        leased = backend.lease_key(key + "/alive", b"1", 5)
+        assert leased is not None
+        leased.refresh()
+        presence = backend.watch_presence(key + "/alive")
+        assert presence is not None
+        assert _until(lambda: presence.seen() is not None)
+        # Then every request went straight to etcd
+        assert accepted == []
+    finally:
+        backend.close()
+        proxy.close()
+        for conn in accepted:
+            conn.close()
