@@ -12,15 +12,16 @@ from collections.abc import Sequence
 from typing import Protocol
 
 
-class CounterWatch(Protocol):
-    """A counter's value as the store pushes it (``RendezvousBackend.watch_counter``)."""
+class KeyView(Protocol):
+    """A key as the store pushes it (``RendezvousBackend.watch_key``)."""
 
-    def value(self) -> int | None:
-        """The newest value pushed so far; None while the push is not known to be current (not
-        started yet, or its stream broke and is being re-opened): the caller reads the counter."""
+    def seen(self) -> tuple[bytes | None, float] | None:
+        """(its value, None when absent; when it last changed, on this process's monotonic
+        clock), or None while the push is not known to be current (not started yet, or its
+        stream broke and is being re-opened): the caller reads the key instead."""
 
     def close(self) -> None:
-        """Stop following the counter."""
+        """Stop watching."""
 
 
 class LeasedKey(Protocol):
@@ -39,19 +40,12 @@ class LeasedKey(Protocol):
         """Stop renewing it: the key expires after its TTL."""
 
 
-class Presence(Protocol):
+class Presence(KeyView, Protocol):
     """A leased key as a watch pushes it (``RendezvousBackend.watch_presence``)."""
-
-    def seen(self) -> tuple[bytes | None, float] | None:
-        """(its value, None when absent; when it last appeared or went, on this process's
-        monotonic clock), or None while the watch is not current (the caller reads the key)."""
 
     @property
     def last_present(self) -> bytes | None:
         """The value it last held while present (what an expired key said)."""
-
-    def close(self) -> None:
-        """Stop watching."""
 
 
 class RendezvousBackend(ABC):
@@ -90,14 +84,16 @@ class RendezvousBackend(ABC):
         (a barrier) is one key per node read with :meth:`get_many`.
         """
 
-    def watch_counter(self, key: str) -> CounterWatch | None:
-        """A view of counter ``key`` that the store keeps current by pushing its changes, or None
-        when this store cannot push (the caller polls with ``add(key, 0)``).
+    def watch_key(self, key: str) -> KeyView | None:
+        """A view of ``key`` that the store keeps current by pushing its changes, or None when
+        this store cannot push (the caller reads, or polls a version counter).
 
-        Why: every agent checks the rendezvous version counter every monitor interval; N agents
-        polling it ask the store for N/interval reads per second, all to learn that nothing moved.
-        A store that can watch (etcd) answers that with one idle stream per agent. The backend owns
-        the watch: ``close`` ends it.
+        Why: every agent checks the rendezvous state every monitor interval; N agents polling
+        even a tiny version counter ask the store for N/interval reads per second, all to learn
+        that nothing moved, and re-read the O(N) document now and then in case a writer died
+        between its write and its version bump. A store that can watch (etcd) answers both with
+        one idle stream per agent that delivers each new document. The backend owns the watch:
+        ``close`` ends it.
         """
         return None
 

@@ -19,11 +19,11 @@ How the contract maps onto etcd:
 | add(key, 0)   | one range (a read never writes: polling a counter costs no raft proposal) |
 | add(key, n)   | one txn: compare mod_revision == cached, put value+n; on a lost race the   |
 |               | failure branch returns the fresh value and the txn is retried             |
-| watch_counter | one range, then one watch stream from the next revision (no request per    |
+| watch_key     | one range, then one watch stream from the next revision (no request per    |
 |               | check: the value is pushed); re-opened the same way when the stream breaks |
 | lease_key     | a lease grant and a put on it; then one keep-alive per refresh (no raft     |
 |               | write); an expired lease is granted anew and the key put again             |
-| watch_presence| as watch_counter, one stream per key shared by the backend's callers       |
+| watch_presence| as watch_key, one stream per key shared by the backend's callers           |
 
 Invariants: every call is bounded by the operation timeout (a deadline on the monotonic clock, and
 a per-request HTTP timeout); connection failures move to the next endpoint of
@@ -61,8 +61,8 @@ from typing import Any
 
 from resilrun.errors import StoreConnectionError
 from resilrun.option_values import parse_endpoints
-from resilrun.rendezvous.api import CounterWatch, LeasedKey, Presence, RendezvousBackend
-from resilrun.rendezvous.etcd_push import CounterView, KeyWatch, PresenceView
+from resilrun.rendezvous.api import KeyView, LeasedKey, Presence, RendezvousBackend
+from resilrun.rendezvous.etcd_push import KeyWatch, WatchedKey
 from resilrun.rendezvous.etcd_push import LeasedKey as EtcdLeasedKey
 from resilrun.rendezvous.etcd_push import b64 as _b64
 from resilrun.rendezvous.etcd_push import kv_value as _value
@@ -233,13 +233,13 @@ class EtcdBackend(RendezvousBackend):
                     hint="too many writers on one counter; raise --rdzv-conf read_timeout=SECONDS",
                 )
 
-    def watch_counter(self, key: str) -> CounterWatch | None:
+    def watch_key(self, key: str) -> KeyView | None:
         """See base class: a thread follows one watch stream on ``key`` (one HTTP connection)."""
-        return CounterView(self._watch(key))
+        return WatchedKey(self._watch(key))
 
     def watch_presence(self, key: str) -> Presence | None:
         """See base class: one watch stream per key, shared by every caller of this backend."""
-        return PresenceView(self._watch(key, shared=True))
+        return WatchedKey(self._watch(key, shared=True))
 
     def leases(self) -> bool:
         return True

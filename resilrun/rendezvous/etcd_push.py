@@ -44,7 +44,7 @@ def kv_value(kv: dict[str, Any]) -> bytes:
 
 class KeyWatch:
     """One key as an etcd watch pushes it: its value (None: absent) and when this process saw it
-    last change (``EtcdBackend.watch_counter``, ``watch_presence``).
+    last change (``EtcdBackend.watch_key``, ``watch_presence``).
 
     The thread reads the key and its revision, then watches from the next revision, so no change
     between the read and the watch is missed; events update the value in order. While no stream is
@@ -138,24 +138,8 @@ class KeyWatch:
             response.resilrun_session.close()
 
 
-class CounterView:
-    """A counter's value from a key watch (absent reads as 0, as ``add`` reads it)."""
-
-    def __init__(self, watch: KeyWatch) -> None:
-        self._watch = watch
-
-    def value(self) -> int | None:
-        seen = self._watch.seen()
-        if seen is None:
-            return None
-        return int(seen[0] or b"0")
-
-    def close(self) -> None:
-        self._watch.close()
-
-
-class PresenceView:
-    """A leased key's presence from a key watch (``EtcdBackend.watch_presence``)."""
+class WatchedKey:
+    """A key as a watch pushes it (``EtcdBackend.watch_key``, ``watch_presence``)."""
 
     def __init__(self, watch: KeyWatch) -> None:
         self._watch = watch

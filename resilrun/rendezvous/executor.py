@@ -9,8 +9,12 @@ polls it every monitor interval, so N agents re-reading it costs O(N^2) bytes pe
 write, always *after* the compare-and-set) and re-reads the document only when the counter moved,
 or when ``refresh_s`` has passed: the safety net for a writer that died between its write and its
 bump. A reader can therefore never keep a stale document past a bump it has seen. Where the store
-can push the counter (etcd's watch: ``RendezvousBackend.watch_counter``) even that poll goes: the
-reader checks the pushed value, and polls only while the watch is not current.
+can push the document itself (etcd's watch: ``RendezvousBackend.watch_key``) neither the poll nor
+the safety net is needed: every write reaches the reader as it lands (with the O(N) bytes it
+would have read anyway), a dead writer's included; the reader decodes a pushed document once,
+and polls only while the watch is not current. A pushed document older than one this node has
+read or written is the push lagging (its own write is on its way) or a replay: the reader then
+asks the store, which tells the two apart (``_fresh``).
 
 Joining at scale (the arrivals lane): N nodes each compare-and-setting themselves into the one
 document race, and every lost race re-reads O(N) bytes: O(N^2) retries of O(N) bytes while a
@@ -37,7 +41,7 @@ from resilrun import keys
 from resilrun.clock import Clock, SystemClock
 from resilrun.errors import RendezvousClosedError, RendezvousTimeoutError
 from resilrun.rendezvous import protocol
-from resilrun.rendezvous.api import CounterWatch, RendezvousBackend
+from resilrun.rendezvous.api import KeyView, RendezvousBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState, Verdict
 
 logger = logging.getLogger(__name__)
@@ -96,10 +100,12 @@ class RendezvousClient:
         self._key = keys.rdzv_state(run_id)
         self._version_key = keys.rdzv_version(run_id)
         self.refresh_s = refresh_s
-        self._version_watch: CounterWatch | None = None  # asked for at the first gated read
+        self._watch: KeyView | None = None  # the document pushed, asked for at the first gated read
         self._watch_asked = False
         # (version, state, raw document, when it was read) of the last full read, when gated.
         self._cached: tuple[int, RdzvState, bytes | None, float] | None = None
+        # (the pushed document it came from, state, raw document) of the last pushed read.
+        self._pushed: tuple[bytes | None, RdzvState, bytes | None] | None = None
         # The newest document read or written (by seq) and its raw bytes: what a replayed older one
         # is replaced with.
         self._newest: tuple[RdzvState, bytes] | None = None
@@ -113,12 +119,16 @@ class RendezvousClient:
     def read(self, *, watch: bool = True) -> tuple[RdzvState, bytes | None]:
         """The current state and its raw bytes (the compare-and-set's expected value).
 
-        ``watch``: where the store can push the version counter, open that watch at this read if
-        not yet open. Joins pass False: N nodes forming a round would otherwise open N streams
-        (two requests each) while the store is busiest; the watch opens at the first read after."""
+        ``watch``: where the store can push the document, open that watch at this read if not
+        yet open. Joins pass False: N nodes forming a round would otherwise open N streams (and
+        receive each admission's document) while the store is busiest; the watch opens at the
+        first read after."""
         if self.refresh_s is None:
             return self._fresh(self.backend.get(self._key))
-        version = self._version(watch)
+        pushed = self._pushed_document(watch)
+        if pushed is not None:
+            return self._from_push(pushed[0])
+        version = self.backend.add(self._version_key, 0)
         now = self.clock.monotonic()
         cached = self._cached
         if cached is not None and cached[0] == version and now - cached[3] < self.refresh_s:
@@ -127,24 +137,36 @@ class RendezvousClient:
         self._cached = (version, state, raw, now)
         return state, raw
 
-    def _version(self, watch: bool) -> int:
-        """The version counter: pushed by the store where it can watch (etcd: no request per
-        check), else read."""
-        if watch and self._version_watch is None and not self._watch_asked:
+    def _pushed_document(self, watch: bool) -> tuple[bytes | None, float] | None:
+        if watch and self._watch is None and not self._watch_asked:
             self._watch_asked = True
-            self._version_watch = self.backend.watch_counter(self._version_key)
-        pushed = self._version_watch.value() if self._version_watch is not None else None
-        return pushed if pushed is not None else self.backend.add(self._version_key, 0)
+            self._watch = self.backend.watch_key(self._key)
+        return self._watch.seen() if self._watch is not None else None
+
+    def _from_push(self, document: bytes | None) -> tuple[RdzvState, bytes | None]:
+        last = self._pushed
+        if last is not None and (last[0] is document or last[0] == document):
+            return last[1], last[2]
+        state = RdzvState.from_bytes(document)
+        newest = self._newest
+        if newest is not None and state.seq < newest[0].seq:
+            state, raw = self._fresh(self.backend.get(self._key))  # lagging, or replayed: ask
+        else:
+            state, raw = self._fresh(document, state)
+        self._pushed = (document, state, raw)
+        return state, raw
 
     @property
-    def version_watched(self) -> bool:
-        """Whether the store pushes this client's version counter (once it was first read)."""
-        return self._version_watch is not None
+    def document_watched(self) -> bool:
+        """Whether the store pushes this client's document (once it was first read)."""
+        return self._watch is not None
 
-    def _fresh(self, raw: bytes | None) -> tuple[RdzvState, bytes | None]:
-        """The document read, unless it is older than one this node saw: a replay (every write
-        bumps ``seq``), which is refused, said, and replaced in the store by the newest one."""
-        state = RdzvState.from_bytes(raw)
+    def _fresh(self, raw: bytes | None, state: RdzvState | None = None) -> tuple[RdzvState, bytes | None]:
+        """The document read (``state``: already decoded), unless it is older than one this node
+        saw: a replay (every write bumps ``seq``), which is refused, said, and replaced in the
+        store by the newest one."""
+        if state is None:
+            state = RdzvState.from_bytes(raw)
         newest = self._newest
         if newest is None or state.seq >= newest[0].seq:
             if raw is not None:
@@ -183,7 +205,7 @@ class RendezvousClient:
         if written:
             self._newest = (proposed, document)
         if self.refresh_s is not None:
-            self._cached = None  # ours or a newer one: read it afresh either way
+            self._cached = self._pushed = None  # ours or a newer one: read it afresh either way
             if written:
                 self.backend.add(self._version_key, 1)
                 if self._phase_moved(replaced, proposed):

@@ -32,7 +32,7 @@ import hmac
 import threading
 from collections.abc import Callable, Sequence
 
-from resilrun.rendezvous.api import CounterWatch, LeasedKey, Presence, RendezvousBackend
+from resilrun.rendezvous.api import KeyView, LeasedKey, Presence, RendezvousBackend
 
 MAGIC = b"RSM1"
 TAG_BYTES = 16
@@ -129,8 +129,9 @@ class SealedBackend(RendezvousBackend):
     def add(self, key: str, amount: int) -> int:
         return self.inner.add(key, amount)
 
-    def watch_counter(self, key: str) -> CounterWatch | None:
-        return self.inner.watch_counter(key)  # counters carry no MAC (see the module docstring)
+    def watch_key(self, key: str) -> KeyView | None:
+        inner = self.inner.watch_key(key)
+        return None if inner is None else _OpenedView(self, key, inner)
 
     def leases(self) -> bool:
         return self.inner.leases()
@@ -143,3 +144,25 @@ class SealedBackend(RendezvousBackend):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _OpenedView:
+    """A pushed key's values verified as ``get`` verifies them (a forgery reads as absent and is
+    reported); each pushed value is checked once, not at every look."""
+
+    def __init__(self, sealed: SealedBackend, key: str, inner: KeyView) -> None:
+        self._sealed, self._key, self._inner = sealed, key, inner
+        self._last: tuple[bytes | None, bytes | None] | None = None  # (raw, opened)
+
+    def seen(self) -> tuple[bytes | None, float] | None:
+        seen = self._inner.seen()
+        if seen is None:
+            return None
+        raw, since = seen
+        last = self._last
+        if last is None or last[0] is not raw:
+            last = self._last = (raw, self._sealed._open(self._key, raw))
+        return last[1], since
+
+    def close(self) -> None:
+        self._inner.close()

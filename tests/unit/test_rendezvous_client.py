@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -388,62 +389,106 @@ def test_a_participant_waiting_in_an_open_round_rereads_the_document_only_when_i
     assert b.step() is not None and c.step() is not None
 
 
-class PushedCounter:
-    """A watch the test drives: ``current`` False is a broken stream."""
+class PushedKey:
+    """A watch the test drives: ``current`` False is a broken stream, ``lag`` keeps pushing what
+    the key held when it was set (the store's event still on its way)."""
 
-    def __init__(self, read: Callable[[], int]) -> None:
+    def __init__(self, read: Callable[[], bytes | None]) -> None:
         self.read, self.current = read, True
+        self.lagging: tuple[bytes | None] | None = None
 
-    def value(self) -> int | None:
-        return self.read() if self.current else None
+    def lag(self) -> None:
+        self.lagging = (self.read(),)
+
+    def seen(self) -> tuple[bytes | None, float] | None:
+        if not self.current:
+            return None
+        return (self.lagging[0] if self.lagging is not None else self.read()), 0.0
 
     def close(self) -> None:
         self.current = False
 
 
 class PushingStore(MemoryBackend):
-    """A store that can push counters (as etcd's watch does), counting the counter reads asked of it."""
+    """A store that can push keys (as etcd's watch does), counting the reads asked of it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counter_reads = 0
-        self.watches: list[PushedCounter] = []
+        self.reads = 0
+        self.watches: list[PushedKey] = []
 
     def add(self, key: str, amount: int) -> int:
         if amount == 0:
             self.counter_reads += 1
         return super().add(key, amount)
 
-    def watch_counter(self, key: str) -> PushedCounter:
-        watch = PushedCounter(lambda: MemoryBackend.add(self, key, 0))  # pushed: not a read asked of the store
+    def get(self, key: str) -> bytes | None:
+        self.reads += 1
+        return super().get(key)
+
+    def watch_key(self, key: str) -> PushedKey:
+        watch = PushedKey(lambda: MemoryBackend.get(self, key))  # pushed: not a read asked of the store
         self.watches.append(watch)
         return watch
 
 
-def test_a_gated_reader_checks_a_pushed_version_without_asking_the_store_and_polls_when_the_push_breaks() -> None:
+def _gated(store: MemoryBackend, name: str, clock: FakeClock | None = None) -> RendezvousClient:
+    return RendezvousClient(
+        store, RUN, node(name), min_nodes=1, max_nodes=2, join_timeout=timedelta(seconds=5),
+        last_call_timeout=timedelta(seconds=1), clock=clock or FakeClock(), refresh_s=100.0,
+    )  # fmt: skip
+
+
+def test_a_gated_reader_checks_a_pushed_document_without_asking_the_store_and_polls_when_the_push_breaks() -> None:
     store = PushingStore()
-
-    def gated(name: str) -> RendezvousClient:
-        return RendezvousClient(
-            store, RUN, node(name), min_nodes=1, max_nodes=2, join_timeout=timedelta(seconds=5),
-            last_call_timeout=timedelta(seconds=1), clock=FakeClock(), refresh_s=100.0,
-        )  # fmt: skip
-
-    writer, reader = gated("a"), gated("b")
+    writer, reader = _gated(store, "a"), _gated(store, "b")
     first = reader.state()
-    store.counter_reads = 0
-    # Given a store that pushes the version counter: checking it a thousand times asks nothing
+    store.counter_reads = store.reads = 0
+    # Given a store that pushes the document: checking it a thousand times asks nothing
     for _ in range(1000):
         assert reader.state() == first
-    assert store.counter_reads == 0 and len(store.watches) == 1
-    # and a write is seen at the next check
+    assert store.counter_reads == 0 and store.reads == 0 and len(store.watches) == 1
+    # and a write is seen at the next check, still without a read
     writer.next_round(first.round, failure=None, max_restarts=0)
+    store.counter_reads = store.reads = 0
     moved = reader.state()
     assert moved.round == first.round + 1
+    assert store.counter_reads == 0 and store.reads == 0
     # When the push breaks, the reader asks the store instead, and still sees what moves
     store.watches[0].current = False
     writer.close("stopped")
     assert reader.state().closed and store.counter_reads == 1
+
+
+def test_a_pushed_document_needs_no_version_bump_nor_refresh() -> None:
+    """The safety net's case: a writer that died between its write and its version bump."""
+    store = PushingStore()
+    writer, reader = _gated(store, "a"), _gated(store, "b")
+    first = reader.state()
+    # Given a new document written with no version bump after it
+    state, raw = writer.read()
+    moved = replace(state, round=state.round + 1, seq=state.seq + 1)
+    assert store.compare_set(keys.rdzv_state(RUN), raw, moved.to_bytes())
+    # Then the reader sees it at once, the refresh interval far off
+    assert reader.state().round == first.round + 1
+
+
+def test_a_push_lagging_behind_the_readers_own_write_is_not_taken_for_a_replay() -> None:
+    store = PushingStore()
+    reader = _gated(store, "a")
+    first = reader.state()
+    # Given a push that still carries the document from before this node's own write
+    store.watches[0].lag()
+    written = reader.next_round(first.round, failure=None, max_restarts=0)
+    # Then the reader sees its own write (asking the store), refuses nothing and writes nothing back
+    doc = store.get(keys.rdzv_state(RUN))
+    assert reader.state() == written and reader.replayed == 0
+    assert store.get(keys.rdzv_state(RUN)) == doc
+    # and once the push catches up it is served from the push again, without a read
+    store.watches[0].lagging = None
+    store.reads = 0
+    assert reader.state() == written and store.reads == 0
 
 
 def test_a_join_opens_no_watch_and_the_first_read_after_it_does() -> None:
@@ -454,6 +499,6 @@ def test_a_join_opens_no_watch_and_the_first_read_after_it_does() -> None:
         last_call_timeout=timedelta(seconds=1), clock=FakeClock(), refresh_s=100.0,
     )  # fmt: skip
     assert joining.join().complete
-    assert store.watches == [] and not joining.version_watched
+    assert store.watches == [] and not joining.document_watched
     joining.state()
-    assert len(store.watches) == 1 and joining.version_watched
+    assert len(store.watches) == 1 and joining.document_watched

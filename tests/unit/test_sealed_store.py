@@ -13,7 +13,7 @@ from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 from resilrun.rendezvous.sealed import MAGIC, SealedBackend, store_key
-from tests.unit.test_rendezvous_client import FakeClock, node
+from tests.unit.test_rendezvous_client import FakeClock, PushingStore, node
 
 KEY = store_key(b"s" * 32)
 RUN = "job-1"
@@ -46,6 +46,30 @@ def test_a_value_written_without_the_secret_reads_as_absent_is_reported_once_and
     assert backend.get("k") == b"mine"
     store.set("k", b"another forgery")
     assert backend.get("k") is None and forged == ["k", "k"]
+
+
+def test_a_pushed_value_is_verified_as_a_read_one_once_per_value() -> None:
+    store = PushingStore()
+    backend, forged = sealed(store)
+    backend.set("k", b"value")
+    view = backend.watch_key("k")
+    assert view is not None
+    # A sealed value pushed opens as read
+    seen = view.seen()
+    assert seen is not None and seen[0] == b"value"
+    # A forgery pushed reads as absent, reported once however often it is looked at
+    store.set("k", b"forged")
+    for _ in range(3):
+        seen = view.seen()
+        assert seen is not None and seen[0] is None
+    assert forged == ["k"] and backend.refused == 1
+    # and a compare-and-set of the absent key replaces it, as after a read
+    assert backend.compare_set("k", None, b"mine")
+    seen = view.seen()
+    assert seen is not None and seen[0] == b"mine"
+    # A broken push says so (the caller reads instead)
+    store.watches[0].current = False
+    assert view.seen() is None
 
 
 def test_a_sealed_value_moved_to_another_key_or_sealed_under_another_secret_does_not_verify() -> None:
