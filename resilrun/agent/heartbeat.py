@@ -69,9 +69,9 @@ class StalenessJudge:
         now = self.clock.monotonic()
         since = now - silent_s
         previous = self._seen.get(node)
-        if previous is not None and previous[0] == _SILENT:
+        if previous is not None and previous[0] == SILENT:
             since = max(since, previous[1])
-        self._seen[node] = (_SILENT, since, now)
+        self._seen[node] = (SILENT, since, now)
 
     def observe_reading(self, node: str, reading: Reading) -> None:
         if reading.silent_s is None:
@@ -209,19 +209,27 @@ class Reading:
 
 # The counter of a node whose liveness key is absent (expired, or never seen): one value, so that
 # a key read as absent once its watch broke does not restart the silence counted since it went.
-_SILENT = -1
+SILENT = -1
 
 
 def read_heartbeats(
-    backend: RendezvousBackend, run_id: str, nodes: Iterable[str], *, watch: bool = True
+    backend: RendezvousBackend, run_id: str, nodes: Iterable[str], *, watch: bool = True, pushed_only: bool = False
 ) -> dict[str, Reading]:
     """The heartbeats of ``nodes``: their counters (one small read each), or on a store with
     leases their liveness keys, followed by watches (``watch``: no read per check; False: one
-    batched read, for a one-off look at many nodes)."""
+    batched read, for a one-off look at many nodes).
+
+    ``pushed_only``: only what the store has pushed, asking it nothing (nodes whose watch is not
+    current, and every node on a store without leases, are left out). Such a look is free, so a
+    watcher can take it at every monitor tick, judging an expiry within a tick of hearing it
+    rather than at its next heartbeat check; a store whose streams all broke (an etcd restart)
+    is then not asked N reads per tick."""
     node_list = list(nodes)
     if not node_list:
         return {}
     if not backend.leases():
+        if pushed_only:
+            return {}
         return {node: Reading(backend.add(keys.node_heartbeat(run_id, node), 0)) for node in node_list}
     now = time.monotonic()
     moving = int(now * 1000)  # a counter that moves at every check: the node's key is present
@@ -231,18 +239,19 @@ def read_heartbeats(
         presence = backend.watch_presence(keys.node_alive(run_id, node)) if watch else None
         seen = presence.seen() if presence is not None else None
         if presence is None or seen is None:
-            unknown.append(node)  # not watched, or its stream is not current: read the key
+            if not pushed_only:
+                unknown.append(node)  # not watched, or its stream is not current: read the key
         elif seen[0] is not None:
             readings[node] = Reading(moving)
         elif presence.last_present is not None:
-            readings[node] = Reading(_SILENT, _ttl(presence.last_present) + now - seen[1])
+            readings[node] = Reading(SILENT, _ttl(presence.last_present) + now - seen[1])
         else:
-            readings[node] = Reading(_SILENT)  # never seen alive: silent since first looked at
+            readings[node] = Reading(SILENT)  # never seen alive: silent since first looked at
     if unknown:
         values = backend.get_many([keys.node_alive(run_id, node) for node in unknown])
         for node, value in zip(unknown, values, strict=True):
-            readings[node] = Reading(moving if value is not None else _SILENT)
-    return {node: readings[node] for node in node_list}
+            readings[node] = Reading(moving if value is not None else SILENT)
+    return {node: readings[node] for node in node_list if node in readings}
 
 
 def _ttl(value: bytes) -> float:

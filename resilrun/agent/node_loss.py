@@ -117,9 +117,18 @@ class NodeWatch:
             )
         return tuple(lost)
 
-    def judge(self, judge: StalenessJudge, state: RdzvState, current: RdzvState) -> tuple[str, ...]:
+    @property
+    def pushed(self) -> bool:
+        """Whether the store pushes liveness (leases followed by watches): a look between the
+        heartbeat checks then costs the store nothing (``judge(pushed_only=True)``)."""
+        return self._rdzv.backend.leases()
+
+    def judge(
+        self, judge: StalenessJudge, state: RdzvState, current: RdzvState, *, pushed_only: bool = False
+    ) -> tuple[str, ...]:
         """Read the heartbeats of the round's other nodes and of the spare nodes; returns the lost
-        participants (a spare node that went silent is dropped from the spare list here)."""
+        participants (a spare node that went silent is dropped from the spare list here).
+        ``pushed_only``: look only at what the store pushed (``read_heartbeats``)."""
         me = self._rdzv.me.node_id
         ring = [p.node_id for p in state.participants]
         # Each node watches its WATCH_FANOUT ring successors (O(N) store reads for the job, not
@@ -131,7 +140,8 @@ class NodeWatch:
         judge.forget_all_but(watched)
         if not watched:
             return ()
-        for node, reading in read_heartbeats(self._rdzv.backend, self._rdzv.run_id, watched).items():
+        readings = read_heartbeats(self._rdzv.backend, self._rdzv.run_id, watched, pushed_only=pushed_only)
+        for node, reading in readings.items():
             judge.observe_reading(node, reading)
         stale = set(judge.stale())
         lost = set(judge.lost())

@@ -191,6 +191,7 @@ class Supervisor:
         stop = self._processes.stop
         judge = StalenessJudge(self.config.heartbeat_timeout_s, self._clock)
         next_heartbeat_check = self._clock.monotonic()
+        pushed = self.node_watch.pushed
         lost: tuple[str, ...] = ()
         while True:
             self._processes.wait_any_exit(round_.workers, interval)
@@ -200,6 +201,8 @@ class Supervisor:
             if self._clock.monotonic() >= next_heartbeat_check:
                 lost = self.node_watch.judge(judge, state, current)
                 next_heartbeat_check = self._clock.monotonic() + self.config.heartbeat_interval_s
+            elif pushed:  # free between the checks: an expiry is judged within a tick of being heard
+                lost = self.node_watch.judge(judge, state, current, pushed_only=True)
             # A node judged lost before this node followed a recovery may be replaced already: only the
             # current generation's participants count (else a stale verdict restarts the whole job).
             lost = tuple(n for n in lost if state.node_rank(n) is not None)

@@ -287,6 +287,22 @@ def test_readings_on_a_store_with_leases_come_from_watches_and_from_one_read_whi
     assert read_heartbeats(plain, "job", ["a"]) == {"a": Reading(3)}
 
 
+def test_a_look_at_what_was_pushed_asks_the_store_nothing() -> None:
+    """Taken at every monitor tick between the heartbeat checks: it must stay free."""
+    store = LeasingStore()
+    now = time.monotonic()
+    gone, broken = (store.watch_presence(keys.node_alive("job", n)) for n in ("g", "b"))
+    gone.current, gone.last_present = (None, now - 1.0), b"4"
+    store.set(keys.node_alive("job", "b"), b"4")  # its watch is not current
+    readings = read_heartbeats(store, "job", ["g", "b"], pushed_only=True)
+    assert list(readings) == ["g"] and readings["g"].silent_s == pytest.approx(5.0, abs=0.2)
+    assert store.reads == 0  # the node whose watch broke is left to the next full check
+    # A store without leases pushes nothing: nothing is read either
+    plain = MemoryBackend()
+    plain.add(keys.node_heartbeat("job", "a"), 3)
+    assert read_heartbeats(plain, "job", ["a"], pushed_only=True) == {}
+
+
 def test_an_expired_node_read_as_absent_once_its_watch_broke_keeps_the_silence_counted_so_far() -> None:
     clock = FakeClock()
     judge = StalenessJudge(5.0, clock)
