@@ -1,22 +1,23 @@
 """Control plane at scale: N simulated agents (no workers) against a c10d TCPStore and against etcd.
 
     python benchmarks/control_plane_scale.py [--sizes 64,128,256,512,1024] [--backends c10d,etcd]
-        [--modes scalable,scalable-cas,all-to-all] [--budget-s 900] [--out benchmarks/control_plane_scale]
+        [--modes scalable,scalable-cas,all-to-all] [--procs 8] [--threads 8] [--budget-s 900]
+        [--out benchmarks/control_plane_scale]
 
-What an agent does here is what the supervisor does, through the same code: it joins with the
-rendezvous client's own join steps (``executor.Joining``),
-then every monitor interval (0.1 s) reads the rendezvous state, and beats as ``HeartbeatSender``
-does (``heartbeat.Heartbeat``: a counter bump every heartbeat interval, 1 s; on etcd a renewal of
-its liveness lease three times per TTL, through a connection of its own) and every heartbeat
-interval reads the heartbeats it watches (``read_heartbeats``: counters, or on etcd liveness keys
-followed by watch) into a ``StalenessJudge`` (5 s timeout). One agent then stops; the time
-until another agent judges it stale (detection) and until one of them has opened the next round
-with ``next_round`` (decision) is measured.
+What an agent does here is what the supervisor does, through the same code: its heartbeat starts
+before it joins and beats on as ``HeartbeatSender`` does (``heartbeat.Heartbeat``: a counter bump
+every heartbeat interval, 1 s; on etcd a renewal of its liveness lease three times per TTL,
+through a connection of its own); it joins with the rendezvous client's own join steps
+(``executor.Joining``); then every monitor interval (0.1 s) it reads the rendezvous state and
+every heartbeat interval reads the heartbeats it watches (``read_heartbeats``: counters, or on
+etcd liveness keys followed by watch) into a ``StalenessJudge`` (5 s timeout). One agent then
+stops; the time until another agent judges it stale (detection) and until one of them has opened
+the next round with ``next_round`` (decision) is measured.
 
 Modes: ``all-to-all`` is the supervisor before issue 15 (every agent reads the whole state
 document every tick and every other agent's counter every interval: O(N^2) store traffic);
 ``scalable`` is the agent today: it reads the document only when its version counter moves
-(``RendezvousClient(refresh_s=...)``; on etcd that counter is pushed by a watch, one stream per
+(``RendezvousClient(refresh_s=...)``; on etcd the document itself is pushed by a watch, one stream per
 agent, counted as two operations when opened), watches two ring successors (``heartbeat.watched_nodes``),
 and joins through the arrivals lane (rendezvous/executor.py: O(1) store operations per joining
 agent, one write admits every arrival so far); ``scalable-cas`` is ``scalable`` with every agent
@@ -28,16 +29,19 @@ Joining runs the client's own ``Joining.step``, the code ``RendezvousClient.join
 against the same kind of hosted TCPStore, for the rendezvous row's ratio: its agents are threads
 in ``TORCHRUN_PROCS`` processes (its API blocks), started together on a ``go`` key.
 
-Agents are tasks on a small pool of threads (one store connection per thread), scheduled on the
-monotonic clock; when the store (or this 2-core machine) cannot keep up, ticks run late and the
-lag is reported. Every phase has a deadline and the whole run a budget, so it stops by itself.
-Store operations are counted at the RendezvousBackend interface (the contract calls).
+Agents are tasks on a small pool of threads (one store connection per thread) in ``--procs``
+processes (``_scale_agents.py``, driven phase by phase from here), scheduled on the monotonic
+clock; when the store (or this 2-core machine) cannot keep up, ticks run late and the lag is
+reported. On etcd with leases each agent holds a lease and three watch streams (its document and
+two successors), a thread each: a thousand agents' threads in one process run its ticks seconds
+late under the GIL (renewals then miss their TTL), hence 8 processes by default.
+Every phase has a deadline and the whole run a budget, so it stops by itself. Store operations
+are counted at the RendezvousBackend interface (the contract calls).
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import os
 import shutil
@@ -46,360 +50,171 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.etcd_server starts etcd
 
-from resilrun.agent.heartbeat import (  # noqa: E402
-    Heartbeat,
-    StalenessJudge,
-    lease_ttl_s,
-    read_heartbeats,
-    watched_nodes,
+from _scale_agents import (  # noqa: E402
+    DETECT_DEADLINE_S,
+    FANOUT,
+    HEARTBEAT_S,
+    MONITOR_S,
+    REFRESH_S,
+    RENDEZVOUS_DEADLINE_S,
+    THREADS,
+    TIMEOUT_S,
 )
-from resilrun.rendezvous.api import CounterWatch, LeasedKey, Presence, RendezvousBackend  # noqa: E402
-from resilrun.rendezvous.executor import Joining, RendezvousClient  # noqa: E402
-from resilrun.rendezvous.protocol import NodeInfo  # noqa: E402
+from _scale_agents import cpu_s as _cpu  # noqa: E402
 
-MONITOR_S, HEARTBEAT_S, TIMEOUT_S = 0.1, 1.0, 5.0  # the agent's defaults
-# Pool threads (one store connection each): more only adds GIL contention on 2 cores.
-THREADS = 4
-RENDEZVOUS_DEADLINE_S = 120.0
+from resilrun.agent.heartbeat import lease_ttl_s  # noqa: E402
+
 WARMUP_S, MEASURE_S = 2.0, 4.0
-DETECT_DEADLINE_S = TIMEOUT_S + 20.0
-REFRESH_S = 10.0  # the scalable mode's safety-net re-read of the whole document
-FANOUT = 2
 TORCHRUN_PROCS = 8  # processes the torchrun agents' threads are spread over (at most N)
 TORCHRUN_MODE = "torchrun's handler"
 
 
-class CountingBackend(RendezvousBackend):
-    """Counts contract calls and bytes read; one per thread, so no lock is needed."""
+class Fleet:
+    """The agent processes of one cell, driven phase by phase over their stdin and stdout."""
 
-    def __init__(self, inner: RendezvousBackend) -> None:
-        self.inner = inner
-        self.ops = 0
-        self.bytes_read = 0
-        self.watched: set[str] = set()
+    def __init__(self, spec: dict[str, Any], n: int, procs: int) -> None:
+        import queue
+        import subprocess
 
-    def get(self, key: str) -> bytes | None:
-        self.ops += 1
-        value = self.inner.get(key)
-        self.bytes_read += len(value or b"")
-        return value
+        self.inbox: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self.events: dict[str, list[float]] = {"detected": [], "decided": []}
+        self.children = []
+        script = str(Path(__file__).with_name("_scale_agents.py"))
+        first = 0
+        for p in range(procs):
+            count = n // procs + (1 if p < n % procs else 0)
+            mine = json.dumps({**spec, "n": n, "first": first, "count": count})
+            pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+            child = subprocess.Popen([sys.executable, script, mine], **pipes)
+            self.children.append(child)
+            threading.Thread(target=self._read, args=(p, child), daemon=True).start()
+            first += count
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        self.ops += 1  # one contract call (the backend answers it in one or two requests)
-        values = self.inner.get_many(keys)
-        self.bytes_read += sum(len(value or b"") for value in values)
-        return values
+    def _read(self, index: int, child: Any) -> None:
+        for line in child.stdout:
+            self.inbox.put((index, json.loads(line)))
+        self.inbox.put((index, {"exited": child.wait()}))
 
-    def set(self, key: str, value: bytes) -> None:
-        self.ops += 1
-        self.inner.set(key, value)
+    def tell(self, command: dict[str, Any]) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.stdin.write(json.dumps(command) + "\n")
+                child.stdin.flush()
 
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
-        self.ops += 1
-        return self.inner.compare_set(key, expected, desired)
+    def answers(self, key: str, timeout_s: float) -> list[Any]:
+        """Each process's answer to the last command (its ``key`` value), in process order.
 
-    def add(self, key: str, amount: int) -> int:
-        self.ops += 1
-        return self.inner.add(key, amount)
+        Raises:
+            RuntimeError: a process exited or did not answer in time.
+        """
+        import queue
 
-    def watch_counter(self, key: str) -> CounterWatch | None:
-        watch = self.inner.watch_counter(key)
-        if watch is not None:
-            self.ops += 2  # its range and its watch request (the pushed changes are not requests)
-        return watch
-
-    def leases(self) -> bool:
-        return self.inner.leases()
-
-    def lease_key(self, key: str, value: bytes, ttl_s: int) -> LeasedKey | None:
-        leased = self.inner.lease_key(key, value, ttl_s)
-        if leased is None:
-            return None
-        self.ops += 2  # the grant and the put
-        return CountedLease(leased, self)
-
-    def watch_presence(self, key: str) -> Presence | None:
-        presence = self.inner.watch_presence(key)  # (one stream per key and connection)
-        if presence is not None and key not in self.watched:
-            self.watched.add(key)
-            self.ops += 2  # a new stream: its range and its watch request
-        return presence
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class CountedLease:
-    """A liveness lease whose renewals count as store operations."""
-
-    def __init__(self, inner: LeasedKey, counter: CountingBackend) -> None:
-        self.inner, self.counter = inner, counter
-        self.ttl_s = inner.ttl_s
-
-    def refresh(self) -> None:
-        self.counter.ops += 1
-        self.inner.refresh()
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class ThreadBackend(RendezvousBackend):
-    """Routes each call to the calling pool thread's own connection."""
-
-    def __init__(self, connect: Callable[[], RendezvousBackend]) -> None:
-        self.connect = connect
-        self.local = threading.local()
-        self.all: list[CountingBackend] = []
-        self.lock = threading.Lock()
-
-    def _mine(self) -> CountingBackend:
-        mine = getattr(self.local, "backend", None)
-        if mine is None:
-            mine = CountingBackend(self.connect())
-            self.local.backend = mine
-            with self.lock:
-                self.all.append(mine)
-        return mine
-
-    def get(self, key: str) -> bytes | None:
-        return self._mine().get(key)
-
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self._mine().get_many(keys)
-
-    def set(self, key: str, value: bytes) -> None:
-        self._mine().set(key, value)
-
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
-        return self._mine().compare_set(key, expected, desired)
-
-    def add(self, key: str, amount: int) -> int:
-        return self._mine().add(key, amount)
-
-    def watch_counter(self, key: str) -> CounterWatch | None:
-        return self._mine().watch_counter(key)  # one stream per agent, as each agent would hold
-
-    def leases(self) -> bool:
-        return self._mine().leases()
-
-    def own(self) -> CountingBackend:
-        """A connection of one agent's own (its liveness lease and watches, on a store with leases)."""
-        mine = CountingBackend(self.connect())
-        with self.lock:
-            self.all.append(mine)
-        return mine
-
-    def totals(self) -> tuple[int, int]:
-        with self.lock:
-            return sum(b.ops for b in self.all), sum(b.bytes_read for b in self.all)
-
-    def close(self) -> None:
-        for backend in self.all:
-            backend.close()
-
-
-@dataclass
-class Agent:
-    client: RendezvousClient
-    judge: StalenessJudge
-    watched: list[str] = field(default_factory=list)
-    next_heartbeat: float = 0.0
-    next_beat: float = 0.0
-    heartbeat: Heartbeat | None = None
-    liveness: RendezvousBackend | None = None  # where its heartbeat and its watches go
-    joined: bool = False
-    stopped: bool = False
-
-
-class Scheduler:
-    """A heap of (due, seq, task) run by a pool of threads; records how late each task ran."""
-
-    def __init__(self, threads: int) -> None:
-        self.heap: list[tuple[float, int, Callable[[], float | None]]] = []
-        self.cond = threading.Condition()
-        self.seq = 0
-        self.lags: list[float] = []
-        self.errors: list[BaseException] = []
-        self.closing = False
-        self.pool = [threading.Thread(target=self._work, daemon=True) for _ in range(threads)]
-        for thread in self.pool:
-            thread.start()
-
-    def at(self, due: float, task: Callable[[], float | None]) -> None:
-        with self.cond:
-            self.seq += 1
-            heapq.heappush(self.heap, (due, self.seq, task))
-            self.cond.notify()
-
-    def _work(self) -> None:
-        while True:
-            with self.cond:
-                while not self.closing and (not self.heap or self.heap[0][0] > time.monotonic()):
-                    wait = self.heap[0][0] - time.monotonic() if self.heap else None
-                    self.cond.wait(wait)
-                if self.closing:
-                    return
-                due, _, task = heapq.heappop(self.heap)
-            self.lags.append(time.monotonic() - due)
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < len(self.children):
             try:
-                again = task()  # returns when to run next, or None to stop
-            except BaseException as exc:  # noqa: BLE001 - reported by the cell
-                self.errors.append(exc)
-                again = None
-            if again is not None and not self.closing:
-                self.at(again, task)
+                index, message = self.inbox.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"agent processes did not answer {key!r} in {timeout_s:g} s") from None
+            for event in self.events:
+                if event in message:
+                    self.events[event].append(message[event])
+            if "exited" in message and index not in got:
+                raise RuntimeError(f"agent process {index} exited ({message['exited']}) before answering {key!r}")
+            if key in message:
+                got[index] = message[key]
+        return [got[index] for index in range(len(self.children))]
 
     def close(self) -> None:
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
-        for thread in self.pool:
-            thread.join(10)
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+            child.wait(10)
 
 
-def _cpu(pid: int | None) -> float:
-    """CPU seconds used so far by a process (the store's, or this simulator's)."""
-    import psutil
-
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
-
-
-def run_cell(connect: Callable[[], RendezvousBackend], store_pid: int, n: int, mode: str) -> dict[str, Any]:
-    """One (backend, mode, N) measurement; every phase bounded."""
+def run_cell(store: dict[str, Any], store_pid: int, n: int, mode: str, procs: int, threads: int) -> dict[str, Any]:
+    """One (backend, mode, N) measurement, its agents spread over ``procs`` processes of ``threads``
+    pool threads each; every phase bounded."""
     run_id = f"scale-{uuid.uuid4().hex[:8]}"
-    shared = ThreadBackend(connect)
-    scalable = mode.startswith("scalable")
-    agents = []
-    for index in range(n):
-        me = NodeInfo(node_id=f"node-{index:05d}", addr=f"10.0.{index // 256}.{index % 256}", local_world_size=8)
-        client = RendezvousClient(
-            shared, run_id, me, min_nodes=n, max_nodes=n,
-            join_timeout=timedelta(seconds=RENDEZVOUS_DEADLINE_S), last_call_timeout=timedelta(seconds=1),
-            refresh_s=REFRESH_S if scalable else None, arrivals=mode == "scalable",
-        )  # fmt: skip
-        agents.append(Agent(client, StalenessJudge(TIMEOUT_S)))
-    result: dict[str, Any] = {"n": n, "mode": mode}
-    sched = Scheduler(THREADS)
-    done = threading.Event()
-    joined = [0]
-    lock = threading.Lock()
-    started = time.monotonic()
-
-    def join_step(agent: Agent) -> Callable[[], float | None]:
-        attempt = Joining(agent.client)
-
-        def step() -> float | None:
-            if attempt.step() is not None:
-                with lock:
-                    joined[0] += 1
-                    if joined[0] == n:
-                        done.set()
-                return None
-            return time.monotonic() + (attempt.poll_s if attempt.waits else 0.0)
-
-        return step
-
-    for agent in agents:
-        sched.at(started, join_step(agent))
-    if not done.wait(RENDEZVOUS_DEADLINE_S):
-        sched.close()
-        note = f"rendezvous not complete in {RENDEZVOUS_DEADLINE_S:g} s ({joined[0]}/{n})"
-        result.update(rendezvous_s=None, note=note)
+    result: dict[str, Any] = {"n": n, "mode": mode, "procs": procs, "threads": threads}
+    fleet = Fleet({**store, "run_id": run_id, "mode": mode, "threads": threads}, n, procs)
+    try:
+        fleet.answers("ready", 120)
+        fleet.tell({"sample": 0})
+        before = fleet.answers("sample", 60)
+        started, store0 = time.monotonic() + 0.5, _cpu(store_pid)
+        fleet.tell({"go": started})
+        joins = fleet.answers("joined", RENDEZVOUS_DEADLINE_S + 30)
+        if any(t is None for t in joins):
+            note = f"rendezvous not complete in {RENDEZVOUS_DEADLINE_S:g} s"
+            result.update(rendezvous_s=None, note=note)
+            return result
+        result["rendezvous_s"] = max(joins) - started
+        fleet.tell({"sample": 0})
+        after, took = fleet.answers("sample", 60), time.monotonic() - started
+        # Where the rendezvous's time went on this one machine: the store's CPU, and the
+        # simulated agents' own (their joins, and their heartbeats, which run throughout)
+        result["rendezvous_store_cpu_pct"] = 100 * (_cpu(store_pid) - store0) / took
+        result["rendezvous_sim_cpu_pct"] = 100 * (sum(a["cpu"] for a in after) - sum(b["cpu"] for b in before)) / took
+        begin = time.monotonic() + 0.2
+        fleet.tell({"tick": begin})
+        warm = fleet.answers("warm", DETECT_DEADLINE_S + 30)
+        result["warmup_s"] = time.monotonic() - begin + WARMUP_S
+        if not all(warm):
+            result["note"] = "not every agent started its heartbeat"
+        time.sleep(WARMUP_S)
+        fleet.tell({"sample": 1})
+        first, window, store1 = fleet.answers("sample", 60), time.monotonic(), _cpu(store_pid)
+        time.sleep(MEASURE_S)
+        fleet.tell({"sample": 2})
+        second, elapsed, store_cpu = fleet.answers("sample", 60), time.monotonic() - window, _cpu(store_pid) - store1
+        ops = sum(b["ops"] for b in second) - sum(a["ops"] for a in first)
+        result["store_cpu_pct"] = 100 * store_cpu / elapsed
+        result["store_cpu_us_per_op"] = 1e6 * store_cpu / max(ops, 1)
+        result["sim_cpu_pct"] = 100 * (sum(b["cpu"] for b in second) - sum(a["cpu"] for a in first)) / elapsed
+        result["ops_per_s"] = ops / elapsed
+        result["ops_per_agent_s"] = ops / elapsed / n
+        read = sum(b["bytes"] for b in second) - sum(a["bytes"] for a in first)
+        result["kib_read_per_agent_s"] = read / elapsed / n / 1024
+        kinds = {kind for b in second for kind in b["kinds"]}
+        result["ops_per_agent_s_by_call"] = {
+            kind: sum(b["kinds"].get(kind, 0) for b in second) - sum(a["kinds"].get(kind, 0) for a in first)
+            for kind in sorted(kinds)
+        }
+        for kind, ops in list(result["ops_per_agent_s_by_call"].items()):
+            result["ops_per_agent_s_by_call"][kind] = round(ops / elapsed / n, 3)
+        fleet.tell({"kill": True})
+        killed = next(t for t in fleet.answers("killed", 60) if t is not None)
+        fleet.tell({"finish": killed + DETECT_DEADLINE_S})
+        done = fleet.answers("done", DETECT_DEADLINE_S + 60)
+        detected, decided = fleet.events["detected"], fleet.events["decided"]
+        result["detect_s"] = min(detected) - killed if detected else None
+        result["decide_s"] = min(decided) - killed if decided else None
+        lags = [d["lag_p99_s"] for d in done if d["lag_p99_s"] is not None]
+        # the slowest process's p99 over the measurement window (from the first sample to the kill)
+        result["tick_lag_p99_ms"] = 1000 * max(lags) if lags else None
+        p50 = [d["lag_p50_s"] for d in done if d["lag_p50_s"] is not None]
+        result["tick_lag_p50_ms"] = 1000 * max(p50) if p50 else None
+        result["document_pushed"] = any(d["document_pushed"] for d in done)
+        result["leased"] = any(d["leased"] for d in done)
+        result["doc_kib"] = done[0]["doc_bytes"] / 1024
+        errors = sum(d["errors"] for d in done)
+        if errors:
+            first_error = next(d["first_error"] for d in done if d["first_error"])
+            result["note"] = f"{errors} store errors, first: {first_error}"
         return result
-    result["rendezvous_s"] = time.monotonic() - started
-    ops0, bytes0 = shared.totals()
-    result["rendezvous_ops"] = ops0
-    sched.lags.clear()
-    state = agents[0].client.state()
-    ids = [p.node_id for p in state.participants]
-    victim = ids[len(ids) // 2]
-    detected: dict[str, float] = {}
-
-    def tick_step(agent: Agent) -> Callable[[], float | None]:
-        me = agent.client.me.node_id
-        agent.watched = watched_nodes(ids, me, FANOUT if scalable else 0)
-
-        def tick() -> float | None:
-            if agent.stopped or done.is_set():
-                return None
-            now = time.monotonic()
-            current = agent.client.state()
-            if current.round != state.round:
-                return None  # the decision was made: the cell is over for this agent
-            if agent.heartbeat is None:  # the agent's own heartbeat, as HeartbeatSender beats
-                # On a store with leases each agent has its own connection for it (its lease and
-                # its watch streams, as a real agent has); counters go through the pool's.
-                agent.liveness = shared.own() if shared.leases() else shared
-                agent.heartbeat = Heartbeat(agent.liveness, run_id, me, interval_s=HEARTBEAT_S, timeout_s=TIMEOUT_S)
-            if now >= agent.next_beat:
-                agent.heartbeat.beat()
-                agent.next_beat = now + agent.heartbeat.period_s
-            if now >= agent.next_heartbeat:
-                assert agent.liveness is not None
-                for node, reading in read_heartbeats(agent.liveness, run_id, agent.watched).items():
-                    agent.judge.observe_reading(node, reading)
-                agent.next_heartbeat = now + HEARTBEAT_S
-                if victim in agent.judge.stale():
-                    detected.setdefault("detected", time.monotonic())
-                    new = agent.client.next_round(state.round, failure={"message": "lost"}, max_restarts=100)
-                    if new.round != state.round:
-                        detected.setdefault("decided", time.monotonic())
-                        done.set()
-                    return None
-            return now + MONITOR_S
-
-        return tick
-
-    done.clear()
-    begin = time.monotonic()
-    for index, agent in enumerate(agents):  # spread the first ticks over one interval, as real agents
-        agent.next_heartbeat = begin + HEARTBEAT_S * index / n
-        sched.at(begin + MONITOR_S * index / n, tick_step(agent))
-    # Warm: every agent has started its heartbeat (on etcd: its lease granted, its watches being
-    # opened), then WARMUP_S more; the start-up requests are not the steady state.
-    settle_by = time.monotonic() + DETECT_DEADLINE_S
-    while any(agent.heartbeat is None for agent in agents) and time.monotonic() < settle_by:
-        time.sleep(0.1)
-    result["warmup_s"] = time.monotonic() - begin + WARMUP_S
-    time.sleep(WARMUP_S)
-    ops1, bytes1 = shared.totals()
-    window, store1, sim1 = time.monotonic(), _cpu(store_pid), _cpu(None)
-    time.sleep(MEASURE_S)
-    ops2, bytes2 = shared.totals()
-    elapsed = time.monotonic() - window
-    store_cpu = _cpu(store_pid) - store1
-    result["store_cpu_pct"] = 100 * store_cpu / elapsed
-    result["store_cpu_us_per_op"] = 1e6 * store_cpu / max(ops2 - ops1, 1)
-    result["sim_cpu_pct"] = 100 * (_cpu(None) - sim1) / elapsed
-    lags = sorted(sched.lags)
-    result["ops_per_s"] = (ops2 - ops1) / elapsed
-    result["ops_per_agent_s"] = result["ops_per_s"] / n
-    result["kib_read_per_agent_s"] = (bytes2 - bytes1) / elapsed / n / 1024
-    result["tick_lag_p99_ms"] = 1000 * lags[int(0.99 * (len(lags) - 1))] if lags else None
-    result["version_pushed"] = any(agent.client.version_watched for agent in agents)  # opened at the first tick
-    result["leased"] = any(agent.heartbeat is not None and agent.heartbeat.lease is not None for agent in agents)
-    # Now the victim stops: no more ticks, no more heartbeats
-    next(a for a in agents if a.client.me.node_id == victim).stopped = True
-    killed = time.monotonic()
-    done.wait(DETECT_DEADLINE_S)
-    sched.close()
-    result["detect_s"] = detected["detected"] - killed if "detected" in detected else None
-    result["decide_s"] = detected["decided"] - killed if "decided" in detected else None
-    result["doc_kib"] = len(state.to_bytes()) / 1024
-    if sched.errors:
-        result["note"] = f"{len(sched.errors)} store errors, first: {sched.errors[0]}"
-    shared.close()
-    return result
+    except RuntimeError as exc:
+        result["note"] = str(exc)
+        return result
+    finally:
+        fleet.close()
 
 
 _HOST_STORE = (
@@ -420,20 +235,15 @@ def _hosted_store() -> tuple[int, Any]:
     return int(child.stdout.readline()), child
 
 
-def c10d_store() -> tuple[Callable[[], RendezvousBackend], int, Callable[[], None]]:
+def c10d_store() -> tuple[dict[str, Any], int, Callable[[], None]]:
     """A TCPStore hosted by a child process, as an agent would host it, so its CPU can be measured."""
-    from resilrun.rendezvous.c10d import C10dBackend, connect_store
-
     port, child = _hosted_store()
-
-    def connect() -> RendezvousBackend:
-        return C10dBackend(connect_store("127.0.0.1", port, timedelta(seconds=30)), "bench")
 
     def stop() -> None:
         child.kill()
         child.wait(10)
 
-    return connect, child.pid, stop
+    return {"backend": "c10d", "port": port}, child.pid, stop
 
 
 def torchrun_cell(n: int) -> dict[str, Any]:
@@ -495,8 +305,7 @@ def torchrun_cell(n: int) -> dict[str, Any]:
         child.wait(10)
 
 
-def etcd_store() -> tuple[Callable[[], RendezvousBackend], int, Callable[[], None]]:
-    from resilrun.rendezvous.etcd import open_etcd
+def etcd_store() -> tuple[dict[str, Any], int, Callable[[], None]]:
     from tests.etcd_server import EtcdCluster
 
     # tmpfs when there is one: this measures etcd's CPU cost, not this VM's disk (production etcd
@@ -505,9 +314,6 @@ def etcd_store() -> tuple[Callable[[], RendezvousBackend], int, Callable[[], Non
     root = Path(tempfile.mkdtemp(prefix="resilrun-bench-etcd-", dir=base))
     cluster = EtcdCluster(root).start()
 
-    def connect() -> RendezvousBackend:
-        return open_etcd(cluster.endpoint, timeout=timedelta(seconds=30))
-
     popen = cluster.members[0].popen
     assert popen is not None
 
@@ -515,7 +321,7 @@ def etcd_store() -> tuple[Callable[[], RendezvousBackend], int, Callable[[], Non
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
 
-    return connect, popen.pid, stop
+    return {"backend": "etcd", "endpoint": cluster.endpoint}, popen.pid, stop
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -526,13 +332,20 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| backend | mode | N | rendezvous (s) | detect (s) | decide (s) | store ops/s | ops/agent/s (demanded) "
-        "| KiB read/agent/s | tick lag p99 (ms) | store CPU % | store CPU µs/op | simulator CPU % |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| backend | mode | N | agent procs | rendezvous (s) | its CPU %: store / agents | detect (s) | decide (s) "
+        "| store ops/s | ops/agent/s (demanded) | KiB read/agent/s | tick lag p99 (ms) | store CPU % "
+        "| store CPU µs/op | simulator CPU % |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        cpu = (
+            f"{_fmt(r.get('rendezvous_store_cpu_pct'), 0)} / {_fmt(r.get('rendezvous_sim_cpu_pct'), 0)}"
+            if r.get("rendezvous_store_cpu_pct") is not None
+            else "—"
+        )
         lines.append(
-            f"| {r['backend']} | {r['mode']} | {r['n']} | {_fmt(r.get('rendezvous_s'))} | {_fmt(r.get('detect_s'))} "
+            f"| {r['backend']} | {r['mode']} | {r['n']} | {r.get('procs', 1) if r['mode'] != TORCHRUN_MODE else '—'} "
+            f"| {_fmt(r.get('rendezvous_s'))} | {cpu} | {_fmt(r.get('detect_s'))} "
             f"| {_fmt(r.get('decide_s'))} | {_fmt(r.get('ops_per_s'), 0)} "
             f"| {_fmt(r.get('ops_per_agent_s'), 1)} ({_demanded(r)}) "
             f"| {_fmt(r.get('kib_read_per_agent_s'), 1)} | {_fmt(r.get('tick_lag_p99_ms'), 0)} "
@@ -546,18 +359,21 @@ def table(rows: list[dict[str, Any]]) -> str:
 def _demanded(row: dict[str, Any]) -> str:
     if row["mode"] == TORCHRUN_MODE or row.get("ops_per_agent_s") is None:
         return "—"
-    asked = demand(row["mode"], row["n"], pushed=bool(row.get("version_pushed")), leased=bool(row.get("leased")))
+    pushed = bool(row.get("document_pushed") or row.get("version_pushed"))  # (older runs pushed the version)
+    asked = demand(row["mode"], row["n"], pushed=pushed, leased=bool(row.get("leased")))
     return f"{asked:.2g}" if asked < 1 else f"{asked:.0f}"
 
 
 def demand(mode: str, n: int, *, pushed: bool = False, leased: bool = False) -> float:
     """Store ops per agent per second the protocol asks for (what a store that keeps up serves);
-    ``pushed``: the version counter comes by watch, not by a read every tick; ``leased``:
-    liveness by lease renewals (three per TTL) and watches, not counter bumps and reads."""
+    ``pushed``: the document comes by watch, not by a version read every tick and a re-read
+    every ``REFRESH_S``; ``leased``: liveness by lease renewals (three per TTL) and watches, not
+    counter bumps and reads."""
+    reads = 0 if pushed else 1 / MONITOR_S + (1 / REFRESH_S if mode.startswith("scalable") else 0)
     if leased:
-        return (0 if pushed else 1 / MONITOR_S) + 3 / lease_ttl_s(HEARTBEAT_S, TIMEOUT_S)
+        return reads + 3 / lease_ttl_s(HEARTBEAT_S, TIMEOUT_S)
     watched = n - 1 if mode == "all-to-all" else min(FANOUT, n - 1)
-    return (0 if pushed else 1 / MONITOR_S) + (1 + watched) / HEARTBEAT_S
+    return reads + (1 + watched) / HEARTBEAT_S
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
@@ -611,6 +427,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="64,128,256,512,1024")
     parser.add_argument("--backends", default="c10d,torchrun,etcd")
     parser.add_argument("--modes", default="scalable,scalable-cas")
+    parser.add_argument(
+        "--procs", type=int, default=8, help="processes the simulated agents are spread over (at most N)"
+    )
+    parser.add_argument("--threads", type=int, default=THREADS, help="pool threads per process")
     parser.add_argument("--budget-s", type=float, default=900.0, help="stop starting new cells after this long")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/control_plane_scale"))
     parser.add_argument("--from-json", type=Path, help="only redraw the table and plot of an earlier run")
@@ -636,7 +456,7 @@ def main() -> None:
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 saturated = row.get("rendezvous_s") is None
             continue
-        connect, store_pid, stop = {"c10d": c10d_store, "etcd": etcd_store}[backend]()
+        store, store_pid, stop = {"c10d": c10d_store, "etcd": etcd_store}[backend]()
         try:
             for mode in args.modes.split(","):
                 saturated = False
@@ -645,7 +465,7 @@ def main() -> None:
                         why = "budget spent" if not saturated else "skipped: smaller N already saturated"
                         rows.append({"backend": backend, "mode": mode, "n": n, "note": why})
                         continue
-                    row = {"backend": backend, **run_cell(connect, store_pid, n, mode)}
+                    row = {"backend": backend, **run_cell(store, store_pid, n, mode, args.procs, args.threads)}
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
                     saturated = row.get("rendezvous_s") is None or row.get("decide_s") is None
