@@ -146,19 +146,24 @@ class CountedLease:
 class ThreadBackend(RendezvousBackend):
     """Routes each call to the calling pool thread's own connection."""
 
-    def __init__(self, connect: Callable[[], RendezvousBackend]) -> None:
+    def __init__(self, connect: Callable[[], RendezvousBackend], connections: int) -> None:
+        """``connections``: opened now, one for each pool thread, so that the timed phases do not
+        include a connection storm: 64 TCPStore clients connecting at once from 8 processes here
+        see a few connects take 5 s in torch's client, which would then be all a 64-agent
+        rendezvous measures (real agents connect once, at start-up, before they join)."""
         self.connect = connect
         self.local = threading.local()
         self.all: list[CountingBackend] = []
         self.lock = threading.Lock()
+        self.spare = [CountingBackend(connect()) for _ in range(connections)]
 
     def _mine(self) -> CountingBackend:
         mine = getattr(self.local, "backend", None)
         if mine is None:
-            mine = CountingBackend(self.connect())
-            self.local.backend = mine
             with self.lock:
+                mine = self.spare.pop() if self.spare else CountingBackend(self.connect())
                 self.all.append(mine)
+            self.local.backend = mine
         return mine
 
     def get(self, key: str) -> bytes | None:
@@ -291,7 +296,8 @@ class Shard:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.n, self.mode, self.run_id = int(spec["n"]), str(spec["mode"]), str(spec["run_id"])
         self.scalable = self.mode.startswith("scalable")
-        self.shared = ThreadBackend(connector(spec))
+        threads = int(spec.get("threads", THREADS))
+        self.shared = ThreadBackend(connector(spec), threads)
         self.agents: list[Agent] = []
         for index in range(int(spec["first"]), int(spec["first"]) + int(spec["count"])):
             me = NodeInfo(node_id=f"node-{index:05d}", addr=f"10.0.{index // 256}.{index % 256}", local_world_size=8)
@@ -301,7 +307,7 @@ class Shard:
                 refresh_s=REFRESH_S if self.scalable else None, arrivals=self.mode == "scalable",
             )  # fmt: skip
             self.agents.append(Agent(client, StalenessJudge(TIMEOUT_S)))
-        self.sched = Scheduler(int(spec.get("threads", THREADS)))
+        self.sched = Scheduler(threads)
         self.lock = threading.Lock()
         self.out_lock = threading.Lock()
         self.pending = len(self.agents)  # agents still joining, then agents still ticking

@@ -197,6 +197,11 @@ def run_cell(store: dict[str, Any], store_pid: int, n: int, mode: str, procs: in
         detected, decided = fleet.events["detected"], fleet.events["decided"]
         result["detect_s"] = min(detected) - killed if detected else None
         result["decide_s"] = min(decided) - killed if decided else None
+        if detected and min(detected) < killed:  # (the window measured a round already over, too)
+            result.update(detect_s=None, decide_s=None, ops_per_s=None, ops_per_agent_s=None)
+            result["note"] = (
+                "the victim was judged lost before it stopped: its renewals ran late on a saturated host"
+            )
         lags = [d["lag_p99_s"] for d in done if d["lag_p99_s"] is not None]
         # the slowest process's p99 over the measurement window (from the first sample to the kill)
         result["tick_lag_p99_ms"] = 1000 * max(lags) if lags else None
