@@ -39,9 +39,15 @@ from resilrun.agent.telemetry import Telemetry
 from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import ResilrunError
 from resilrun.snapshot.dedup import parse_borrowed, parse_shared
+from resilrun.snapshot.selection import Selection
 from resilrun.tiers.memory import NodeMemoryTier
 
 logger = logging.getLogger(__name__)
+
+
+class HandedFd(int):
+    """A descriptor made for one reply: the channel closes it once sent (the worker has its own)."""
+
 
 TOKEN_ENV = "RESILRUN_AGENT_TOKEN"
 # A worker sends its token as its very first message, right after connecting; a peer that has not
@@ -134,6 +140,10 @@ class AgentChannel:
                     wire.send(conn, response, fds)
                 except OSError:
                     return
+                finally:
+                    for fd in fds:
+                        if isinstance(fd, HandedFd):
+                            os.close(fd)
 
     def handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """One request -> (response, fds to pass)."""
@@ -213,6 +223,15 @@ class AgentChannel:
         if op == "fetch":
             info = self.tiers.fetch(int(request["rank"]), int(request["step"]), str(request["tier"]))
             return {"ok": True, **info}, []
+        if op == "peek":
+            info = self.tiers.peek(int(request["rank"]), int(request["step"]), int(request["world_size"]))
+            return {"ok": True, **info}, []
+        if op == "gather_ranges":
+            select = Selection.from_message(request["select"])
+            info, fd = self.tiers.gather_ranges(
+                int(request["rank"]), int(request["step"]), int(request["world_size"]), select
+            )
+            return {"ok": True, **info}, [] if fd is None else [HandedFd(fd)]
         raise ValueError(f"unknown op {op!r}")
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from resilrun import keys
 from resilrun.agent.fault_hooks import REPLICATION_DELAY_ENV, delay_s
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError, ResilrunError
 from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.snapshot.selection import Selection
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator, fetch, held, inventory
 from resilrun.tiers.peer.wire import Credential
@@ -102,11 +103,19 @@ class PeerTier:
                 logger.debug("peer %s unreachable for a restore: %s", address, exc.message)
         return sorted(entries)
 
-    def fetch(self, rank: int, step: int) -> tuple[Any, Any] | None:
-        """``rank``'s snapshot of ``step`` from the first peer that has an intact copy."""
-        for address in self._peers():
+    def fetch(
+        self,
+        rank: int,
+        step: int,
+        select: Selection | None = None,
+        into: Callable[[int], memoryview] | None = None,
+    ) -> tuple[Any, Any] | None:
+        """``rank``'s snapshot of ``step`` (or the bytes ``select`` names, into ``into``'s buffer)
+        from the first peer that has an intact copy, this node's own replicas first: a node of a
+        job that shrank can hold the replica of the lost rank its new rank reads."""
+        for address in [self.server.address, *self._peers()]:
             try:
-                return fetch(address, self.secret, rank, step, timeout=timedelta(seconds=120))
+                return fetch(address, self.secret, rank, step, timedelta(seconds=120), select=select, into=into)
             except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
                 logger.warning("peer %s cannot give step %d of rank %d: %s", address, step, rank, exc.message)
             except ResilrunError as exc:

@@ -8,6 +8,8 @@ loads from memory. Peers are reached through a callable the supervisor provides 
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +17,9 @@ from typing import Any
 
 from resilrun.errors import CheckpointError, CheckpointNotFoundError
 from resilrun.snapshot.dedup import Borrowed
+from resilrun.snapshot.layout import parse_header
 from resilrun.snapshot.restore import PEER_STEPS, world_of
+from resilrun.snapshot.selection import Selection
 from resilrun.snapshot.shm import SharedBuffer
 from resilrun.storage.api import Storage
 from resilrun.tiers import durable
@@ -23,8 +27,9 @@ from resilrun.tiers.memory import NodeMemoryTier
 
 logger = logging.getLogger(__name__)
 
-# (rank, step) -> (bytes, values) fetched from whichever peer holds it, or None.
-PeerFetch = Callable[[int, int], tuple[bytes, Any] | None]
+# (rank, step, selection or None for all, buffer maker or None) -> (bytes, values) from whichever
+# peer holds it, or None.
+PeerFetch = Callable[[int, int, Selection | None, Callable[[int], memoryview] | None], tuple[Any, Any] | None]
 # rank -> steps some reachable peer holds for it.
 PeerHeld = Callable[[int], list[int]]
 # Every (rank, step, world size) the reachable peers hold.
@@ -96,7 +101,7 @@ class NodeTiers:
         with self._gathering:
             if self._held(rank, step, world_size):
                 return {"bytes": 0, "seconds": 0.0, "tier": "memory"}
-            found = self.peer_fetch(rank, step) if self.peer_fetch else None
+            found = self.peer_fetch(rank, step, None, None) if self.peer_fetch else None
             tier = "peer"
             if found is not None and world_of(found[1]) != world_size:
                 found = None  # the same step number trained at another world size
@@ -109,6 +114,80 @@ class NodeTiers:
         seconds = time.monotonic() - started
         logger.info("rank %d step %d (world size %d) brought in from the %s tier", rank, step, world_size, tier)
         return {"bytes": len(found[0]), "seconds": seconds, "tier": tier}
+
+    def peek(self, rank: int, step: int, world_size: int) -> dict[str, Any]:
+        """The values of ``rank``'s snapshot of ``step`` (written at ``world_size``), which a rank
+        resuming at another world size plans its reads from, and whether node memory holds it
+        (then it is read in place, not gathered).
+
+        Raises:
+            CheckpointNotFoundError: no tier has it (the caller plans again).
+        """
+        for found in self.memory.describe(rank)["committed"].values():
+            if found["complete"] and int(found["step"]) == step and world_of(found["values"]) == world_size:
+                return {"values": found["values"], "memory": True}
+        # An anonymous mapping: only the header is written, the pages past it are never touched.
+        fetched = self._ranged(
+            rank, step, world_size, Selection(), lambda size: memoryview(mmap.mmap(-1, max(size, 1)))
+        )
+        return {"values": fetched[1], "memory": False}
+
+    def gather_ranges(
+        self, rank: int, step: int, world_size: int, select: Selection
+    ) -> tuple[dict[str, Any], int | None]:
+        """Only the bytes of ``rank``'s snapshot of ``step`` that ``select`` names, from a peer or
+        storage, in a new memfd of the snapshot's size (sparse: what was not read takes no memory)
+        whose descriptor the caller hands to the worker and closes. Not installed in node memory:
+        it is a part of another world's rank, of use to the one worker that asked.
+
+        Returns:
+            What was moved, and the descriptor; None when node memory holds the whole snapshot
+            (the worker views it in place).
+
+        Raises:
+            CheckpointNotFoundError: no tier has it (the caller plans again).
+        """
+        if self._held(rank, step, world_size):
+            return {"bytes": 0, "seconds": 0.0, "tier": "memory"}, None
+        started = time.monotonic()
+        made: list[SharedBuffer] = []
+
+        def into(size: int) -> memoryview:
+            for old in made:
+                old.close()
+            made[:] = [SharedBuffer.create(size, f"resilrun-part-{rank}-{step}", populate=False)]
+            return made[0].view()
+
+        try:
+            nbytes, _, tier = self._ranged(rank, step, world_size, select, into)
+            fd = os.dup(made[0].fd)
+        finally:
+            for buffer in made:
+                buffer.close()
+        seconds = time.monotonic() - started
+        logger.info(
+            "rank %d step %d (world size %d): %d selected bytes from the %s tier", rank, step, world_size, nbytes, tier
+        )
+        return {"bytes": nbytes, "seconds": seconds, "tier": tier}, fd
+
+    def _ranged(
+        self, rank: int, step: int, world_size: int, select: Selection, into: Callable[[int], memoryview]
+    ) -> tuple[int, Any, str]:
+        """(bytes moved, values, tier) of a ranged read from the first tier that has the step."""
+        if self.peer_fetch is not None:
+            found = self.peer_fetch(rank, step, select, into)
+            if found is not None and world_of(found[1]) == world_size:
+                data = memoryview(found[0])
+                layout = parse_header(data, len(data))
+                return sum(e - b for b, e in select.ranges(layout)), found[1], "peer"
+        if self.storage is not None and self._persisted_at(step) == world_size:
+            _, manifest, nbytes = durable.read_rank_ranges(
+                self.storage, step, rank, select, into, mac_key=self.mac_key, require_mac=self.require_mac
+            )
+            if self.mac_key is not None and not manifest.get("authentic"):
+                logger.warning("persisted step %d carries no MAC: restored without an authenticity check", step)
+            return nbytes, manifest.get("values"), "persistent"
+        raise CheckpointNotFoundError(f"no tier holds step {step} of rank {rank} (world size {world_size})")
 
     def _held(self, rank: int, step: int, world_size: int) -> bool:
         return any(
@@ -161,7 +240,7 @@ class NodeTiers:
         """Bring ``rank``'s snapshot of ``step`` from ``tier`` into node memory."""
         started = time.monotonic()
         if tier == "peer":
-            found = self.peer_fetch(rank, step) if self.peer_fetch else None
+            found = self.peer_fetch(rank, step, None, None) if self.peer_fetch else None
             if found is None:
                 raise CheckpointNotFoundError(f"no peer holds step {step} of rank {rank} any more")
             data, values = found

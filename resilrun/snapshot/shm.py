@@ -29,11 +29,11 @@ _PAGE = mmap.PAGESIZE
 class SharedBuffer:
     """A memfd of ``nbytes`` mapped into this process."""
 
-    def __init__(self, fd: int, nbytes: int, *, owner: bool) -> None:
+    def __init__(self, fd: int, nbytes: int, *, owner: bool, populate: bool = True) -> None:
         self.fd = fd
         self.nbytes = nbytes
         self.owner = owner
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self._map = mmap.mmap(fd, max(nbytes, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1))
         self._state = threading.Lock()
@@ -42,22 +42,24 @@ class SharedBuffer:
         self.closed = False
 
     @classmethod
-    def create(cls, nbytes: int, name: str) -> SharedBuffer:
-        """Create and pre-fault a buffer (agent side)."""
+    def create(cls, nbytes: int, name: str, *, populate: bool = True) -> SharedBuffer:
+        """Create and pre-fault a buffer (agent side); ``populate`` False leaves it sparse: a page
+        takes memory only once written (a partial snapshot, see ``NodeTiers.gather_ranges``)."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, max(nbytes, 1))  # EFBIG under a file-size limit, ENOSPC/ENOMEM when full
-            buffer = cls(fd, nbytes, owner=True)
+            buffer = cls(fd, nbytes, owner=True, populate=populate)
         except BaseException:
             os.close(fd)
             raise
-        buffer.tensor.zero_()  # allocate every page now, not on the training path
+        if populate:
+            buffer.tensor.zero_()  # allocate every page now, not on the training path
         return buffer
 
     @classmethod
-    def attach(cls, fd: int) -> SharedBuffer:
+    def attach(cls, fd: int, *, populate: bool = True) -> SharedBuffer:
         """Map a buffer received from the agent (worker side)."""
-        return cls(fd, os.fstat(fd).st_size, owner=False)
+        return cls(fd, os.fstat(fd).st_size, owner=False, populate=populate)
 
     def view(self) -> memoryview:
         return memoryview(self._map)[: self.nbytes]

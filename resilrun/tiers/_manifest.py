@@ -22,6 +22,12 @@ MAX_MANIFEST_BYTES = 2 * MAX_HEADER_BYTES + 64 * 1024 * 1024
 # COMPLETE.json holds ~60 bytes per rank: 64 MiB is a million ranks.
 MAX_COMPLETE_BYTES = 64 * 1024 * 1024
 MAX_WORLD_SIZE = 1 << 20
+# A ranged read (a rank resuming at another world size reads only the rows it needs) is checked
+# chunk by chunk: the manifest records a crc32 (and, with a job secret, a GMAC) per chunk of the
+# file. 1 MiB: a ranged read fetches at most two chunks it does not need per range, and a 10 GB
+# file's list stays near 100 KB of manifest. Readers accept any power of two in the bounds below.
+CHUNK_BYTES = 1 << 20
+_MIN_CHUNK_BYTES, _MAX_CHUNK_BYTES = 1 << 12, 1 << 30
 
 _KEY = re.compile(r"^step_(\d{12,})/(?:rank_(\d{5,})\.(safetensors|json)|(COMPLETE\.json))$")
 _UNSAFE_NAME_CHARS = re.compile(r"[\\\x00-\x1f\x7f]")
@@ -146,6 +152,8 @@ def parse_manifest(raw: bytes, step: int, rank: int, world_size: int | None, whe
     _expect(_is_uint(doc.get("file_bytes")), where, "has no valid file_bytes")
     _expect(_is_crc(doc.get("header_crc32")), where, "has no valid header_crc32")
     _expect("values" in doc, where, "has no values")
+    if "chunks" in doc:
+        _check_chunks(doc["chunks"], doc["file_bytes"], where)
     tensors: Any = doc.get("tensors")
     _expect(isinstance(tensors, dict), where, "has no tensors object")
     for tensor, info in tensors.items():
@@ -196,6 +204,31 @@ def check_tensor_crcs(layout: Layout, data: bytes | memoryview, manifest: dict[s
     for entry in layout.entries:
         if crc32(view[start + entry.begin : start + entry.end]) != manifest["tensors"][entry.name]["crc32"]:
             raise CheckpointCorruptError(f"{where}: tensor '{entry.name}' fails its crc32 checksum")
+
+
+def chunk_crcs(data: bytes | memoryview, chunk: int = CHUNK_BYTES) -> list[int]:
+    """The crc32 of every ``chunk`` bytes of ``data`` (the last chunk may be shorter)."""
+    view = memoryview(data)
+    return [crc32(view[offset : offset + chunk]) for offset in range(0, len(view), chunk)]
+
+
+def chunk_count(file_bytes: int, chunk: int) -> int:
+    return -(-file_bytes // chunk)
+
+
+def _check_chunks(chunks: Any, file_bytes: int, where: str) -> None:
+    size = chunks.get("bytes") if isinstance(chunks, dict) else None
+    _expect(
+        _is_int(size) and _MIN_CHUNK_BYTES <= size <= _MAX_CHUNK_BYTES and size & (size - 1) == 0,
+        where,
+        "has an invalid chunk size",
+    )
+    crcs = chunks.get("crc32")
+    _expect(
+        isinstance(crcs, list) and len(crcs) == chunk_count(file_bytes, size) and all(_is_crc(c) for c in crcs),
+        where,
+        "does not carry one valid crc32 per chunk of its file",
+    )
 
 
 def _is_int(value: Any) -> bool:

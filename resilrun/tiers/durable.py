@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, StorageNotFoundError
 from resilrun.snapshot._crc import crc32
 from resilrun.snapshot.layout import FORMAT, MAX_HEADER_BYTES, Layout, parse_header
+from resilrun.snapshot.selection import Selection
 from resilrun.storage.api import Storage
 from resilrun.tiers import _authentic as authentic
 from resilrun.tiers import _manifest as m
@@ -47,6 +48,7 @@ __all__ = [
     "read_complete",
     "read_layout",
     "read_rank",
+    "read_rank_ranges",
     "retain",
     "steps_to_delete",
     "summarize_keys",
@@ -123,12 +125,13 @@ def write_rank(
         "file": m.data_file_name(rank),
         "file_bytes": layout.total_bytes,
         "header_crc32": crc32(layout.header),
+        "chunks": {"bytes": m.CHUNK_BYTES, "crc32": m.chunk_crcs(data, m.CHUNK_BYTES)},
         "tensors": tensors,
         "values": values,
         "created_unix": time.time(),
     }
     if mac_key is not None:
-        manifest["mac"] = authentic.file_mac(mac_key, data)
+        manifest["mac"] = authentic.file_mac(mac_key, data, chunk=m.CHUNK_BYTES)
     encoded = m.encode(manifest)  # before any upload: bad values must not leave an orphan file
     storage.put(data_key(step, rank), data)
     storage.put(manifest_key(step, rank), encoded)
@@ -330,6 +333,107 @@ def read_rank(
                 hint="a job without a job secret from outside the store wrote it; restore it without --require-auth",
             )
     return layout, data, manifest
+
+
+def read_rank_ranges(
+    storage: Storage,
+    step: int,
+    rank: int,
+    select: Selection,
+    into: Callable[[int], memoryview],
+    *,
+    complete: dict[str, Any] | None = None,
+    mac_key: bytes | None = None,
+    require_mac: bool = False,
+) -> tuple[Layout, dict[str, Any], int]:
+    """Read only the bytes of one rank's snapshot that ``select`` names (its header always), each
+    chunk read checked against the crc32 (and, with ``mac_key``, the GMAC) its manifest records.
+
+    Args:
+        into: given the file's size, the buffer the bytes go to at their file offsets (a sparse
+            one: the rest is left as it is).
+
+    Returns:
+        ``(layout, manifest, bytes read)``. A step written before manifests carried chunk
+        checksums is read whole (``read_rank``) and copied in: correct, just not ranged.
+
+    Raises:
+        As ``read_rank``; a chunk that fails its checks is a CheckpointCorruptError naming it.
+    """
+    complete = read_complete(storage, step) if complete is None else complete
+    manifest, manifest_raw = _read_manifest(storage, step, rank, complete, True)
+    key, file_bytes = data_key(step, rank), manifest["file_bytes"]
+    checker = None
+    if mac_key is not None:
+        manifest["authentic"] = authentic.check_manifest(mac_key, complete, rank, manifest_raw, key)
+        if require_mac and not manifest["authentic"]:
+            raise CheckpointCorruptError(
+                f"step {step} carries no MAC: it cannot be told from a forgery (--require-auth)",
+                hint="a job without a job secret from outside the store wrote it; restore it without --require-auth",
+            )
+        if manifest["authentic"] and authentic.has_chunk_tags(manifest):
+            checker = authentic.ChunkChecker(mac_key, manifest, key)
+    if "chunks" not in manifest or (manifest.get("authentic") and checker is None):
+        layout, data, manifest = read_rank(
+            storage, step, rank, complete=complete, mac_key=mac_key, require_mac=require_mac
+        )
+        target = into(len(data))
+        target[:] = data
+        return layout, manifest, len(data)
+    _checked_size(storage, key, file_bytes)
+    chunk, crcs = manifest["chunks"]["bytes"], manifest["chunks"]["crc32"]
+    target = into(file_bytes)
+    header_end = file_bytes - max((t["data_offsets"][1] for t in manifest["tensors"].values()), default=0)
+    done: set[int] = set()
+    nbytes = _read_chunks(storage, key, [(0, header_end)], chunk, crcs, checker, target, done)
+    layout = _parse(bytes(target[:header_end]), file_bytes, key)
+    m.check_layout(layout, manifest, where=key)
+    nbytes += _read_chunks(storage, key, select.ranges(layout), chunk, crcs, checker, target, done)
+    return layout, manifest, nbytes
+
+
+def _read_chunks(
+    storage: Storage,
+    key: str,
+    ranges: list[tuple[int, int]],
+    chunk: int,
+    crcs: list[int],
+    checker: authentic.ChunkChecker | None,
+    target: memoryview,
+    done: set[int],
+) -> int:
+    """Read the chunks covering ``ranges`` but not in ``done`` (runs of adjacent chunks in one
+    request each, in parallel), check each and copy it into ``target``; add them to ``done``.
+    Returns the bytes read."""
+    indices = sorted({i for begin, end in ranges for i in range(begin // chunk, -(-end // chunk))} - done)
+    done.update(indices)
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    total = len(target)
+
+    def read(run: tuple[int, int]) -> int:
+        begin, end = run[0] * chunk, min(run[1] * chunk, total)
+        try:
+            data = storage.get_range(key, begin, end)
+        except StorageNotFoundError:
+            raise CheckpointCorruptError(f"{key} named by its manifest is missing") from None
+        if len(data) != end - begin:
+            raise CheckpointCorruptError(f"{key}: bytes {begin}..{end} came back {len(data)} bytes long (truncated)")
+        view = memoryview(data)
+        for index in range(run[0], run[1]):
+            piece = view[index * chunk - begin : min((index + 1) * chunk, end) - begin]
+            if crc32(piece) != crcs[index]:
+                raise CheckpointCorruptError(f"{key}: chunk {index} (bytes {index * chunk}..) fails its crc32 checksum")
+            if checker is not None:
+                checker.check(index, piece)
+        target[begin:end] = view
+        return end - begin
+
+    return sum(_parallel(read, runs))
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ copy of another rank's RNG state, which a script that needs distinct streams res
 sharded by hand (not DTensors) cannot be resharded: they come from that one rank too.
 
 Invariants: every element of a new block comes from exactly one old block (checked), and nothing
-here does I/O: the caller supplies the old ranks' tensors by name.
+here does I/O: the caller supplies the old ranks' tensors by name, of which only the rows
+``rows_of`` names need to hold data (the caller reads no more than those).
 """
 
 from __future__ import annotations
@@ -89,6 +90,25 @@ def plan(objects: Any, meshes: Any, live: Iterable[tuple[Any, MeshSpec]], names:
 def needed(targets: Mapping[str, Target]) -> set[int]:
     """The old ranks whose snapshots hold a part of any target."""
     return {piece.rank for target in targets.values() for piece in target.pieces}
+
+
+def rows_of(targets: Mapping[str, Target], rank: int) -> dict[str, tuple[int, int]]:
+    """The rows along dim 0 of old ``rank``'s block of each target that overlap this rank's new
+    block (``(0, 0)``: none): all it reads of that rank's sharded tensors. FSDP2 shards dim 0,
+    so these are one contiguous run of bytes; other dims are read whole."""
+    rows = {}
+    for name, target in targets.items():
+        rows[name] = (0, 0)
+        for piece in target.pieces:
+            if piece.rank != rank:
+                continue
+            if not piece.shape:
+                rows[name] = (0, 1)
+                continue
+            lo = max(piece.offset[0], target.offset[0]) - piece.offset[0]
+            hi = min(piece.offset[0] + piece.shape[0], target.offset[0] + target.shape[0]) - piece.offset[0]
+            rows[name] = (lo, max(lo, hi))
+    return rows
 
 
 def assemble(target: Target, sources: Mapping[int, Mapping[str, torch.Tensor]]) -> torch.Tensor:

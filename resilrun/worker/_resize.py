@@ -4,9 +4,10 @@ a node and had no spare node, or grew by one; a new job started on an old ``--ch
 Plan: every rank reports what its node and the node's peers hold, as (old rank, step, world size),
 and the newest persisted step; the newest step of which *every* old rank is held somewhere, in node
 memory, a peer's replica or storage, wins (``snapshot.restore.plan_reshard``): no step lost when the
-lost node's ranks were replicated. Execute: each new rank has its agent bring in the old ranks it
-reads (``_reshard``: the one its unsharded state comes from, and those whose blocks of a sharded
-tensor overlap its own) and builds its state from their views in node memory.
+lost node's ranks were replicated. Execute: each new rank reads the old ranks it needs (``_reshard``:
+the one its unsharded state comes from, and those whose blocks of a sharded tensor overlap its own)
+in place where node memory holds them, and has its agent bring in just the bytes it reads of the
+others, from a peer or storage, and builds its state from their views.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from resilrun.errors import StateLostError
 from resilrun.snapshot.restore import ReshardPlan, plan_reshard
+from resilrun.snapshot.selection import Selection
 from resilrun.worker import _reshard
 from resilrun.worker._dtensor import Sharding
 from resilrun.worker.snapshot import Snapshotter
@@ -88,7 +90,11 @@ class Resized:
 def bring_in(
     snapshotter: Snapshotter, chosen: ReshardPlan, *, rank: int, tracked: dict[str, Any], sharding: Sharding
 ) -> Resized:
-    """Bring the old ranks this rank reads into node memory and build its tensors from them.
+    """Bring in what this rank reads of the old ranks' snapshots and build its tensors from them.
+
+    From an old rank in node memory the views are read in place; from one on a peer or in storage
+    the agent brings in only the bytes this rank reads (``_reshard.rows_of``: the dim-0 rows of
+    each sharded tensor that overlap its new block, and from the source rank everything else).
 
     Raises:
         CheckpointError: a snapshot is gone or cannot be resharded (the caller plans again).
@@ -99,19 +105,15 @@ def bring_in(
     opened: dict[int, dict[str, torch.Tensor]] = {}
     result = Resized({}, None, {}, source)
     try:
-        result.nbytes += int(snapshotter.gather(source, step, world).get("bytes", 0))
-        views, meta, release = snapshotter.open_rank(source, step, world)
-        result.releases.append(release)
-        opened[source], result.meta = views, meta
+        meta, _ = snapshotter.peek(source, step, world)
+        result.meta = meta
         live = sharding.specs(sharding.live_meshes(tracked.values(), deep=True).values())
         names = [n for n in tracked if n in meta.get("objects", {})]
         targets = _reshard.plan(meta.get("objects"), meta.get("meshes", {}), live, names)
-        for other in sorted(_reshard.needed(targets) - {source}):
-            result.nbytes += int(snapshotter.gather(other, step, world).get("bytes", 0))
-            views, _, release = snapshotter.open_rank(other, step, world)
-            result.releases.append(release)
-            opened[other] = views
-        result.tensors = dict(opened[source])
+        for old in sorted(_reshard.needed(targets) | {source}):
+            select = Selection(_reshard.rows_of(targets, old), rest=old == source)
+            opened[old] = _open(snapshotter, result, old, step, world, select)
+        result.tensors = {n: t for n, t in opened[source].items() if n not in targets}
         for name, target in targets.items():
             result.tensors[name] = _reshard.assemble(target, opened)
             result.meshes[target.spec.mesh] = target.mesh
@@ -121,3 +123,17 @@ def bring_in(
         raise
     result.seconds = time.monotonic() - started
     return result
+
+
+def _open(
+    snapshotter: Snapshotter, result: Resized, rank: int, step: int, world: int, select: Selection
+) -> dict[str, torch.Tensor]:
+    """Views of old ``rank``'s tensors: in place from node memory, or of just the selected bytes."""
+    part = snapshotter.open_part(rank, step, world, select)
+    if part is None:
+        views, _, release = snapshotter.open_rank(rank, step, world)
+    else:
+        views, moved, release = part
+        result.nbytes += int(moved.get("bytes", 0))
+    result.releases.append(release)
+    return views

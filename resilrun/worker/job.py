@@ -375,11 +375,12 @@ class Job:
             if resized is not None:
                 resized.release()  # the load made its own copies: unmap the old ranks' slots
         logger.warning(
-            "rank %d resumed from step %d (resharded from world size %d: old rank(s) %s)",
+            "rank %d resumed from step %d (resharded from world size %d: old rank(s) %s, %d bytes brought in)",
             self._rank,
             plan.step,
             plan.world_size,
             rank_ranges(resized.read),
+            resized.nbytes,
         )
         self._report(
             "state_restored",

@@ -12,7 +12,7 @@ import contextlib
 import os
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from resilrun.errors import CheckpointError
 from resilrun.snapshot.dedup import Borrowed, borrowed_ranges, plan_owners, shared_ranges
 from resilrun.snapshot.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
 from resilrun.snapshot.restore import world_of
+from resilrun.snapshot.selection import Selection
 from resilrun.snapshot.shm import SeqCounters, SharedBuffer
 from resilrun.worker import _torch_compat
 from resilrun.worker._channel import AgentClient
@@ -139,6 +140,40 @@ class Snapshotter:
         """
         response, _ = self._request({"op": "gather", "rank": rank, "step": step, "world_size": world_size})
         return response
+
+    def peek(self, rank: int, step: int, world_size: int) -> tuple[Any, bool]:
+        """The values of ``rank``'s snapshot of ``step`` (written at ``world_size``) and whether
+        node memory holds it (then ``open_rank`` views it in place).
+
+        Raises:
+            CheckpointError: no tier has it any more.
+        """
+        response, _ = self._request({"op": "peek", "rank": rank, "step": step, "world_size": world_size})
+        return response["values"], bool(response["memory"])
+
+    def open_part(
+        self, rank: int, step: int, world_size: int, select: Selection
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Callable[[], None]] | None:
+        """Views of the tensors ``select`` names in ``rank``'s snapshot of ``step``, of which the
+        agent brought in only those bytes (from a peer or storage), what it moved, and a callable
+        that unmaps them; None when node memory holds the whole snapshot (``open_rank`` it). A
+        tensor selected by rows is viewed whole: only those rows hold its data.
+
+        Raises:
+            CheckpointError: no tier has it any more.
+        """
+        message = {"op": "gather_ranges", "rank": rank, "step": step, "world_size": world_size}
+        response, fds = self._request({**message, "select": select.to_message()})
+        if not fds:
+            return None
+        buffer = SharedBuffer.attach(fds[0], populate=False)
+        try:
+            views = _views(buffer, (), {}, step)
+        except BaseException:
+            buffer.close()
+            raise
+        wanted = {name: view for name, view in views.items() if name in select.rows or select.rest}
+        return wanted, response, buffer.close
 
     def open_rank(self, rank: int, step: int, world_size: int) -> tuple[dict[str, torch.Tensor], Any, Any]:
         """Views of ``rank``'s snapshot of ``step`` (written at ``world_size``) in node memory, its

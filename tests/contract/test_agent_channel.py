@@ -13,14 +13,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from resilrun import wire
 from resilrun.agent.channel import TOKEN_ENV, AgentChannel, channel_env
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.tiers import NodeTiers
 from resilrun.errors import CheckpointError
+from resilrun.snapshot.layout import parse_header
+from resilrun.snapshot.selection import Selection
+from resilrun.snapshot.shm import SharedBuffer
+from resilrun.storage import LocalStorage
+from resilrun.tiers import durable
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.worker._channel import AgentClient
+from tests.conftest import make_snapshot
 
 
 @pytest.fixture
@@ -144,3 +151,43 @@ def test_a_heartbeat_carries_the_newest_finished_step_as_progress(channel: Agent
         assert channel.control.newest_step([7]) == 4
     finally:
         client.close()
+
+
+def test_a_worker_resuming_at_another_world_size_gets_only_the_rows_it_asked_for(tmp_path: Path) -> None:
+    # Given a persisted step written by a world of 2, and an agent of a job at another size
+    storage = LocalStorage(tmp_path)
+    weight = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(3))  # 8 MiB
+    data = make_snapshot({"model/w": weight, "step": torch.tensor([6])})
+    for rank in range(2):
+        durable.write_rank(storage, 6, rank, 2, data, {"world_size": 2, "rank": rank})
+    durable.commit_step(storage, 6, 2)
+    memory = NodeMemoryTier("channel-ranged")
+    agent = AgentChannel(memory, NodeTiers(memory, storage), WorkerControl())
+    client = AgentClient(agent.path, token=agent.token)
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        # When a worker asks for old rank 1's values, then 100 rows of its weight
+        peeked, _ = client.request({"op": "peek", "rank": 1, "step": 6, "world_size": 2})
+        select = Selection({"model/w": (1000, 1100)})
+        message = {"op": "gather_ranges", "rank": 1, "step": 6, "world_size": 2, "select": select.to_message()}
+        response, fds = client.request(message)
+        # Then it gets them, in a sparse memfd the agent no longer holds open, nothing else read
+        assert peeked["values"] == {"world_size": 2, "rank": 1} and peeked["memory"] is False
+        assert response["tier"] == "persistent" and len(fds) == 1
+        buffer = SharedBuffer.attach(fds[0], populate=False)
+        layout = parse_header(buffer.view(), buffer.nbytes)
+        entry = next(e for e in layout.entries if e.name == "model/w")
+        rows = buffer.tensor[layout.data_start + entry.begin : layout.data_start + entry.end].view(torch.float32)
+        assert torch.equal(rows.view(2048, 1024)[1000:1100], weight[1000:1100])
+        assert os.fstat(buffer.fd).st_blocks * 512 <= 3 * (1 << 20) < len(data) // 2
+        assert response["bytes"] <= 3 * (1 << 20)
+        del rows
+        buffer.close()
+        assert len(os.listdir("/proc/self/fd")) == before  # neither the agent nor the worker keeps one
+        # And a rank no tier holds is a clear error, not a hang
+        with pytest.raises(CheckpointError, match="no tier holds step 6 of rank 5"):
+            client.request({**message, "rank": 5, "world_size": 6})
+    finally:
+        client.close()
+        agent.close()
+        memory.close()

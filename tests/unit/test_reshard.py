@@ -90,7 +90,13 @@ def test_new_blocks_assembled_from_old_ones_are_the_whole_tensors_slices(
         targets = _reshard.plan(objects, meshes, [(mesh, live)], ["model"])
         target = targets["model/w"]
         assert target.mesh is mesh
-        read = {rank: sources[rank] for rank in _reshard.needed(targets)}
+        # Only the rows rows_of names are read of each old block: poison the others
+        read = {}
+        for rank in _reshard.needed(targets):
+            lo, hi = _reshard.rows_of(targets, rank)["model/w"]
+            block = torch.full_like(sources[rank]["model/w"], float("nan"))
+            block[lo:hi] = sources[rank]["model/w"][lo:hi]
+            read[rank] = {"model/w": block}
         built = _reshard.assemble(target, read)
         expected = whole
         for dim, (start, size) in enumerate(zip(target.offset, target.shape, strict=True)):

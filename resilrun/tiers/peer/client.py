@@ -18,7 +18,9 @@ from typing import Any
 import psutil
 
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError
-from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot
+from resilrun.snapshot.layout import parse_header
+from resilrun.snapshot.selection import Selection, check_ranges
+from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot, spans
 from resilrun.tiers.peer.wire import (
     Announce,
     Credential,
@@ -148,22 +150,38 @@ def push(
 
 
 def fetch(
-    address: str, secret: Credential, rank: int, step: int, timeout: timedelta = DEFAULT_TIMEOUT
-) -> tuple[bytearray, Any]:
+    address: str,
+    secret: Credential,
+    rank: int,
+    step: int,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    *,
+    select: Selection | None = None,
+    into: Callable[[int], memoryview] | None = None,
+) -> tuple[bytearray | memoryview, Any]:
     """A peer's copy of ``rank``'s snapshot of ``step`` (from its replicas or its own memory), verified.
+
+    Args:
+        select: only these bytes (and the header): the peer streams just them, at their offsets.
+        into: given the snapshot's size, the buffer to receive into (else a new bytearray);
+            with ``select``, a sparse one: the bytes not selected are left as they are.
 
     Returns:
         (bytes, values); the bytes come as a bytearray (received in place, not copied again), which
-        ``NodeMemoryTier.install`` and every bytes-like consumer accept.
+        ``NodeMemoryTier.install`` and every bytes-like consumer accept, or as ``into``'s buffer.
 
     Raises:
         CheckpointNotFoundError: the peer does not hold that step.
         CheckpointCorruptError: a crc32 did not match, or the bytes are not a snapshot.
-        ReplicationError: unreachable, unauthenticated, timed out, or the copy changed while sent.
+        ReplicationError: unreachable, unauthenticated, timed out, the copy changed while sent,
+            or the peer sent other bytes than ``select`` names.
     """
     deadline = Deadline.total(timeout.total_seconds())
+    request: dict[str, Any] = {"op": "fetch", "rank": rank, "step": step}
+    if select is not None:
+        request["select"] = select.to_message()
     with connection(address, secret, deadline) as session:
-        session.send({"op": "fetch", "rank": rank, "step": step}, deadline)
+        session.send(request, deadline)
         reply = session.recv(deadline)
         if reply.get("ok") is not True:
             if reply.get("not_found") is True:
@@ -174,15 +192,24 @@ def fetch(
         announce = parse_announce(reply)
         if (announce.rank, announce.step) != (rank, step):
             raise ReplicationError(f"sent step {announce.step} of rank {announce.rank} instead")
-        if announce.nbytes + _HEADROOM_BYTES > psutil.virtual_memory().available:
+        ranges = [(0, announce.nbytes)]
+        if select is not None:
+            try:
+                ranges = check_ranges(reply.get("ranges"), announce.nbytes)
+            except ValueError as exc:
+                raise ReplicationError(f"step {step} of rank {rank}: {exc}") from None
+        if sum(e - b for b, e in ranges) + _HEADROOM_BYTES > psutil.virtual_memory().available:
             raise ReplicationError(f"node memory cannot hold a {announce.nbytes} byte snapshot")
-        data = bytearray(announce.nbytes)
-        received = receive_snapshot(session, deadline, memoryview(data), announce.bounds)
+        target = memoryview(bytearray(announce.nbytes)) if into is None else into(announce.nbytes)
+        filled = spans(announce.nbytes, ranges)
+        received = receive_snapshot(session, deadline, target, announce.bounds, filled)
         if received.aborted:
             raise ReplicationError(f"its copy of step {step} of rank {rank} changed while it was sent")
         if received.problem is not None:
             raise CheckpointCorruptError(f"step {step} of rank {rank} from peer {address}: {received.problem}")
-        return data, announce.values
+        if select is not None and select.ranges(parse_header(target, announce.nbytes)) != ranges:
+            raise ReplicationError(f"sent other bytes of step {step} of rank {rank} than were asked for")
+        return (target.obj if into is None else target), announce.values  # type: ignore[return-value]
 
 
 def _ask(address: str, secret: Credential, op: str, timeout: timedelta) -> dict[str, Any]:

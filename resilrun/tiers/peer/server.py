@@ -6,7 +6,8 @@ one request per connection (protocol in ``resilrun.tiers.peer.wire``). Requests:
     | op    | does                                                                 | reply                  |
     |-------|----------------------------------------------------------------------|------------------------|
     | push  | receive a snapshot straight into the rank's free replica slot        | ok, or error (+ why)   |
-    | fetch | stream a snapshot of (rank, step) from node memory or a replica      | the stream, not_found  |
+    | fetch | stream a snapshot of (rank, step) from node memory or a replica, or  | the stream, not_found  |
+    |       | only the bytes a ``select`` names (a rank resuming at another size)  |                        |
     | held  | list what this node holds: replicas and its own ranks' steps         | small JSON             |
     | alive | prove this agent is alive, to a watcher whose heartbeat reads stalled | this node's id         |
 
@@ -35,12 +36,15 @@ from datetime import timedelta
 from typing import Any
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError
+from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.layout import parse_header
 from resilrun.snapshot.restore import world_of
+from resilrun.snapshot.selection import Selection
 from resilrun.tiers._priority import yield_to_training
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer.refs import LocalReferences
 from resilrun.tiers.peer.store import LocalRef, Replica, ReplicaStore, Reservation
-from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot
+from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot, spans
 from resilrun.tiers.peer.wire import (
     Announce,
     Credential,
@@ -364,19 +368,25 @@ class ReplicaServer:
         if not isinstance(rank, int) or not isinstance(step, int):
             session.send({"ok": False, "error": "bad rank or step"}, deadline)
             return
+        try:
+            select = Selection.from_message(request["select"]) if "select" in request else None
+        except ValueError as exc:
+            session.send({"ok": False, "error": str(exc)}, deadline)
+            return
         local = self.memory.read(rank, step)
         if local is not None:
             data, values = local
             view = memoryview(data)
             try:
                 bounds = snapshot_bounds(view)
+                ranges = None if select is None else select.ranges(parse_header(view, len(view)))
             except CheckpointCorruptError as exc:
                 problem = f"this node's copy is not a snapshot: {exc.message}"
                 session.send({"ok": False, "error": problem}, deadline)
                 return
             announce = Announce(rank, step, None, len(view), values, bounds)
-            session.send({"ok": True, **announce.to_message()}, deadline)
-            send_snapshot(session, deadline, view, announce.bounds)
+            session.send({"ok": True, **announce.to_message(), **_ranges_field(ranges)}, deadline)
+            send_snapshot(session, deadline, view, announce.bounds, skip=_outside(len(view), ranges))
             return
         listed = self.replicas.replica(rank, step) is not None
         opened = self.replicas.open(rank, step) if self.refs.materialize(rank, step, checksum=False) else None
@@ -389,11 +399,20 @@ class ReplicaServer:
             session.send({"ok": False, "not_found": True, "error": why}, deadline)
             return
         view, replica, is_current = opened
+        ranges = None
+        if select is not None:
+            ranges = select.ranges(parse_header(view, len(view)))  # a replica's header was checked when received
+            if not _intact_at_rest(view, replica.bounds, replica.crcs, ranges) and is_current():
+                logger.error("replica of rank %d step %d is corrupt in this node's memory: dropped", rank, step)
+                self.replicas.discard(rank, step)
+                session.send({"ok": False, "not_found": True, "error": "corrupt in the peer's memory"}, deadline)
+                return
         announce = Announce(rank, step, replica.world_size, replica.nbytes, replica.values, replica.bounds)
-        session.send({"ok": True, **announce.to_message()}, deadline)
-        sent = send_snapshot(session, deadline, view, replica.bounds, is_current, stored_crcs=replica.crcs)
+        session.send({"ok": True, **announce.to_message(), **_ranges_field(ranges)}, deadline)
+        skip = _outside(len(view), ranges)
+        sent = send_snapshot(session, deadline, view, replica.bounds, is_current, stored_crcs=replica.crcs, skip=skip)
         at_rest = [(now, kept) for now, kept in zip(sent.crcs, replica.crcs, strict=True) if kept is not None]
-        if sent.committed and any(now != kept for now, kept in at_rest) and is_current():
+        if sent.committed and any(now != kept for now, kept in at_rest if now is not None) and is_current():
             logger.error("replica of rank %d step %d is corrupt in this node's memory: dropped", rank, step)
             self.replicas.discard(rank, step)
 
@@ -429,3 +448,26 @@ class ReplicaServer:
             thread.join(max(0.0, end - time.monotonic()))
             if thread.is_alive():
                 logger.warning("replica server thread %s did not stop within %s", thread.name, timeout)
+
+
+def _ranges_field(ranges: list[tuple[int, int]] | None) -> dict[str, Any]:
+    """A ranged fetch's reply names the bytes the stream carries (the fetcher checks them)."""
+    return {} if ranges is None else {"ranges": [list(r) for r in ranges]}
+
+
+def _outside(total: int, ranges: list[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    """What a ranged fetch leaves out of the stream (nothing for a whole one)."""
+    return [] if ranges is None else spans(total, ranges)
+
+
+def _intact_at_rest(
+    view: memoryview, bounds: tuple[int, ...], crcs: tuple[int | None, ...], ranges: list[tuple[int, int]]
+) -> bool:
+    """Whether every segment a ranged fetch sends part of still hashes to the crc32 recorded when
+    it was received: the stream's checks cover only what it sends, so a replica corrupted at rest
+    is caught here (a local read of those segments) instead of reaching the fetcher."""
+    for index, crc in enumerate(crcs):
+        begin, end = bounds[index], bounds[index + 1]
+        if crc is not None and any(b < end and begin < e for b, e in ranges) and crc32(view[begin:end]) != crc:
+            return False
+    return True
