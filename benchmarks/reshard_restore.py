@@ -16,15 +16,18 @@ each resize FROM:TO:
 3. Both restored states must digest equal to the saved one (every parameter and moment, whole),
    else the row says so: a fast wrong restore counts for nothing.
 
-Both read files the save just wrote (the page cache is warm for both). resilrun reads each old
-rank's file it needs whole (once per node, however many new ranks need it), checks its crc32s, and
-builds each new rank's blocks from them; DCP reads the byte ranges each rank needs.
+Both read files the save just wrote (the page cache is warm for both). Each resilrun rank has its
+agent read only the 1 MiB chunks holding the rows it needs of each old rank's file (checked
+against the manifest's per-chunk crc32s) into a sparse memfd, and builds its blocks from them; the
+last column is what all new ranks brought in together, of the bytes the old files hold. DCP reads
+the byte ranges each rank needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -50,7 +53,10 @@ def _run(cmd: list[str], timeout: float) -> dict[str, Any]:
         return {"error": f"timed out after {timeout:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith("BENCH_JSON "):
-            return json.loads(line.removeprefix("BENCH_JSON "))
+            found = json.loads(line.removeprefix("BENCH_JSON "))
+            # resilrun's workers log what they brought in of the old ranks' files (all ranks)
+            brought = [int(m) for m in re.findall(r"(\d+) bytes brought in\)", proc.stderr)]
+            return {**found, "brought": sum(brought)} if brought else found
     tail = proc.stderr.strip().splitlines()[-6:] or ["no output"]
     return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
 
@@ -67,11 +73,13 @@ def measure(mib: float, old: int, new: int, runs: int, steps: int, timeout: floa
     ckpt, dcp_dir = work / "ckpt", work / "dcp"
     worker = [str(WORKER), "--mib", str(mib), "--steps", str(steps), "--dcp", str(dcp_dir)]
     row: dict[str, Any] = {"mib": mib, "from": old, "to": new, "resilrun": [], "dcp": [], "errors": []}
+    row["brought"], row["files"] = [], 0
     try:
         saved = _run(_resilrun(old, ckpt, ["--persist-every", str(steps), *worker, "--mode", "save"]), timeout)
         if "error" in saved:
             row["errors"].append(f"save: {saved['error']}")
             return row
+        row["files"] = sum(f.stat().st_size for f in ckpt.rglob("rank_*.safetensors"))
         commands = {
             "resilrun": _resilrun(new, ckpt, [*worker, "--mode", "resilrun"]),
             "dcp": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(new),
@@ -89,6 +97,8 @@ def measure(mib: float, old: int, new: int, runs: int, steps: int, timeout: floa
                     row["errors"].append(f"resilrun resumed at step {got.get('resumed_at')}, not {steps}")
                 else:
                     row[name].append(got["seconds"])
+                    if name == "resilrun" and "brought" in got:
+                        row["brought"].append(got["brought"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return row
@@ -100,11 +110,19 @@ def _cell(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
 
 
+def _share(row: dict[str, Any]) -> str:
+    """What resilrun's new ranks brought in, all together, of the bytes the old ranks' files hold."""
+    if not row["brought"] or not row["files"]:
+        return "-"
+    brought = statistics.median(row["brought"])
+    return f"{brought / 2**20:.0f} of {row['files'] / 2**20:.0f} MiB ({brought / row['files']:.0%})"
+
+
 def report(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| state (MiB) | world size | resilrun restore (median, min-max) | DCP load (median, min-max) "
-        "| resilrun / DCP |",
-        "|---:|---|---:|---:|---:|",
+        "| resilrun / DCP | resilrun read of the old files |",
+        "|---:|---|---:|---:|---:|---:|",
     ]
     for row in rows:
         ratio = "-"
@@ -112,7 +130,7 @@ def report(rows: list[dict[str, Any]]) -> str:
             ratio = f"{statistics.median(row['resilrun']) / statistics.median(row['dcp']):.2f}x"
         lines.append(
             f"| {row['mib']:g} | {row['from']} -> {row['to']} | {_cell(row['resilrun'])} | {_cell(row['dcp'])} "
-            f"| {ratio} |"
+            f"| {ratio} | {_share(row)} |"
         )
     errors = [f"- {r['mib']:g} MiB {r['from']}->{r['to']}: {e}" for r in rows for e in r["errors"]]
     return "\n".join(lines + (["", "Errors:", *errors] if errors else []))

@@ -217,9 +217,6 @@ class AgentChannel:
             ]
         if op == "inventory":
             return {"ok": True, **self.tiers.inventory()}, []
-        if op == "gather":
-            info = self.tiers.gather(int(request["rank"]), int(request["step"]), int(request["world_size"]))
-            return {"ok": True, **info}, []
         if op == "fetch":
             info = self.tiers.fetch(int(request["rank"]), int(request["step"]), str(request["tier"]))
             return {"ok": True, **info}, []

@@ -2,7 +2,10 @@
 
 Workers plan (``state.restore.plan_restore``) from what this reports, then ask for the chosen step;
 whatever tier it comes from, it is installed into the rank's node-memory slot, so a worker always
-loads from memory. Peers are reached through a callable the supervisor provides per round.
+loads from memory. A rank resuming at another world size instead reads other (old) ranks'
+snapshots: in place where node memory holds them, else just the bytes it needs, which ``peek`` and
+``gather_ranges`` bring from a peer or storage into a memfd of its own, not into node memory.
+Peers are reached through a callable the supervisor provides per round.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,7 +59,6 @@ class NodeTiers:
         self.peer_held = peer_held
         self.peer_fetch = peer_fetch
         self.peer_inventory = peer_inventory
-        self._gathering = threading.Lock()  # one snapshot brought in at a time: never the same one twice
 
     def restore_info(self, rank: int, world_size: int) -> dict[str, Any]:
         """Steps each tier can give ``rank`` in a job of ``world_size`` ranks, and whether the
@@ -88,32 +89,6 @@ class NodeTiers:
             entries.update(self.peer_inventory())
         persisted = self._persisted()
         return {"entries": [list(e) for e in sorted(entries)], "persisted": list(persisted) if persisted else None}
-
-    def gather(self, rank: int, step: int, world_size: int) -> dict[str, Any]:
-        """Make ``rank``'s snapshot of ``step``, written at ``world_size``, complete in node memory,
-        from wherever it is: here, a peer, or storage. Brought in quietly: a snapshot of another
-        world is not this world's ``rank``, so it is neither replicated nor persisted.
-
-        Raises:
-            CheckpointNotFoundError: no tier has it (the caller plans again).
-        """
-        started = time.monotonic()
-        with self._gathering:
-            if self._held(rank, step, world_size):
-                return {"bytes": 0, "seconds": 0.0, "tier": "memory"}
-            found = self.peer_fetch(rank, step, None, None) if self.peer_fetch else None
-            tier = "peer"
-            if found is not None and world_of(found[1]) != world_size:
-                found = None  # the same step number trained at another world size
-            if found is None and self.storage is not None and self._persisted_at(step) == world_size:
-                _, data, manifest = self._read_persisted(step, rank)
-                found, tier = (data, manifest.get("values")), "persistent"
-            if found is None:
-                raise CheckpointNotFoundError(f"no tier holds step {step} of rank {rank} (world size {world_size})")
-            self.memory.install(rank, step, found[0], found[1], announce=False)
-        seconds = time.monotonic() - started
-        logger.info("rank %d step %d (world size %d) brought in from the %s tier", rank, step, world_size, tier)
-        return {"bytes": len(found[0]), "seconds": seconds, "tier": tier}
 
     def peek(self, rank: int, step: int, world_size: int) -> dict[str, Any]:
         """The values of ``rank``'s snapshot of ``step`` (written at ``world_size``), which a rank
@@ -180,9 +155,17 @@ class NodeTiers:
                 data = memoryview(found[0])
                 layout = parse_header(data, len(data))
                 return sum(e - b for b, e in select.ranges(layout)), found[1], "peer"
-        if self.storage is not None and self._persisted_at(step) == world_size:
+        complete = self._complete(step)
+        if complete is not None and complete["world_size"] == world_size:
             _, manifest, nbytes = durable.read_rank_ranges(
-                self.storage, step, rank, select, into, mac_key=self.mac_key, require_mac=self.require_mac
+                self.storage,  # type: ignore[arg-type]
+                step,
+                rank,
+                select,
+                into,
+                complete=complete,
+                mac_key=self.mac_key,
+                require_mac=self.require_mac,
             )
             if self.mac_key is not None and not manifest.get("authentic"):
                 logger.warning("persisted step %d carries no MAC: restored without an authenticity check", step)
@@ -211,10 +194,17 @@ class NodeTiers:
 
     def _persisted_at(self, step: int) -> int:
         """The world size of persisted ``step`` (-1: not complete there)."""
+        complete = self._complete(step)
+        return -1 if complete is None else int(complete["world_size"])
+
+    def _complete(self, step: int) -> dict[str, Any] | None:
+        """Persisted ``step``'s COMPLETE.json (None: no storage, or not complete there)."""
+        if self.storage is None:
+            return None
         try:
-            return int(durable.read_complete(self.storage, step).get("world_size", -1))  # type: ignore[arg-type]
+            return durable.read_complete(self.storage, step)
         except CheckpointError:
-            return -1
+            return None
 
     def _read_persisted(self, step: int, rank: int) -> tuple[Any, bytes, dict[str, Any]]:
         assert self.storage is not None

@@ -15,6 +15,7 @@ Invariants all implementations keep:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from resilrun.errors import StorageError
 
@@ -92,6 +93,16 @@ class Storage(ABC):
             StorageError: the read failed.
             ValueError: ``start < 0`` or ``end < start``.
         """
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each ``(start, end)`` range of one object, in order, as ``get_range`` would
+        return them. Why a method: a resharded restore reads many ranges of one file, which a
+        directory serves best through one open file and an object store through concurrent requests.
+
+        Raises:
+            As ``get_range``.
+        """
+        return [self.get_range(key, start, end) for start, end in ranges]
 
     @abstractmethod
     def size(self, key: str) -> int:

@@ -6,7 +6,7 @@ crc32 is linear). With a job secret from outside the store, the persister also r
 - per rank file, a GMAC of its bytes (AES-256-GCM over no plaintext: faster than a copy) under a key
   of its own, ``HMAC(durable key, "file" | salt)`` with a random salt kept in the manifest, so that
   no key ever authenticates two files and GCM's fixed nonce is safe;
-- per chunk of that file (``_manifest.CHUNK_BYTES``), a GMAC under a second key of the file's,
+- per chunk of that file (``_manifest.chunk_bounds``), a GMAC under a second key of the file's,
   ``HMAC(durable key, "chunk" | salt)``, with the chunk's index as its nonce, so a ranged read
   (a rank resuming at another world size) checks the bytes it read without the rest of the file;
 - per manifest, its SHA-256 in COMPLETE.json (the manifest holds the file's GMACs);
@@ -58,16 +58,14 @@ def _chunk_tag(chunk_key: bytes, index: int, piece: bytes | memoryview) -> str:
     return gcm.tag.hex()
 
 
-def file_mac(key: bytes, data: bytes | memoryview, chunk: int | None = None) -> dict[str, Any]:
+def file_mac(key: bytes, data: bytes | memoryview, chunks: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """What a manifest records for its file: a fresh salt, the GMAC under the key it makes and,
-    with ``chunk``, one GMAC per ``chunk`` bytes."""
+    given its ``chunks`` (``_manifest.chunk_bounds``), one GMAC per chunk."""
     salt = os.urandom(16)
     mac: dict[str, Any] = {"salt": salt.hex(), "gmac": _file_tag(key, salt, data)}
-    if chunk is not None:
+    if chunks is not None:
         view, chunk_key = memoryview(data), _chunk_key(key, salt)
-        mac["chunks"] = [
-            _chunk_tag(chunk_key, i, view[o : o + chunk]) for i, o in enumerate(range(0, len(view), chunk))
-        ]
+        mac["chunks"] = [_chunk_tag(chunk_key, i, view[b:e]) for i, (b, e) in enumerate(chunks)]
     return mac
 
 

@@ -24,6 +24,7 @@ mismatch is a CheckpointCorruptError naming the step, rank, file and tensor.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -107,6 +108,7 @@ def write_rank(
     layout = parse_header(view, view.nbytes)
     data = view[: layout.total_bytes]
     start = layout.data_start
+    chunks = m.layout_chunks(layout)
     tensors = {}
     for entry in layout.entries:
         if not m.is_safe_tensor_name(entry.name):
@@ -125,13 +127,17 @@ def write_rank(
         "file": m.data_file_name(rank),
         "file_bytes": layout.total_bytes,
         "header_crc32": crc32(layout.header),
-        "chunks": {"bytes": m.CHUNK_BYTES, "crc32": m.chunk_crcs(data, m.CHUNK_BYTES)},
+        "chunks": {
+            "bytes": m.CHUNK_BYTES,
+            "per_tensor": m.CHUNKS_PER_TENSOR,
+            "crc32": [crc32(data[b:e]) for b, e in chunks],
+        },
         "tensors": tensors,
         "values": values,
         "created_unix": time.time(),
     }
     if mac_key is not None:
-        manifest["mac"] = authentic.file_mac(mac_key, data, chunk=m.CHUNK_BYTES)
+        manifest["mac"] = authentic.file_mac(mac_key, data, chunks)
     encoded = m.encode(manifest)  # before any upload: bad values must not leave an orphan file
     storage.put(data_key(step, rank), data)
     storage.put(manifest_key(step, rank), encoded)
@@ -381,14 +387,13 @@ def read_rank_ranges(
         target[:] = data
         return layout, manifest, len(data)
     _checked_size(storage, key, file_bytes)
-    chunk, crcs = manifest["chunks"]["bytes"], manifest["chunks"]["crc32"]
+    chunks, crcs = m.manifest_chunks(manifest), manifest["chunks"]["crc32"]
     target = into(file_bytes)
-    header_end = file_bytes - max((t["data_offsets"][1] for t in manifest["tensors"].values()), default=0)
     done: set[int] = set()
-    nbytes = _read_chunks(storage, key, [(0, header_end)], chunk, crcs, checker, target, done)
-    layout = _parse(bytes(target[:header_end]), file_bytes, key)
+    nbytes = _read_chunks(storage, key, [chunks[0]], chunks, crcs, checker, target, done)
+    layout = _parse(bytes(target[: chunks[0][1]]), file_bytes, key)
     m.check_layout(layout, manifest, where=key)
-    nbytes += _read_chunks(storage, key, select.ranges(layout), chunk, crcs, checker, target, done)
+    nbytes += _read_chunks(storage, key, select.ranges(layout), chunks, crcs, checker, target, done)
     return layout, manifest, nbytes
 
 
@@ -396,44 +401,47 @@ def _read_chunks(
     storage: Storage,
     key: str,
     ranges: list[tuple[int, int]],
-    chunk: int,
+    chunks: list[tuple[int, int]],
     crcs: list[int],
     checker: authentic.ChunkChecker | None,
     target: memoryview,
     done: set[int],
 ) -> int:
-    """Read the chunks covering ``ranges`` but not in ``done`` (runs of adjacent chunks in one
-    request each, in parallel), check each and copy it into ``target``; add them to ``done``.
+    """Read the chunks overlapping ``ranges`` but not in ``done`` (runs of adjacent chunks, one
+    range each, ``Storage.get_ranges``), check each and copy it into ``target``; add them to ``done``.
     Returns the bytes read."""
-    indices = sorted({i for begin, end in ranges for i in range(begin // chunk, -(-end // chunk))} - done)
-    done.update(indices)
+    starts = [begin for begin, _ in chunks]
+    indices: set[int] = set()
+    for begin, end in ranges:
+        first = max(0, bisect.bisect_right(starts, begin) - 1)
+        last = bisect.bisect_left(starts, end)
+        indices.update(i for i in range(first, last) if chunks[i][1] > begin and chunks[i][1] > chunks[i][0])
+    todo = sorted(indices - done)
+    done.update(todo)
     runs: list[tuple[int, int]] = []
-    for index in indices:
-        if runs and runs[-1][1] == index:
+    for index in todo:
+        if runs and runs[-1][1] == index and chunks[index - 1][1] == chunks[index][0]:
             runs[-1] = (runs[-1][0], index + 1)
         else:
             runs.append((index, index + 1))
-    total = len(target)
 
-    def read(run: tuple[int, int]) -> int:
-        begin, end = run[0] * chunk, min(run[1] * chunk, total)
-        try:
-            data = storage.get_range(key, begin, end)
-        except StorageNotFoundError:
-            raise CheckpointCorruptError(f"{key} named by its manifest is missing") from None
+    spans = [(chunks[first][0], chunks[last - 1][1]) for first, last in runs]
+    try:
+        found = storage.get_ranges(key, spans)
+    except StorageNotFoundError:
+        raise CheckpointCorruptError(f"{key} named by its manifest is missing") from None
+    for (first, last), (begin, end), data in zip(runs, spans, found, strict=True):
         if len(data) != end - begin:
             raise CheckpointCorruptError(f"{key}: bytes {begin}..{end} came back {len(data)} bytes long (truncated)")
         view = memoryview(data)
-        for index in range(run[0], run[1]):
-            piece = view[index * chunk - begin : min((index + 1) * chunk, end) - begin]
+        for index in range(first, last):
+            piece = view[chunks[index][0] - begin : chunks[index][1] - begin]
             if crc32(piece) != crcs[index]:
-                raise CheckpointCorruptError(f"{key}: chunk {index} (bytes {index * chunk}..) fails its crc32 checksum")
+                raise CheckpointCorruptError(f"{key}: chunk {index} (bytes {chunks[index][0]}..) fails its crc32")
             if checker is not None:
                 checker.check(index, piece)
         target[begin:end] = view
-        return end - begin
-
-    return sum(_parallel(read, runs))
+    return sum(end - begin for begin, end in spans)
 
 
 # -- helpers ---------------------------------------------------------------------------------------

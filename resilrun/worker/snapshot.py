@@ -131,16 +131,6 @@ class Snapshotter:
         response, _ = self._request({"op": "inventory"})
         return response
 
-    def gather(self, rank: int, step: int, world_size: int) -> dict[str, Any]:
-        """Have the agent bring ``rank``'s snapshot of ``step`` (written at ``world_size``) into node
-        memory from wherever it is.
-
-        Raises:
-            CheckpointError: no tier has it any more.
-        """
-        response, _ = self._request({"op": "gather", "rank": rank, "step": step, "world_size": world_size})
-        return response
-
     def peek(self, rank: int, step: int, world_size: int) -> tuple[Any, bool]:
         """The values of ``rank``'s snapshot of ``step`` (written at ``world_size``) and whether
         node memory holds it (then ``open_rank`` views it in place).

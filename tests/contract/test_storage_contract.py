@@ -494,3 +494,12 @@ def test_s3_error_messages_and_logs_never_carry_credentials(
     assert FAKE_ACCESS_KEY_ID not in text
     assert FAKE_SECRET_ACCESS_KEY not in text
     assert "Signature=" not in text
+
+
+def test_get_ranges_returns_each_range_as_get_range_would(storage: Storage) -> None:
+    storage.put("r", DATA)
+    ranges = [(0, 8), (100, 300), (len(DATA) - 4, len(DATA) + 10), (5, 5), (len(DATA) + 1, len(DATA) + 2)]
+    assert storage.get_ranges("r", ranges) == [storage.get_range("r", s, e) for s, e in ranges]
+    assert storage.get_ranges("r", []) == []
+    with pytest.raises(StorageNotFoundError):
+        storage.get_ranges("missing", [(0, 8), (8, 16)])

@@ -91,8 +91,9 @@ def test_rows_of_a_tensor_are_read_without_the_rest_of_the_file() -> None:
 
     assert torch.equal(view_of(buffer, "model/w")[300:500], tensors()["model/w"][300:500])
     assert manifest["values"] == {"v": 1}
-    # 200 rows of 4 KiB span at most two 1 MiB chunks, plus the header's chunk
-    assert storage.data_bytes == nbytes <= 3 * m.CHUNK_BYTES < len(data) * 0.8
+    # 200 rows of 4 KiB, and at most one chunk's worth more at each end, plus the header
+    header = parse_header(data, len(data)).data_start
+    assert storage.data_bytes == nbytes <= 200 * COLS * 4 + 2 * m.CHUNK_BYTES + header < len(data) // 2
 
 
 def test_the_rest_whole_and_some_rows_of_one_tensor() -> None:
@@ -108,25 +109,29 @@ def test_a_corrupt_chunk_outside_the_selection_is_not_read_and_one_inside_is_nam
     storage, data = written()
     layout = parse_header(data, len(data))
     entry = next(e for e in layout.entries if e.name == "model/w")
-    at = layout.data_start + entry.begin + 900 * COLS * 4  # row 900: in the fourth chunk
+    at = layout.data_start + entry.begin + 900 * COLS * 4  # row 900
+    index = next(i for i, (b, e) in enumerate(m.layout_chunks(layout)) if b <= at < e)
     broken = bytearray(data)
     broken[at] ^= 0xFF
     storage.put(m.data_key(STEP, 0), bytes(broken))
 
     read(storage, Selection({"model/w": (0, 100)}))  # rows 0-99 are fine
-    with pytest.raises(CheckpointCorruptError, match=r"chunk 3 .*crc32"):
+    with pytest.raises(CheckpointCorruptError, match=rf"chunk {index} .*crc32"):
         read(storage, Selection({"model/w": (850, 950)}))
 
 
 def test_a_chunk_forged_with_its_crc32_kept_is_refused_by_its_gmac() -> None:
     storage, data = written(KEY)
-    chunk = m.CHUNK_BYTES
+    layout = parse_header(data, len(data))
+    entry = next(e for e in layout.entries if e.name == "model/w")
+    begin, end = m.layout_chunks(layout)[5]  # a chunk of model/w's rows
     forged = bytearray(data)
-    forged[2 * chunk : 3 * chunk] = forged_keeping_crc32(data[2 * chunk : 3 * chunk], 100, 200)
+    forged[begin:end] = forged_keeping_crc32(data[begin:end], 100, 200)
     storage.put(m.data_key(STEP, 0), bytes(forged))
-    wanted = Selection({"model/w": (600, 650)})  # inside the third chunk
+    row = (begin + 100 - layout.data_start - entry.begin) // (COLS * 4)
+    wanted = Selection({"model/w": (row, row + 1)})  # the forged row
 
-    with pytest.raises(CheckpointCorruptError, match="chunk 2 is not authentic"):
+    with pytest.raises(CheckpointCorruptError, match="chunk 5 is not authentic"):
         read(storage, wanted, mac_key=KEY)
     _, manifest, _ = read(storage, Selection({"model/w": (0, 10)}), mac_key=KEY)
     assert manifest["authentic"] is True
@@ -150,10 +155,12 @@ def test_a_step_written_before_chunk_checksums_is_read_whole() -> None:
 @pytest.mark.parametrize(
     ("chunks", "problem"),
     [
-        ({"bytes": 1000, "crc32": [0]}, "chunk size"),
-        ({"bytes": 1 << 20, "crc32": []}, "one valid crc32 per chunk"),
-        ({"bytes": 1 << 20, "crc32": ["x"] * 5}, "one valid crc32 per chunk"),
-        ("1MiB", "chunk size"),
+        ({"bytes": 1000, "per_tensor": 64, "crc32": [0]}, "chunk size"),
+        ({"bytes": 1 << 20, "per_tensor": 0, "crc32": [0]}, "chunks-per-tensor"),
+        ({"bytes": 1 << 20, "per_tensor": 4, "crc32": []}, "one valid crc32 per chunk"),
+        ({"bytes": 1 << 20, "per_tensor": 4, "crc32": ["x"] * 7}, "one valid crc32 per chunk"),
+        ({"bytes": 1 << 20, "per_tensor": 4, "crc32": [0] * 6}, "one valid crc32 per chunk"),
+        ("1MiB", "invalid chunk list"),
     ],
 )
 def test_a_malformed_chunk_list_is_refused(chunks: object, problem: str) -> None:
@@ -162,6 +169,21 @@ def test_a_malformed_chunk_list_is_refused(chunks: object, problem: str) -> None
     raw["chunks"] = chunks
     with pytest.raises(CheckpointCorruptError, match=problem):
         m.parse_manifest(m.encode(raw), STEP, 0, 1, where="rank_00000.json")
+
+
+def test_chunks_follow_the_tensors_so_a_range_never_reads_a_neighbours_bytes() -> None:
+    data = make_snapshot(tensors())
+    layout = parse_header(data, len(data))
+    chunks = m.layout_chunks(layout)
+    assert chunks[0] == (0, layout.data_start)
+    assert [c for c in chunks if c[0] < c[1]] == chunks and sorted(chunks) == chunks
+    assert chunks[-1][1] == len(data) and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+    for entry in layout.entries:  # every tensor starts a chunk
+        assert any(b == layout.data_start + entry.begin for b, _ in chunks)
+    # the header, "step" (8 bytes), model/w (4 MiB) in 64 chunks, model/b (4 KiB) in one
+    assert len(chunks) == 1 + 1 + m.CHUNKS_PER_TENSOR + 1
+    assert m.tensor_chunk(4 << 20, 1 << 16, 64) == 1 << 16 and m.tensor_chunk(1 << 30, 1 << 16, 64) == 1 << 24
+    assert m.tensor_chunk(5 << 20, 1 << 16, 64) == 1 << 17  # 80 KiB wanted: a power of two above it
 
 
 def test_selection_ranges_are_merged_clipped_and_start_with_the_header() -> None:
