@@ -17,6 +17,11 @@ def rdzv_state(run_id: str) -> str:
     return f"{_base(run_id)}/rdzv/state"
 
 
+def rdzv_members(run_id: str, digest: str) -> str:
+    """An immutable member list of the rendezvous state, named by its SHA-256 (rendezvous/document.py)."""
+    return f"{_base(run_id)}/rdzv/members/{digest}"
+
+
 def rdzv_version(run_id: str) -> str:
     """Counter bumped after every successful write of the rendezvous state (a cheap change hint)."""
     return f"{_base(run_id)}/rdzv/version"

@@ -42,6 +42,7 @@ from resilrun.clock import Clock, SystemClock
 from resilrun.errors import RendezvousClosedError, RendezvousTimeoutError
 from resilrun.rendezvous import protocol
 from resilrun.rendezvous.api import KeyView, RendezvousBackend
+from resilrun.rendezvous.document import Documents
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState, Verdict
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class RendezvousClient:
         self.last_call_timeout = last_call_timeout
         self.clock = clock or SystemClock()
         self._key = keys.rdzv_state(run_id)
+        self.documents = Documents(backend, run_id)  # the head and its member lists (document.py)
         self._version_key = keys.rdzv_version(run_id)
         self.refresh_s = refresh_s
         self._watch: KeyView | None = None  # the document pushed, asked for at the first gated read
@@ -147,7 +149,7 @@ class RendezvousClient:
         last = self._pushed
         if last is not None and (last[0] is document or last[0] == document):
             return last[1], last[2]
-        state = RdzvState.from_bytes(document)
+        state = self.documents.decode(document)
         newest = self._newest
         if newest is not None and state.seq < newest[0].seq:
             state, raw = self._fresh(self.backend.get(self._key))  # lagging, or replayed: ask
@@ -166,7 +168,7 @@ class RendezvousClient:
         saw: a replay (every write bumps ``seq``), which is refused, said, and replaced in the
         store by the newest one."""
         if state is None:
-            state = RdzvState.from_bytes(raw)
+            state = self.documents.decode(raw)
         newest = self._newest
         if newest is None or state.seq >= newest[0].seq:
             if raw is not None:
@@ -198,9 +200,9 @@ class RendezvousClient:
         round must look again (``Joining``: it reads the document only then)."""
         replaced = self._newest[0] if self._newest is not None and self._newest[1] == raw else None
         if replaced is None:
-            replaced = RdzvState.from_bytes(raw)
+            replaced = self.documents.decode(raw)
         proposed = replace(proposed, seq=replaced.seq + 1)
-        document = proposed.to_bytes()
+        document = self.documents.encode(proposed, raw)
         written = self.backend.compare_set(self._key, raw, document)
         if written:
             self._newest = (proposed, document)

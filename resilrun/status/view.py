@@ -24,6 +24,7 @@ from typing import Any
 
 from resilrun import keys
 from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.rendezvous.document import Documents
 from resilrun.rendezvous.protocol import RdzvState
 from resilrun.status import records as history
 
@@ -96,7 +97,7 @@ def read_raw(backend: RendezvousBackend, run_id: str, history_limit: int = 20) -
             parts[record["round"]] = history.read_parts(backend, run_id, record["round"], count)
     return {
         "run_id": run_id,
-        "rdzv": RdzvState.from_bytes(rdzv_raw) if rdzv_raw is not None else None,
+        "rdzv": Documents(backend, run_id).decode(rdzv_raw) if rdzv_raw is not None else None,
         "nodes": nodes,
         "history": records,
         "parts": parts,

@@ -15,6 +15,7 @@ import pytest
 
 from resilrun.agent.heartbeat import HeartbeatSender, StalenessJudge, read_heartbeats
 from resilrun.errors import RendezvousClosedError
+from resilrun.rendezvous import document
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
@@ -29,6 +30,13 @@ _REFRESH: list[float | None] = [None]
 @pytest.fixture(autouse=True, params=[None, 30.0], ids=["full-reads", "version-gated"])
 def refresh(request: pytest.FixtureRequest) -> None:
     _REFRESH[0] = request.param
+
+
+@pytest.fixture(autouse=True, params=["inline", "apart"], ids=["members-inline", "members-apart"])
+def members(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The member list in the document (small jobs), or apart from it (large ones: document.py)."""
+    if request.param == "apart":
+        monkeypatch.setattr(document, "BLOB_MIN", 1)
 
 
 def _client(backend: RendezvousBackend, run_id: str, name: str, nodes: tuple[int, int]) -> RendezvousClient:
