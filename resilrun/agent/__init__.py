@@ -202,6 +202,7 @@ def run(config: Config) -> None:
             config.rdzv_id,
             checksum_commits=replicated or bool(config.checkpoint_uri),
             slots=REPLICATED_SLOTS if replicated else SLOTS,
+            replicate_every=config.replicate_every,
         )
         control = WorkerControl()
         tiers = NodeTiers(memory, storage, mac_key=mac_key, require_mac=config.require_auth)

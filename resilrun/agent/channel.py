@@ -183,7 +183,7 @@ class AgentChannel:
             copy_s = request.get("copy_s")
             copied = int(request.get("copied", nbytes))  # less than nbytes when the snapshot borrows
             self.telemetry.committed(rank, step, copied, None if copy_s is None else float(copy_s))
-            return {"ok": True, "whole": whole}, []
+            return {"ok": True, "whole": whole, "next": self.memory.next_slot(rank)}, []
         if op == "report":
             # A worker's recovery milestone (state restored, collectives rebuilt, first step done).
             self.telemetry.worker_report(int(request["pid"]), request)

@@ -44,13 +44,18 @@ logger = logging.getLogger(__name__)
 class NodeMemoryTier:
     """All ranks' slots on this node; the agent channel and the replicator read it."""
 
-    def __init__(self, run_id: str, *, checksum_commits: bool = True, slots: int = SLOTS) -> None:
+    def __init__(
+        self, run_id: str, *, checksum_commits: bool = True, slots: int = SLOTS, replicate_every: int = 1
+    ) -> None:
         """``checksum_commits``: hash every commit for the readers that copy slots out (replicator,
         persister, a peer's fetch). A job with neither replicas nor a persistent tier has no such
         reader (a restore maps the slots while no rank commits), so it need not pay that pass.
-        ``slots``: per rank (``slots.REPLICATED_SLOTS`` with peer replicas)."""
+        ``slots``: per rank (``slots.REPLICATED_SLOTS`` with peer replicas); ``replicate_every``:
+        which snapshots the peers get (``--replicate-every``; commits that say so themselves are
+        obeyed), so that the ring keeps the ones a node loss may resume from (``RankMemory.next_slot``)."""
         self.run_id = run_id
         self.slots = slots
+        self._every = max(1, replicate_every)
         self._checksum_commits = checksum_commits
         self._ranks: dict[int, RankMemory] = {}
         self._lock = threading.Lock()
@@ -233,8 +238,8 @@ class NodeMemoryTier:
                 step, slot, nbytes, values, seq, borrowed, layout, shared, round, crcs, origin, previous, replicate
             )
             first = not memory.committed
-            memory.committed[slot] = committed
-            released = memory.committed.get(memory.after(slot)) if memory.after(slot) != slot else None
+            memory.record(committed)
+            released = memory.committed.get(memory.next_slot(self._every))
             affected = _borrowing.affected(self._ranks, rank, committed)
             self._note_mismatch(rank, committed, affected)
             ready = [(r, c) for r, c in affected if not _borrowing.missing(self._ranks, c)]
@@ -403,9 +408,7 @@ class NodeMemoryTier:
         that is only read by a restore (one written at another world size)."""
         memory = self.rank(rank)
         while True:
-            with self._lock:
-                newest = max(memory.committed.values(), key=lambda c: c.step, default=None)
-            slot = 0 if newest is None else memory.after(newest.slot)
+            slot = self.next_slot(rank)
             buffer = memory.slots[slot]
             if buffer is None or buffer.nbytes < len(data):
                 buffer = self.allocate(rank, slot, len(data))
@@ -419,13 +422,21 @@ class NodeMemoryTier:
         memory.seq.end(slot)
         self.commit(rank, step, slot, len(data), values, layout=layout_hash(data), announce=announce, origin=origin)
 
+    def next_slot(self, rank: int) -> int:
+        """The slot ``rank``'s next snapshot goes to (``RankMemory.next_slot``): the worker writes there."""
+        memory = self.rank(rank)
+        with self._lock:
+            return memory.next_slot(self._every)
+
     def describe(self, rank: int) -> dict[str, Any]:
-        """What this node holds for ``rank``: the committed steps per slot, and whether each is complete."""
+        """What this node holds for ``rank``: the committed steps per slot, whether each is complete,
+        and the slot the next snapshot goes to."""
         with self._lock:
             memory = self._ranks.get(rank)
             if memory is None:
-                return {"committed": {}}
+                return {"committed": {}, "next": 0}
             return {
+                "next": memory.next_slot(self._every),
                 "committed": {
                     str(slot): {
                         "step": c.step,

@@ -4,6 +4,9 @@ committed to each.
 Two slots are double buffering: a crash mid-copy never destroys the newest complete step. With
 replicas a third keeps one more step, so that the survivors of a node loss still hold the step the
 lost node's replicas have when those lag a step behind training (tiers/peer/replicator.py bounds that lag).
+When only some snapshots are replicated (``--replicate-every``), the ring is not written in turn:
+it keeps the newest replicated step, and the one before it until the worker's next snapshot
+(``next_slot``), whatever the other snapshots in between.
 
 A commit names the step, the slot, its sequence counter at commit time (a reader's copy of the
 slot may be of that step only if the counter has not moved since) and the crc32s of the bytes it
@@ -83,14 +86,43 @@ class RankMemory:
         self.ctl = SharedBuffer.create(_CTL_BYTES, f"resilrun-{run_id}-r{rank}-ctl")
         self.seq = SeqCounters(self.ctl)
         self.slots: list[SharedBuffer | None] = [None] * slots
+        # slot -> its commit, oldest commit first (``record``): after a rollback the order of the
+        # commits, not their step numbers, says which one the worker wrote last.
         self.committed: dict[int, Committed] = {}
 
     def newest(self) -> Committed | None:
         return max(self.committed.values(), key=lambda c: c.step, default=None)
 
-    def after(self, slot: int) -> int:
-        """The slot written after ``slot``: the ring's next, which holds the oldest step."""
-        return (slot + 1) % len(self.slots)
+    def record(self, committed: Committed) -> None:
+        """Note a commit to its slot as the newest one (caller holds the tier's lock)."""
+        self.committed.pop(committed.slot, None)
+        self.committed[committed.slot] = committed
+
+    def next_slot(self, every: int) -> int:
+        """The slot the next commit goes to: never the last one committed, and, with a third slot,
+        never the newest snapshot replicated to the peers (``every``: ``--replicate-every``, as
+        ``Committed.replicated`` reads it), nor, while that is the last commit, the replicated one
+        before it.
+
+        Why: a node loss resumes every rank from a step the lost ranks' replicas hold, and a
+        survivor's own replicas may have been on the lost node, so the survivor must still hold
+        that step itself. A lost rank's newest complete replica is its newest replicated step, or
+        the one before while that push is in flight; and a worker reads the answer to a replicated
+        commit (which waits for its push, the commit gate) before its next snapshot, so once any
+        rank has trained past its next snapshot every rank's push of that step is done.
+        """
+        order = list(self.committed.values())
+        if not order:
+            return 0
+        keep = {order[-1].slot}
+        if len(self.slots) > SLOTS:
+            replicated = [c for c in order if c.replicated(every)]
+            keep.update(c.slot for c in replicated[-1:])
+            if len(replicated) > 1 and replicated[-1] is order[-1]:
+                keep.add(replicated[-2].slot)
+        free = [slot for slot in range(len(self.slots)) if slot not in self.committed]
+        free += [c.slot for c in order if c.slot not in keep]  # else the oldest commit
+        return free[0]
 
     def close(self) -> None:
         for buffer in self.slots:

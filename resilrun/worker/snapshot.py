@@ -52,6 +52,7 @@ class Snapshotter:
         # (step, borrowed ranges, owner rank -> its slot) mapped by borrow() for the next load
         self._lent: tuple[int, Borrowed, dict[int, SharedBuffer]] | None = None
         self._pinned = False
+        self._next = 0  # the slot the agent said the next snapshot goes to
         self.attach()
 
     def attach(self) -> None:
@@ -69,6 +70,7 @@ class Snapshotter:
         self.held: dict[int, tuple[int, Any]] = {
             int(slot): (int(info["step"]), info["values"]) for slot, info in response["committed"].items()
         }
+        self._next = int(response.get("next", 0))
 
     def restore_info(self, world_size: int) -> dict[str, Any]:
         """Steps each tier holds for this rank: {"memory": [...], "peer": [...], "persisted": s|None}."""
@@ -298,6 +300,8 @@ class Snapshotter:
         response = self.client.collect()
         if response is not None:
             self._whole = bool(response.get("whole"))
+            if "next" in response:
+                self._next = int(response["next"])
 
     def _request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         self._settle()
@@ -351,6 +355,11 @@ class Snapshotter:
         self.slots = self.slots[:slots]
 
     def _free_slot(self) -> int:
+        """The slot the agent named in its answer to the last commit (tiers/slots.py's ``next_slot``:
+        which steps the ring keeps is the agent's to say); when the ring shrank since, the one not
+        holding the newest step."""
+        if self._next < len(self.slots):
+            return self._next
         if not self.held:
             return 0
         newest = max(self.held, key=lambda s: self.held[s][0])

@@ -1,8 +1,10 @@
 """A worker's Snapshotter and the agent's node memory agree on the ring of slots, also when the
-node cannot hold the third slot a job with replicas asks for (then both fall back to two)."""
+node cannot hold the third slot a job with replicas asks for (then both fall back to two), and
+when only some snapshots are replicated (then the ring keeps what a node loss resumes from)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -13,6 +15,7 @@ import torch
 from resilrun.agent.channel import AgentChannel
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.tiers import NodeTiers
+from resilrun.env import SNAPSHOT_AUTO
 from resilrun.tiers import memory as memory_module
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.slots import REPLICATED_SLOTS
@@ -33,8 +36,23 @@ def ring() -> Iterator[tuple[NodeMemoryTier, Snapshotter]]:
         memory.close()
 
 
-def _save(snapshotter: Snapshotter, step: int) -> None:
-    snapshotter.save(step, {"w": torch.full((256,), float(step))}, {"step": step})
+@contextlib.contextmanager
+def _ring(replicate_every: int) -> Iterator[tuple[NodeMemoryTier, Snapshotter]]:
+    memory = NodeMemoryTier("ring-sparse", slots=REPLICATED_SLOTS, replicate_every=replicate_every)
+    channel = AgentChannel(memory, NodeTiers(memory, None), WorkerControl())
+    snapshotter = Snapshotter(AgentClient(channel.path, channel.token), rank=0)
+    try:
+        yield memory, snapshotter
+    finally:
+        snapshotter.close()
+        channel.close()
+        memory.close()
+
+
+def _save(snapshotter: Snapshotter, step: int, *, previous: int | None = None, replicate: bool | None = None) -> None:
+    snapshotter.save(
+        step, {"w": torch.full((256,), float(step))}, {"step": step}, previous=previous, replicate=replicate
+    )
     snapshotter.flush()
 
 
@@ -67,3 +85,51 @@ def test_a_node_without_room_for_the_third_slot_falls_back_to_two_and_training_g
     assert _held(memory) == [3, 4]
     tensors, values = snapshotter.load(4)
     assert values == {"step": 4} and torch.equal(tensors["w"], torch.full((256,), 4.0))
+
+
+def _assert_holds_what_a_node_loss_resumes_from(memory: NodeMemoryTier, replicated: list[int], last: int) -> None:
+    """A lost node's replicas of a rank are at its newest replicated step, or the one before while
+    that push is in flight (until the next snapshot); the survivors' own replicas may have been on
+    the lost node, so their node memory must hold that step."""
+    held = _held(memory)
+    assert last in held, held
+    if replicated:
+        assert replicated[-1] in held, (held, replicated)
+    if len(replicated) > 1 and replicated[-1] == last:
+        assert replicated[-2] in held, (held, replicated)
+    for step in {last, *replicated[-2:]} & set(held):
+        read = memory.read(0, step)
+        assert read is not None and read[1] == {"step": step}, step
+
+
+def test_with_replicas_every_5_steps_the_ring_keeps_the_newest_replicated_step() -> None:
+    # Given a snapshot every step and replicas of steps 4, 9, 14, ... (--replicate-every 5)
+    with _ring(replicate_every=5) as (memory, snapshotter):
+        replicated: list[int] = []
+        for step in range(23):
+            # When each step is committed
+            _save(snapshotter, step, previous=step - 1)
+            if (step + 1) % 5 == 0:
+                replicated.append(step)
+            # Then node memory still holds the step a node loss would resume from
+            _assert_holds_what_a_node_loss_resumes_from(memory, replicated, step)
+        assert _held(memory) == [19, 21, 22]
+        assert sorted(step for step, _ in snapshotter.held.values()) == [19, 21, 22]  # the worker agrees
+
+
+def test_with_auto_replicas_the_ring_keeps_the_replicated_step_before_the_newest_while_its_push_may_lag() -> None:
+    # Given snapshots every 6 steps and every third of them replicated (--replicate-every auto:
+    # the workers say which), the schedule a CI run had when a host dropped mid-push of step 59
+    with _ring(replicate_every=SNAPSHOT_AUTO) as (memory, snapshotter):
+        steps = list(range(5, 66, 6))
+        replicated: list[int] = []
+        for index, step in enumerate(steps):
+            replicate = index % 3 == 0
+            _save(snapshotter, step, previous=steps[index - 1] if index else -1, replicate=replicate)
+            if replicate:
+                replicated.append(step)
+            _assert_holds_what_a_node_loss_resumes_from(memory, replicated, step)
+            if step == 59:
+                # Then with step 59 just replicated, 41 (where the lost rank's replica may still be) is held
+                assert _held(memory) == [41, 53, 59]
+        assert _held(memory) == [41, 59, 65]  # 53 went: 59's push is done once a snapshot follows it
