@@ -3,7 +3,7 @@
     pip install -e '.[bench]'        # aetcd: a maintained gRPC client (grpcio + protobuf)
     python benchmarks/etcd_grpc_vs_gateway.py [--requests 2000] [--out benchmarks/etcd_grpc_vs_gateway.md]
 
-resilrun talks to etcd through its v3 JSON gateway (``rendezvous/etcd.py``, over ``requests``), so
+resilrun talks to etcd through its v3 JSON gateway (``rendezvous/etcd.py``, over ``http.client``), so
 it needs no gRPC stack: grpcio and protobuf would be the only compiled dependencies outside torch,
 and a protobuf pinned by the launcher can clash with the one a training script's own stack wants
 (torch itself does not depend on it). Issue 20 asks what that choice costs at scale: etcd's CPU per

@@ -2,10 +2,12 @@
 
 Why etcd and why this client: with the c10d backend the store lives inside one agent, so losing that
 node ends the job. etcd is replicated by raft, so the rendezvous survives any node (and a minority
-of etcd members). The client is ``etcd3gw`` (OpenStack): it speaks etcd's v3 JSON gRPC-gateway over
-HTTP with ``requests``, so it pulls in no ``grpcio``/``protobuf`` whose pins fight torch's, and it
+of etcd members). The backend speaks etcd's v3 JSON gRPC-gateway over HTTP/1.1 with the standard
+library (``etcd_http.py``: kept-alive connections, the least client CPU per request of the
+clients measured), so it pulls in no ``grpcio``/``protobuf`` whose pins fight torch's, and it
 works with every etcd >= 3.4, including Debian's ``etcd-server`` 3.4.23. (``python-etcd3`` needs
-an old protobuf and is unmaintained; ``aetcd`` is asyncio-only.)
+an old protobuf and is unmaintained; ``aetcd`` is asyncio-only; ``etcd3gw``, used before, costs
+about 3x the client CPU per request through ``requests``.)
 
 How the contract maps onto etcd:
 
@@ -33,12 +35,12 @@ a per-request HTTP timeout); connection failures move to the next endpoint of
 cause it. Nothing that must count each node once is a counter: barriers are one key per node.
 
 Security (``EtcdSecurity``, from ``--rdzv-conf``): over https with ``ca_file`` (etcd's certificate is
-verified against it, never against the machine's CA bundle, whatever ``REQUESTS_CA_BUNDLE`` says:
-requests lets that variable override a session's CA); a client certificate for etcd's
-``--client-cert-auth``; and etcd's own users: the backend authenticates with ``user`` and the
-password, sends the token with every request, and authenticates again when etcd says the token
-expired. etcd's gateway ignores a client certificate's common name when auth is on (and refuses
-such a request), so a user goes with TLS and a password, a client certificate with mutual TLS alone.
+verified against it only, never against the machine's CA bundle or ``REQUESTS_CA_BUNDLE``); a
+client certificate for etcd's ``--client-cert-auth``; and etcd's own users: the backend
+authenticates with ``user`` and the password, sends the token with every request, and
+authenticates again when etcd says the token expired. etcd's gateway ignores a client
+certificate's common name when auth is on (and refuses such a request), so a user goes with TLS
+and a password, a client certificate with mutual TLS alone.
 Proxy variables in the environment (``https_proxy`` and the like) are not used: etcd is reached
 directly, as the TCPStore is.
 
@@ -51,7 +53,10 @@ the lease's TTL, so a cluster that runs many jobs is not polluted and a rerun wi
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -62,6 +67,7 @@ from typing import Any
 from resilrun.errors import StoreConnectionError
 from resilrun.option_values import parse_endpoints
 from resilrun.rendezvous.api import KeyView, LeasedKey, Presence, RendezvousBackend
+from resilrun.rendezvous.etcd_http import GatewayEndpoint, GatewayStream, TLSFailure, tls_context
 from resilrun.rendezvous.etcd_push import KeyWatch, WatchedKey
 from resilrun.rendezvous.etcd_push import LeasedKey as EtcdLeasedKey
 from resilrun.rendezvous.etcd_push import b64 as _b64
@@ -92,6 +98,8 @@ _MAX_TXN_OPS = 128
 # whose connection was cut without a FIN would otherwise look current for ever. Readers re-read
 # the rendezvous document every refresh interval anyway, so this only bounds the streams' staleness.
 _WATCH_IDLE_S = 30.0
+# etcd >= 3.4 serves the gateway at /v3/ (naming it skips a discovery request per endpoint).
+_API = "/v3"
 # Job keys outlive their last agent by this long: long enough that every agent being cut off from
 # etcd for a moment does not erase a running job, short enough that a rerun soon starts clean.
 JOB_LEASE_TTL_S = 120
@@ -117,7 +125,7 @@ class EtcdSecurity:
 
 
 class EtcdBackend(RendezvousBackend):
-    """See base class. Talks to an etcd v3 cluster through its JSON gateway (``etcd3gw``)."""
+    """See base class. Talks to an etcd v3 cluster through its JSON gateway (``etcd_http``)."""
 
     def __init__(
         self, endpoints: Sequence[tuple[str, int]], *, timeout: timedelta, security: EtcdSecurity | None = None
@@ -128,36 +136,27 @@ class EtcdBackend(RendezvousBackend):
             endpoints: one or more ``(host, port)`` of the same etcd cluster, tried in order.
             timeout: bound of each call, retries and failovers included.
             security: TLS and authentication (None: plain http).
+
+        Raises:
+            StoreConnectionError: the CA, certificate or key file cannot be loaded.
         """
         if not endpoints:
             raise ValueError("EtcdBackend needs at least one endpoint")
-        import etcd3gw
-
         self.endpoints = [f"{host}:{port}" for host, port in endpoints]
         self.timeout_s = timeout.total_seconds()
         self.security = security or EtcdSecurity()
-        protocol = "https" if self.security.tls else "http"
-        # Passed with every request: a session's own verify loses to REQUESTS_CA_BUNDLE in requests.
-        self._verify: str | bool = self.security.ca_file or True
-        cert = (self.security.cert_file, self.security.key_file)
-        # etcd >= 3.4 serves the gateway at /v3/; naming it skips a discovery request per endpoint.
-        self._clients = [
-            etcd3gw.Etcd3Client(
-                host=host,
-                port=port,
-                protocol=protocol,
-                ca_cert=self.security.ca_file,
-                cert_cert=cert[0],
-                cert_key=cert[1],
-                api_path="/v3/",
-            )
-            for host, port in endpoints
-        ]
-        for client in self._clients:
-            # etcd is reached directly, as the TCPStore is: the http(s)_proxy that cluster nodes
-            # often carry for the internet would fail every request (or see the job's keys), and
-            # reading it costs a quarter of each request's client CPU.
-            client.session.trust_env = False
+        context = None
+        if self.security.tls:
+            try:
+                context = tls_context(self.security.ca_file, self.security.cert_file, self.security.key_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise StoreConnectionError(
+                    f"TLS with etcd at {self.endpoint_list} cannot start: {exc}",
+                    hint="check --rdzv-conf ca_file, cert_file and key_file (PEM files this user can read)",
+                ) from exc
+        # etcd is reached directly, as the TCPStore is: the http(s)_proxy that cluster nodes often
+        # carry for the internet would fail every request (or see the job's keys); no proxy is read.
+        self._gateways = [GatewayEndpoint(host, port, context, _CONNECT_TIMEOUT_S) for host, port in endpoints]
         self._token: str | None = None  # etcd's auth token, once authenticated (with a user)
         self._token_lock = threading.Lock()
         self._current = 0
@@ -269,8 +268,8 @@ class EtcdBackend(RendezvousBackend):
             watch.close()
         if self._keepalive is not None:
             self._keepalive.join(timeout=_CONNECT_TIMEOUT_S + _MAX_REQUEST_TIMEOUT_S)
-        for client in self._clients:
-            client.session.close()
+        for gateway in self._gateways:
+            gateway.close()
 
     # -- job lease ------------------------------------------------------------------------------
     def attach_job_lease(self, key: str, ttl_s: int = JOB_LEASE_TTL_S) -> int:
@@ -328,45 +327,29 @@ class EtcdBackend(RendezvousBackend):
         }
         return self._post("/kv/txn", body)
 
-    def _open_stream(self, path: str, body: dict[str, Any]) -> tuple[Any, int]:
-        """A streaming POST to the current endpoint (a watch): its ``requests`` response (status
-        200) and the endpoint's index.
+    def _open_stream(self, path: str, body: dict[str, Any]) -> tuple[GatewayStream, int]:
+        """A streaming POST to the current endpoint (a watch), on a connection of its own for as
+        long as it lasts: the stream (status 200) and the endpoint's index.
 
         Raises:
             StoreConnectionError: the endpoint refused or did not answer (the caller re-opens later).
         """
-        import requests
-
         token = None if self.security.user is None else (self._token or self._authenticate(None))
         with self._lock:
             index = self._current
-        client = self._clients[index]
-        session = requests.Session()  # its own connection: a stream holds it for as long as it lasts
-        session.cert = client.session.cert
-        session.trust_env = False
         try:
-            response = session.post(
-                client.get_url(path),
-                json=body,
-                stream=True,
-                timeout=(_CONNECT_TIMEOUT_S, _WATCH_IDLE_S),
-                verify=self._verify,
-                headers={"Authorization": token} if token else None,
-            )
-        except (requests.RequestException, OSError) as exc:
-            session.close()
+            stream = self._gateways[index].open_stream(_API + path, body, _auth(token), _WATCH_IDLE_S)
+        except (TLSFailure, OSError, http.client.HTTPException) as exc:
             with self._lock:
                 if self._current == index:
-                    self._current = (index + 1) % len(self._clients)
+                    self._current = (index + 1) % len(self._gateways)
             raise StoreConnectionError(f"etcd at {self.endpoints[index]}: could not open a watch: {exc}") from exc
-        if response.status_code != 200:
-            response.close()
-            session.close()
-            if response.status_code == 401 and token is not None:
+        if stream.status != 200:
+            stream.close()
+            if stream.status == 401 and token is not None:
                 self._authenticate(token)
-            raise StoreConnectionError(f"etcd at {self.endpoints[index]} refused a watch: HTTP {response.status_code}")
-        response.resilrun_session = session  # closed with the stream
-        return response, index
+            raise StoreConnectionError(f"etcd at {self.endpoints[index]} refused a watch: HTTP {stream.status}")
+        return stream, index
 
     def _endpoint_index(self) -> int:
         with self._lock:
@@ -426,8 +409,6 @@ class EtcdBackend(RendezvousBackend):
         swallowed is abandoned after 2 s and retried (the new leader answers it), while a request
         that is merely slow at scale still gets up to 8 s on later attempts.
         """
-        import requests
-
         deadline = time.monotonic() + self.timeout_s
         backoff = _BACKOFF_FIRST_S
         attempt_timeout = _FIRST_REQUEST_TIMEOUT_S
@@ -436,50 +417,46 @@ class EtcdBackend(RendezvousBackend):
         while True:
             with self._lock:
                 index = self._current
-            client = self._clients[index]
             remaining = max(deadline - time.monotonic(), 0.05)
             try:
-                response = client.session.post(
-                    client.get_url(path),
-                    json=body,
-                    timeout=(_CONNECT_TIMEOUT_S, min(attempt_timeout, remaining)),
-                    verify=self._verify,
-                    headers={"Authorization": token} if token else None,
+                status, data = self._gateways[index].post(
+                    _API + path, body, _auth(token), min(attempt_timeout, remaining)
                 )
-                if response.status_code == 200:
-                    result: dict[str, Any] = response.json()
+                if status == 200:
+                    result: dict[str, Any] = json.loads(data)
                     return result
-                if response.status_code == 401 and token is not None:
-                    raise _TokenRejected(response.text[:200])  # expired: the caller authenticates again
-                last = _GatewayError(f"HTTP {response.status_code} from {self.endpoints[index]}: {response.text[:200]}")
-                if response.status_code == 403:
+                text = data[:200].decode(errors="replace")
+                if status == 401 and token is not None:
+                    raise _TokenRejected(text)  # expired: the caller authenticates again
+                last = _GatewayError(f"HTTP {status} from {self.endpoints[index]}: {text}")
+                if status == 403:
                     raise StoreConnectionError(
                         f"etcd at {self.endpoint_list} denied user '{self.security.user}' a request on {path}",
                         hint="grant the user's role readwrite on the key prefix resilrun/ "
                         "(etcdctl role grant-permission ROLE --prefix=true readwrite resilrun/)",
                     )
-                if response.status_code not in _RETRYABLE_STATUS:
+                if status not in _RETRYABLE_STATUS:
                     break  # a bug or not an etcd gateway: retrying cannot help
-            except requests.exceptions.SSLError as exc:  # a certificate problem: no retry fixes it
+            except TLSFailure as exc:  # a certificate problem: no retry fixes it
                 raise StoreConnectionError(
                     f"TLS with etcd at {self.endpoints[index]} failed: {str(exc)[:300]}",
                     hint="check --rdzv-conf ca_file (the CA that signed etcd's certificate) and, where etcd "
                     "asks for one, cert_file and key_file",
                 ) from exc
-            except requests.Timeout as exc:
+            except TimeoutError as exc:
                 last = exc
                 timeouts += 1
                 if timeouts >= _SHORT_ATTEMPTS:
                     attempt_timeout = min(attempt_timeout * 2, _MAX_REQUEST_TIMEOUT_S)
-            except (requests.RequestException, OSError, ValueError) as exc:  # refused, reset, bad JSON
+            except (OSError, http.client.HTTPException, ValueError) as exc:  # refused, reset, bad JSON
                 last = exc
             tried += 1
             with self._lock:
                 if self._current == index:  # move on, unless another thread already did
-                    self._current = (index + 1) % len(self._clients)
+                    self._current = (index + 1) % len(self._gateways)
             if time.monotonic() >= deadline:
                 break
-            if tried % len(self._clients) == 0:  # every endpoint failed once: back off
+            if tried % len(self._gateways) == 0:  # every endpoint failed once: back off
                 time.sleep(min(backoff, max(deadline - time.monotonic(), 0.0)))
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
         detail = str(last).splitlines()[0][:300] if last is not None and str(last) else type(last).__name__
@@ -496,6 +473,10 @@ class EtcdBackend(RendezvousBackend):
 
 class _TokenRejected(Exception):
     """etcd answered 401: the auth token expired or was revoked (authenticate again)."""
+
+
+def _auth(token: str | None) -> dict[str, str]:
+    return {"Authorization": token} if token else {}
 
 
 def _failure_kvs(result: dict[str, Any]) -> list[dict[str, Any]]:

@@ -7,10 +7,8 @@ and nothing else of it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -104,7 +102,7 @@ class KeyWatch:
         since = known[1] if known is not None and known[0] == value else time.monotonic()
         create = {"key": b64(self._key), "start_revision": str(revision + 1)}
         self._response, self._index = self._backend._open_stream("/watch", {"create_request": create})
-        for line in self._response.iter_lines():
+        for line in self._response.lines():
             if self._stopping.is_set():
                 return
             if not line.strip():
@@ -124,18 +122,10 @@ class KeyWatch:
                 self._known = self._seen = (value, since)
 
     def _drop(self) -> None:
-        """Close the stream, waking the thread blocked reading it (closing a socket another thread
-        reads does not wake that thread on Linux; shutting it down does)."""
-        response, self._response = self._response, None
-        if response is None:
-            return
-        with contextlib.suppress(Exception):
-            stream = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-            stream.shutdown(socket.SHUT_RDWR)
+        """Close the stream, waking the thread blocked reading it."""
+        stream, self._response = self._response, None
+        if stream is not None:
             stream.close()
-        with contextlib.suppress(Exception):
-            response.close()
-            response.resilrun_session.close()
 
 
 class WatchedKey:
