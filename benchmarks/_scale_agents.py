@@ -107,6 +107,12 @@ class CountingBackend(RendezvousBackend):
             self.count("watch_key", 2)  # its range and watch requests (what it pushes is no request)
         return watch
 
+    def watch_counter(self, key: str) -> KeyView | None:
+        watch = self.inner.watch_counter(key)
+        if watch is not None:
+            self.count("watch_counter", 2)  # its range and watch requests
+        return watch
+
     def leases(self) -> bool:
         return self.inner.leases()
 
@@ -183,6 +189,9 @@ class ThreadBackend(RendezvousBackend):
 
     def watch_key(self, key: str) -> KeyView | None:
         return self._mine().watch_key(key)  # one stream per agent, as each agent would hold
+
+    def watch_counter(self, key: str) -> KeyView | None:
+        return self._mine().watch_counter(key)
 
     def leases(self) -> bool:
         return self._mine().leases()
@@ -313,6 +322,7 @@ class Shard:
         self.pending = len(self.agents)  # agents still joining, then agents still ticking
         self.settled = threading.Event()
         self.last_join = 0.0
+        self.join_times: list[float] = []  # seconds from the start to each agent's join
         self.victim = ""
         self.killed_at = 0.0
         self.reported: set[str] = set()
@@ -334,8 +344,10 @@ class Shard:
 
             def step() -> float | None:
                 if attempt.step() is not None:
+                    attempt.close()
                     agent.joined = True
                     self.last_join = max(self.last_join, time.monotonic())
+                    self.join_times.append(time.monotonic() - start)
                     self._one_settled()
                     return None
                 return time.monotonic() + (attempt.poll_s if attempt.waits else 0.0)
@@ -350,7 +362,7 @@ class Shard:
         if not self.settled.wait(max(0.0, start + RENDEZVOUS_DEADLINE_S - time.monotonic())):
             return {"joined": None, "count": sum(agent.joined for agent in self.agents)}
         ops, _ = self.shared.totals()
-        return {"joined": self.last_join, "ops": ops}
+        return {"joined": self.last_join, "ops": ops, "join_times": sorted(self.join_times)}
 
     def _beat_step(self, agent: Agent) -> Callable[[], float | None]:
         def beat() -> float | None:

@@ -42,6 +42,7 @@ are counted at the RendezvousBackend interface (the contract calls).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -84,6 +85,7 @@ class Fleet:
         import subprocess
 
         self.inbox: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self.last: collections.defaultdict[str, dict[int, dict[str, Any]]] = collections.defaultdict(dict)
         self.events: dict[str, list[float]] = {"detected": [], "decided": []}
         self.children = []
         script = str(Path(__file__).with_name("_scale_agents.py"))
@@ -130,7 +132,12 @@ class Fleet:
                 raise RuntimeError(f"agent process {index} exited ({message['exited']}) before answering {key!r}")
             if key in message:
                 got[index] = message[key]
+                self.last[key][index] = message
         return [got[index] for index in range(len(self.children))]
+
+    def answered(self, key: str) -> list[dict[str, Any]]:
+        """The whole messages of the last ``answers(key)``."""
+        return list(self.last[key].values())
 
     def close(self) -> None:
         for child in self.children:
@@ -157,12 +164,23 @@ def run_cell(store: dict[str, Any], store_pid: int, n: int, mode: str, procs: in
             result.update(rendezvous_s=None, note=note)
             return result
         result["rendezvous_s"] = max(joins) - started
+        # When the agents joined (seconds after the start): the tenth, fiftieth and ninetieth percentile
+        times = sorted(t for answer in fleet.answered("joined") for t in answer.get("join_times", []))
+        result["join_s_p10_p50_p90"] = [round(times[int(len(times) * q)], 2) for q in (0.1, 0.5, 0.9)] or None
         fleet.tell({"sample": 0})
         after, took = fleet.answers("sample", 60), time.monotonic() - started
         # Where the rendezvous's time went on this one machine: the store's CPU, and the
         # simulated agents' own (their joins, and their heartbeats, which run throughout)
         result["rendezvous_store_cpu_pct"] = 100 * (_cpu(store_pid) - store0) / took
         result["rendezvous_sim_cpu_pct"] = 100 * (sum(a["cpu"] for a in after) - sum(b["cpu"] for b in before)) / took
+        # and the store operations it asked, per agent (O(1) each, heartbeats included)
+        def asked(samples: list[dict[str, Any]], kind: str) -> int:
+            return sum(sample["kinds"].get(kind, 0) for sample in samples)
+
+        result["rendezvous_ops_per_agent"] = {
+            kind: round((asked(after, kind) - asked(before, kind)) / n, 2)
+            for kind in sorted({kind for a in after for kind in a["kinds"]})
+        }
         begin = time.monotonic() + 0.2
         fleet.tell({"tick": begin})
         warm = fleet.answers("warm", DETECT_DEADLINE_S + 30)

@@ -97,6 +97,15 @@ class RendezvousBackend(ABC):
         """
         return None
 
+    def watch_counter(self, key: str) -> KeyView | None:
+        """A view of the counter at ``key`` (``add``; its value as decimal digits) that the store
+        keeps current by pushing its changes, or None when this store cannot push. A counter
+        carries no MAC (sealed.py), so it is watched apart from the sealed values ``watch_key`` opens.
+
+        Why: a node waiting for a counter to move (the rendezvous' phase, the arrivals lane's
+        hint) polls it otherwise: N nodes waiting ask the store for N reads per poll period."""
+        return None
+
     def leases(self) -> bool:
         """Whether ``lease_key`` holds keys on leases here (then nodes' liveness is leased, not counted)."""
         return False

@@ -236,6 +236,10 @@ class EtcdBackend(RendezvousBackend):
         """See base class: a thread follows one watch stream on ``key`` (one HTTP connection)."""
         return WatchedKey(self._watch(key))
 
+    def watch_counter(self, key: str) -> KeyView | None:
+        """See base class: as ``watch_key`` (one stream, one HTTP connection)."""
+        return WatchedKey(self._watch(key))
+
     def watch_presence(self, key: str) -> Presence | None:
         """See base class: one watch stream per key, shared by every caller of this backend."""
         return WatchedKey(self._watch(key, shared=True))

@@ -133,6 +133,9 @@ class SealedBackend(RendezvousBackend):
         inner = self.inner.watch_key(key)
         return None if inner is None else _OpenedView(self, key, inner)
 
+    def watch_counter(self, key: str) -> KeyView | None:
+        return self.inner.watch_counter(key)  # counters carry no MAC
+
     def leases(self) -> bool:
         return self.inner.leases()
 

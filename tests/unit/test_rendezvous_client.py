@@ -417,6 +417,7 @@ class PushingStore(MemoryBackend):
         self.counter_reads = 0
         self.reads = 0
         self.watches: list[PushedKey] = []
+        self.watched: list[str] = []  # the key of each watch, in order
 
     def add(self, key: str, amount: int) -> int:
         if amount == 0:
@@ -430,7 +431,11 @@ class PushingStore(MemoryBackend):
     def watch_key(self, key: str) -> PushedKey:
         watch = PushedKey(lambda: MemoryBackend.get(self, key))  # pushed: not a read asked of the store
         self.watches.append(watch)
+        self.watched.append(key)
         return watch
+
+    def watch_counter(self, key: str) -> PushedKey:
+        return self.watch_key(key)  # the memory store keeps counters as their digits, unsealed
 
 
 def _gated(store: MemoryBackend, name: str, clock: FakeClock | None = None) -> RendezvousClient:
@@ -491,14 +496,88 @@ def test_a_push_lagging_behind_the_readers_own_write_is_not_taken_for_a_replay()
     assert reader.state() == written and store.reads == 0
 
 
-def test_a_join_opens_no_watch_and_the_first_read_after_it_does() -> None:
-    """N nodes forming a round would open N streams while the store is busiest."""
+def test_a_join_watches_no_document_and_the_first_read_after_it_does() -> None:
+    """N nodes forming a round would open N streams of the O(N) document (pushed at every
+    admission) while the store is busiest; the few bytes a joining node waits on are watched
+    only while it waits."""
     store = PushingStore()
     joining = RendezvousClient(
         store, RUN, node("a"), min_nodes=1, max_nodes=1, join_timeout=timedelta(seconds=5),
         last_call_timeout=timedelta(seconds=1), clock=FakeClock(), refresh_s=100.0,
     )  # fmt: skip
     assert joining.join().complete
-    assert store.watches == [] and not joining.document_watched
+    assert keys.rdzv_state(RUN) not in store.watched and not joining.document_watched
+    assert all(not watch.current for watch in store.watches)  # what the join followed, let go
     joining.state()
-    assert len(store.watches) == 1 and joining.document_watched
+    assert store.watched[-1] == keys.rdzv_state(RUN) and joining.document_watched
+
+
+@pytest.mark.parametrize("pushing", [True, False])
+def test_nodes_waiting_to_be_admitted_and_for_the_round_follow_pushed_counters_not_the_store(pushing: bool) -> None:
+    # Given a store that pushes keys (etcd) or one that does not (the c10d store), and a round of 3
+    store = PushingStore() if pushing else CountingStore()
+    clock = FakeClock()
+
+    def joining(name: str) -> Joining:
+        return Joining(
+            RendezvousClient(
+                store, RUN, node(name), min_nodes=3, max_nodes=3, join_timeout=timedelta(seconds=60),
+                last_call_timeout=timedelta(seconds=1), clock=clock, refresh_s=100.0,
+            )
+        )  # fmt: skip
+
+    def polls(*waiting: Joining) -> int:
+        """Reads asked of the store by 50 polls of each waiting node, after its first."""
+        for attempt in waiting:
+            assert attempt.step() is None and attempt.waits
+        before = _reads(store)
+        for _ in range(50):
+            for attempt in waiting:
+                assert attempt.step() is None and attempt.waits
+            clock.sleep(0.005)  # within the lane's grace: b waits for a to admit it
+        return _reads(store) - before
+
+    a, b = joining("a"), joining("b")
+    assert a.step() is None and b.step() is None  # both took their places in the arrivals lane
+    # When b waits in the lane for a to admit it
+    in_lane = polls(b)
+    # and then both wait in the open round for a third node
+    assert a.step() is None  # a admits both
+    in_round = polls(a, b)
+    # Then on a pushing store the waits asked the store nothing; on the other, a read per poll
+    if pushing:
+        assert (in_lane, in_round) == (0, 0)
+    else:
+        assert (in_lane, in_round) == (50, 100)
+    # and the third node completes the round for all, each letting go of what it followed
+    c = joining("c")
+    states = [None, None, None]
+    for _ in range(20):
+        states = [s if s is not None else j.step() for s, j in zip(states, (a, b, c), strict=True)]
+        clock.sleep(0.05)
+    assert all(state is not None and state.complete for state in states), states
+    for attempt in (a, b, c):
+        attempt.close()
+    assert all(not watch.current for watch in getattr(store, "watches", []))
+
+
+class CountingStore(MemoryBackend):
+    """A store that cannot push (as the c10d store), counting the reads asked of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter_reads = 0
+        self.reads = 0
+
+    def add(self, key: str, amount: int) -> int:
+        if amount == 0:
+            self.counter_reads += 1
+        return super().add(key, amount)
+
+    def get(self, key: str) -> bytes | None:
+        self.reads += 1
+        return super().get(key)
+
+
+def _reads(store: PushingStore | CountingStore) -> int:
+    return store.reads + store.counter_reads
