@@ -53,10 +53,14 @@ from resilrun.rendezvous.executor import Joining, RendezvousClient  # noqa: E402
 from resilrun.rendezvous.protocol import NodeInfo  # noqa: E402
 
 MONITOR_S, HEARTBEAT_S, TIMEOUT_S = 0.1, 1.0, 5.0  # the agent's defaults
-# Pool threads per process (one store connection each). A few, not one per agent: more only adds
-# GIL contention while the store answers in microseconds (c10d); where it answers in milliseconds
-# under load (etcd at 1,024), fewer would let one slow request hold up the beats queued behind it.
-THREADS = 8
+# Pool threads per process (one store connection each), by backend. A few, not one per agent: more
+# only add GIL contention while the store answers in microseconds (c10d). On etcd every request
+# waits milliseconds on a store that shares these 2 cores with the agents, and more requests in
+# flight only make each cost more (at 1,024 agents, 8 threads x 8 processes: 17-18 s to rendezvous,
+# both sides' CPU per request about twice what it is with 2 threads; 2: 11.8 s, the ticks still on
+# time, p99 21 ms). Real agents are processes on their own hosts: what they do per request is the
+# same, only the simulator's contention differs.
+THREADS = {"c10d": 8, "etcd": 2}
 RENDEZVOUS_DEADLINE_S = 120.0
 DETECT_DEADLINE_S = TIMEOUT_S + 20.0
 REFRESH_S = 10.0  # the scalable mode's safety-net re-read of the whole document
@@ -305,7 +309,7 @@ class Shard:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.n, self.mode, self.run_id = int(spec["n"]), str(spec["mode"]), str(spec["run_id"])
         self.scalable = self.mode.startswith("scalable")
-        threads = int(spec.get("threads", THREADS))
+        threads = int(spec.get("threads", THREADS[spec["backend"]]))
         self.shared = ThreadBackend(connector(spec), threads)
         self.agents: list[Agent] = []
         for index in range(int(spec["first"]), int(spec["first"]) + int(spec["count"])):

@@ -34,7 +34,8 @@ processes (``_scale_agents.py``, driven phase by phase from here), scheduled on 
 clock; when the store (or this 2-core machine) cannot keep up, ticks run late and the lag is
 reported. On etcd with leases each agent holds a lease and three watch streams (its document and
 two successors), a thread each: a thousand agents' threads in one process run its ticks seconds
-late under the GIL (renewals then miss their TTL), hence 8 processes by default.
+late under the GIL (renewals then miss their TTL), hence 8 processes by default; and etcd's
+requests are served best by few in flight on these shared cores (2 pool threads per process).
 Every phase has a deadline and the whole run a budget, so it stops by itself. Store operations
 are counted at the RendezvousBackend interface (the contract calls).
 """
@@ -353,10 +354,16 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _pool(row: dict[str, Any]) -> str:
+    if row["mode"] == TORCHRUN_MODE:
+        return "—"
+    return f"{row.get('procs', 1)} × {row.get('threads', THREADS[row['backend']])}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| backend | mode | N | agent procs | rendezvous (s) | its CPU %: store / agents | detect (s) | decide (s) "
-        "| store ops/s | ops/agent/s (demanded) | KiB read/agent/s | tick lag p99 (ms) | store CPU % "
+        "| backend | mode | N | agent procs × threads | rendezvous (s) | its CPU %: store / agents | detect (s) "
+        "| decide (s) | store ops/s | ops/agent/s (demanded) | KiB read/agent/s | tick lag p99 (ms) | store CPU % "
         "| store CPU µs/op | simulator CPU % |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -367,7 +374,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             else "—"
         )
         lines.append(
-            f"| {r['backend']} | {r['mode']} | {r['n']} | {r.get('procs', 1) if r['mode'] != TORCHRUN_MODE else '—'} "
+            f"| {r['backend']} | {r['mode']} | {r['n']} | {_pool(r)} "
             f"| {_fmt(r.get('rendezvous_s'))} | {cpu} | {_fmt(r.get('detect_s'))} "
             f"| {_fmt(r.get('decide_s'))} | {_fmt(r.get('ops_per_s'), 0)} "
             f"| {_fmt(r.get('ops_per_agent_s'), 1)} ({_demanded(r)}) "
@@ -453,7 +460,9 @@ def main() -> None:
     parser.add_argument(
         "--procs", type=int, default=8, help="processes the simulated agents are spread over (at most N)"
     )
-    parser.add_argument("--threads", type=int, default=THREADS, help="pool threads per process")
+    parser.add_argument(
+        "--threads", type=int, help="pool threads per process (default: c10d 8, etcd 2; _scale_agents.py says why)"
+    )
     parser.add_argument("--budget-s", type=float, default=900.0, help="stop starting new cells after this long")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/control_plane_scale"))
     parser.add_argument("--from-json", type=Path, help="only redraw the table and plot of an earlier run")
@@ -488,7 +497,8 @@ def main() -> None:
                         why = "budget spent" if not saturated else "skipped: smaller N already saturated"
                         rows.append({"backend": backend, "mode": mode, "n": n, "note": why})
                         continue
-                    row = {"backend": backend, **run_cell(store, store_pid, n, mode, args.procs, args.threads)}
+                    threads = args.threads or THREADS[backend]
+                    row = {"backend": backend, **run_cell(store, store_pid, n, mode, args.procs, threads)}
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
                     saturated = row.get("rendezvous_s") is None or row.get("decide_s") is None
