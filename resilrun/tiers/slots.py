@@ -109,14 +109,16 @@ class RankMemory:
         that step itself. A lost rank's newest complete replica is its newest replicated step, or
         the one before while that push is in flight; and a worker reads the answer to a replicated
         commit (which waits for its push, the commit gate) before its next snapshot, so once any
-        rank has trained past its next snapshot every rank's push of that step is done.
+        rank has trained past its next snapshot every rank's push of that step is done. Steps
+        past the last one committed were abandoned by a rollback (a recovery resumed from an
+        older step): they keep nothing.
         """
         order = list(self.committed.values())
         if not order:
             return 0
         keep = {order[-1].slot}
         if len(self.slots) > SLOTS:
-            replicated = [c for c in order if c.replicated(every)]
+            replicated = [c for c in order if c.replicated(every) and c.step <= order[-1].step]
             keep.update(c.slot for c in replicated[-1:])
             if len(replicated) > 1 and replicated[-1] is order[-1]:
                 keep.add(replicated[-2].slot)

@@ -133,3 +133,18 @@ def test_with_auto_replicas_the_ring_keeps_the_replicated_step_before_the_newest
                 # Then with step 59 just replicated, 41 (where the lost rank's replica may still be) is held
                 assert _held(memory) == [41, 53, 59]
         assert _held(memory) == [41, 59, 65]  # 53 went: 59's push is done once a snapshot follows it
+
+
+def test_after_a_rollback_the_abandoned_steps_keep_nothing_and_the_resumed_timeline_is_kept() -> None:
+    # Given replicas every 5 steps, trained to step 14 (replicated: 4, 9 and 14)
+    with _ring(replicate_every=5) as (memory, snapshotter):
+        for step in range(15):
+            _save(snapshotter, step, previous=step - 1)
+        assert _held(memory) == [9, 13, 14]
+        # When a recovery resumes from step 9 (14's replicas were lost, say) and the worker
+        # snapshots 10 and 11 again
+        _save(snapshotter, 10, previous=9)
+        _save(snapshotter, 11, previous=10)
+        # Then the ring keeps the resumed timeline's replicated step 9 and its newest steps, and
+        # lets go of the abandoned 14, replicated though it was
+        assert _held(memory) == [9, 10, 11]
