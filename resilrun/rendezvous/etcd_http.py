@@ -25,7 +25,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 # Idle connections kept per endpoint: one per thread that talks to etcd at once (an agent has a
 # handful); more are opened when needed and closed instead of kept.
@@ -71,12 +71,8 @@ class GatewayEndpoint:
                 conn = self._connection()
                 response = self._send(conn, path, payload, headers, timeout_s)
             data = response.read()  # a failure from here on is the request's own: never sent again
-        except ssl.SSLError as exc:
-            conn.close()
-            raise TLSFailure(str(exc)) from exc
-        except BaseException:
-            conn.close()
-            raise
+        except BaseException as exc:
+            _fail(conn, exc)
         if response.will_close:
             conn.close()
         else:
@@ -93,12 +89,8 @@ class GatewayEndpoint:
         conn = self._connection()
         try:
             response = self._send(conn, path, json.dumps(body).encode(), headers, idle_s)
-        except ssl.SSLError as exc:
-            conn.close()
-            raise TLSFailure(str(exc)) from exc
-        except BaseException:
-            conn.close()
-            raise
+        except BaseException as exc:
+            _fail(conn, exc)
         return GatewayStream(conn, response)
 
     def close(self) -> None:
@@ -137,6 +129,15 @@ class GatewayEndpoint:
         return http.client.HTTPSConnection(
             self.host, self.port, timeout=self._connect_timeout_s, context=self._context
         )
+
+
+def _fail(conn: http.client.HTTPConnection, exc: BaseException) -> NoReturn:
+    """Close ``conn`` (a half-read answer must never reach the next request) and raise ``exc``,
+    a TLS failure as ``TLSFailure``."""
+    conn.close()
+    if isinstance(exc, ssl.SSLError):
+        raise TLSFailure(str(exc)) from exc
+    raise exc
 
 
 class GatewayStream:

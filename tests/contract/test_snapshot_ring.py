@@ -23,22 +23,9 @@ from resilrun.worker._channel import AgentClient
 from resilrun.worker.snapshot import Snapshotter
 
 
-@pytest.fixture
-def ring() -> Iterator[tuple[NodeMemoryTier, Snapshotter]]:
-    memory = NodeMemoryTier("ring-contract", slots=REPLICATED_SLOTS)
-    channel = AgentChannel(memory, NodeTiers(memory, None), WorkerControl())
-    snapshotter = Snapshotter(AgentClient(channel.path, channel.token), rank=0)
-    try:
-        yield memory, snapshotter
-    finally:
-        snapshotter.close()
-        channel.close()
-        memory.close()
-
-
 @contextlib.contextmanager
 def _ring(replicate_every: int) -> Iterator[tuple[NodeMemoryTier, Snapshotter]]:
-    memory = NodeMemoryTier("ring-sparse", slots=REPLICATED_SLOTS, replicate_every=replicate_every)
+    memory = NodeMemoryTier("ring-contract", slots=REPLICATED_SLOTS, replicate_every=replicate_every)
     channel = AgentChannel(memory, NodeTiers(memory, None), WorkerControl())
     snapshotter = Snapshotter(AgentClient(channel.path, channel.token), rank=0)
     try:
@@ -47,6 +34,13 @@ def _ring(replicate_every: int) -> Iterator[tuple[NodeMemoryTier, Snapshotter]]:
         snapshotter.close()
         channel.close()
         memory.close()
+
+
+@pytest.fixture
+def ring() -> Iterator[tuple[NodeMemoryTier, Snapshotter]]:
+    """Every snapshot replicated (the default)."""
+    with _ring(replicate_every=1) as ring:
+        yield ring
 
 
 def _save(snapshotter: Snapshotter, step: int, *, previous: int | None = None, replicate: bool | None = None) -> None:

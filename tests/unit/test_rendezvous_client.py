@@ -409,15 +409,13 @@ class PushedKey:
         self.current = False
 
 
-class PushingStore(MemoryBackend):
-    """A store that can push keys (as etcd's watch does), counting the reads asked of it."""
+class CountingStore(MemoryBackend):
+    """A store that cannot push (as the c10d store), counting the reads asked of it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counter_reads = 0
         self.reads = 0
-        self.watches: list[PushedKey] = []
-        self.watched: list[str] = []  # the key of each watch, in order
 
     def add(self, key: str, amount: int) -> int:
         if amount == 0:
@@ -427,6 +425,15 @@ class PushingStore(MemoryBackend):
     def get(self, key: str) -> bytes | None:
         self.reads += 1
         return super().get(key)
+
+
+class PushingStore(CountingStore):
+    """A store that can push keys (as etcd's watch does), counting the reads asked of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watches: list[PushedKey] = []
+        self.watched: list[str] = []  # the key of each watch, in order
 
     def watch_key(self, key: str) -> PushedKey:
         watch = PushedKey(lambda: MemoryBackend.get(self, key))  # pushed: not a read asked of the store
@@ -559,24 +566,6 @@ def test_nodes_waiting_to_be_admitted_and_for_the_round_follow_pushed_counters_n
     for attempt in (a, b, c):
         attempt.close()
     assert all(not watch.current for watch in getattr(store, "watches", []))
-
-
-class CountingStore(MemoryBackend):
-    """A store that cannot push (as the c10d store), counting the reads asked of it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counter_reads = 0
-        self.reads = 0
-
-    def add(self, key: str, amount: int) -> int:
-        if amount == 0:
-            self.counter_reads += 1
-        return super().add(key, amount)
-
-    def get(self, key: str) -> bytes | None:
-        self.reads += 1
-        return super().get(key)
 
 
 def _reads(store: PushingStore | CountingStore) -> int:
