@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -194,7 +195,12 @@ def test_a_worker_resuming_at_another_world_size_gets_only_the_rows_it_asked_for
         assert response["bytes"] <= 3 * (1 << 20)
         del rows
         buffer.close()
-        assert _memfds() == before  # neither the agent nor the worker keeps one
+        # Neither the agent nor the worker keeps one. The agent closes its copy once the message
+        # carrying it is sent, so the reply can arrive a moment before that close: wait for it.
+        deadline = time.monotonic() + 10.0
+        while _memfds() != before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _memfds() == before
         # And a rank no tier holds is a clear error, not a hang
         with pytest.raises(CheckpointError, match="no tier holds step 6 of rank 5"):
             client.request({**message, "rank": 5, "world_size": 6})
