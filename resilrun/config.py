@@ -251,7 +251,11 @@ class Config:
     require_auth: bool = field(
         default=False,
         metadata=_meta(
-            "--require-auth", SEC, "Refuse to run a multi-node job whose secret would be kept in the store.", pet=False
+            "--require-auth",
+            SEC,
+            "Refuse to run without a secret from outside the store where one is needed (several nodes, "
+            "or --checkpoint-uri), and refuse to restore unsigned persisted steps.",
+            pet=False,
         ),
     )
     peer_encryption: bool = field(

@@ -21,6 +21,10 @@ STATE_LOST_EXIT_CODE = 76
 STATE_REFUSED_EXIT_CODE = 77
 STOP_EXIT_CODES = (STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE)
 
+# Secrets the agent reads from its own environment and no worker needs: job_secret.SECRET_ENV and
+# rendezvous.factory.ETCD_PASSWORD_ENV (named here, not imported: this module is a leaf).
+WITHHELD_FROM_WORKERS = ("RESILRUN_JOB_SECRET", "RESILRUN_ETCD_PASSWORD")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerEnv:
@@ -107,8 +111,16 @@ def omp_threads_default(base: Mapping[str, str], nproc_per_node: int) -> dict[st
 
 
 def agent_environ() -> dict[str, str]:
-    """A copy of the agent's own environment, the base of every worker's."""
-    return dict(os.environ)
+    """A copy of the agent's own environment, the base of every worker's, without the secrets the
+    agent alone uses (``WITHHELD_FROM_WORKERS``)."""
+    return without_secrets(os.environ)
+
+
+def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less ``WITHHELD_FROM_WORKERS``. Why: a worker's environment is inherited by its
+    DataLoader workers and every subprocess it starts (user code, shells, crash reporters that dump
+    it), so a secret there reaches whatever runs in the job; workers never need either one."""
+    return {k: v for k, v in env.items() if k not in WITHHELD_FROM_WORKERS}
 
 
 def resilrun_debug() -> bool:

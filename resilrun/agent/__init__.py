@@ -88,8 +88,19 @@ def resolve_nproc(value: str) -> int:
 
 def _job_secret(config: Config, max_nodes: int) -> bytes | None:
     """The job secret from outside the store, a random one for a job of one node, or None: the
-    first agent then keeps one in the store (what that leaves open is said where it is made)."""
+    first agent then keeps one in the store (what that leaves open is said where it is made).
+
+    ``--require-auth`` with a persistent tier needs a secret from outside even on one node: a
+    random one cannot sign what later jobs must check, and an unsigned bucket is what a party
+    with write access to it plants a step in."""
     secret = external_secret(config.job_secret_file, os.environ)
+    if secret is None and config.require_auth and config.checkpoint_uri:
+        raise ConfigError(
+            "--require-auth with --checkpoint-uri: no job secret given, so persisted steps could be "
+            "neither signed nor checked",
+            hint=f"give the job a --job-secret-file (mode 0600) or {SECRET_ENV}, the same for every job that "
+            "reads these steps",
+        )
     if secret is None and max_nodes == 1:
         return random_secret()
     if secret is None and config.require_auth:
@@ -130,7 +141,7 @@ def run(config: Config) -> None:
         opened = open_backend(config)
         endpoint, hosting = opened.endpoint, opened.hosting
         # The persistent tier's MACs need a key that later jobs have too: only a secret from outside.
-        mac_key = durable_key(outside) if outside is not None else None
+        mac_key = durable_key(outside, config.checkpoint_uri) if outside is not None and config.checkpoint_uri else None
         if secret is None:  # a multi-node job without a secret from outside: one kept in the store
             secret = job_secret(opened.backend, config.rdzv_id)
             logger.warning(
@@ -205,11 +216,19 @@ def run(config: Config) -> None:
             replicate_every=config.replicate_every,
         )
         control = WorkerControl()
-        tiers = NodeTiers(memory, storage, mac_key=mac_key, require_mac=config.require_auth)
         events = EventLog(log_root / EVENTS_FILE, node_id=me.node_id, host=me.hostname)
         publisher: list[StatusPublisher] = []  # set below; the metrics read its latest document
         metrics = _metrics(config, lambda: publisher[0].latest if publisher else None)
         telemetry = AgentTelemetry(events, backend, config.rdzv_id, metrics, finished=memory.finished)
+        tiers = NodeTiers(
+            memory,
+            storage,
+            mac_key=mac_key,
+            require_mac=config.require_auth,
+            # A bucket whose newest steps were deleted would otherwise restore an older one silently.
+            persisted_before=lambda: telemetry.persisted_step,
+            on_rollback=lambda now, before: events.record("persistent_rollback", newest=now, known=before),
+        )
         channel = AgentChannel(memory, tiers, control, telemetry)
         setup = NodeSetup(
             nproc=nproc,
@@ -356,17 +375,28 @@ def _linger_for_peers(rdzv: RendezvousClient, supervisor: Supervisor, close_time
 
 def _log_root(config: Config) -> Path:
     """The run's log directory, readable by the job's user only: workers' output (what a script
-    prints, tracebacks with values) and the events are the job's business."""
+    prints, tracebacks with values) and the events are the job's business.
+
+    Its name is predictable (``<log-dir>/<rdzv-id>``, often a scheduler's job id), so it may exist
+    already: made by another agent of this run on this host (ours: used, and made 0700), or by
+    someone else, or left writable by others, where links planted in it would turn our log writes
+    into overwrites of their targets (refused: ConfigError, exit 2).
+    """
+    from resilrun.private_file import private_dir
+
     if config.log_dir:
         root = Path(config.log_dir) / config.rdzv_id
     else:
         root = Path(tempfile.mkdtemp(prefix=f"resilrun_{config.rdzv_id}_"))
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if root.stat().st_uid == os.geteuid():  # another agent of this run (on this host) may have made it
-            root.chmod(0o700)
     except OSError as exc:
         raise ConfigError(f"--log-dir '{config.log_dir}' cannot be created: {exc.strerror}") from exc
+    private_dir(
+        root,
+        "--log-dir: the run's directory",
+        hint=f"give --log-dir a directory only you can write to, or remove {root} if you know who made it",
+    )
     return root
 
 

@@ -27,6 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from resilrun.errors import ConfigError
+from resilrun.private_file import open_private_output
+
 logger = logging.getLogger(__name__)
 
 EVENTS_FILE = "events.jsonl"
@@ -68,8 +71,11 @@ class EventLog:
         self._failed = False
         if path is not None:
             try:
-                # 0600: the events name hosts, addresses, pids and failures (tracebacks' first lines)
-                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                # 0600: the events name hosts, addresses, pids and failures (tracebacks' first lines);
+                # never through a link planted at the path (it would append to the link's target)
+                self._fd = open_private_output(path, append=True)
+            except ConfigError as exc:
+                logger.warning("cannot write events: %s", exc.message)
             except OSError as exc:
                 logger.warning("cannot write events to %s: %s", path, exc.strerror)
 

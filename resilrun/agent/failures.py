@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from resilrun import keys
-from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.rendezvous.api import RendezvousBackend, read_numbered
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +79,8 @@ class FailureLedger:
 
     def read(self, round: int) -> list[ProcessFailure]:
         """Every failure any agent recorded in ``round``, in the order they were recorded."""
-        failures = []
-        for index in range(1, self.count(round) + 1):
-            raw = self.backend.get(keys.round_failure(self.run_id, round, index))
-            if raw is not None:
-                failures.append(ProcessFailure.from_dict(json.loads(raw)))
-        return failures
+        found = read_numbered(self.backend, lambda i: keys.round_failure(self.run_id, round, i), self.count(round))
+        return [ProcessFailure.from_dict(json.loads(raw)) for raw in found]
 
 
 def collect_failure(

@@ -28,7 +28,9 @@ from functools import cache
 from pathlib import Path
 from typing import IO
 
+from resilrun.errors import ConfigError
 from resilrun.option_values import Std
+from resilrun.private_file import open_private_output
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _PR_SET_PDEATHSIG = 1
@@ -236,19 +238,41 @@ def _open_stream(spec: WorkerSpec, bit: Std, name: str) -> tuple[int | IO[bytes]
     on_console = bool(spec.to_console & bit)
     if not in_file:
         return (None if on_console else subprocess.DEVNULL), None, False
-    handle = open(spec.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed by WorkerProcess
+    # never through a link planted at the path: "wb" would truncate the link's target
+    handle = os.fdopen(open_private_output(spec.log_dir / f"{name}.log"), "wb")
     if on_console:
         return subprocess.PIPE, handle, True
     return handle, handle, False
 
 
+def _make_log_dir(log_dir: Path) -> None:
+    """``<round>/<rank>`` under the run's log directory, made 0700; a symbolic link at either is
+    refused, since the logs written below it would land wherever it points.
+
+    Raises:
+        ConfigError: ``log_dir`` or its parent is a symbolic link.
+    """
+    for path in (log_dir.parent, log_dir):  # each checked before anything is made below it
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if path.is_symlink():
+            raise ConfigError(
+                f"log directory {path} is a symbolic link: refusing to write through it",
+                hint="remove it: nothing but resilrun should write in the run's log directory",
+            )
+
+
 def spawn(spec: WorkerSpec) -> WorkerProcess:
     """Start one worker in its own session; signals handled by the agent are blocked meanwhile."""
-    spec.log_dir.mkdir(parents=True, exist_ok=True)
+    _make_log_dir(spec.log_dir)
     with contextlib.suppress(FileNotFoundError):
         spec.error_file.unlink()
     out_arg, out_file, out_tee = _open_stream(spec, Std.OUT, "stdout")
-    err_arg, err_file, err_tee = _open_stream(spec, Std.ERR, "stderr")
+    try:
+        err_arg, err_file, err_tee = _open_stream(spec, Std.ERR, "stderr")
+    except BaseException:
+        if out_file is not None:
+            out_file.close()
+        raise
     agent_pid = os.getpid()
     prctl = _resolve_prctl()  # before forking: the child must not dlopen
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,12 +50,28 @@ class NodeTiers:
         *,
         mac_key: bytes | None = None,
         require_mac: bool = False,
+        persisted_before: Callable[[], int | None] | None = None,
+        on_rollback: Callable[[int | None, int], None] | None = None,
     ) -> None:
         """``mac_key``: the durable key (tiers/_authentic.py): persisted steps are checked against
-        their MACs; ``require_mac``: a step without them is refused (--require-auth)."""
+        their MACs; ``require_mac``: no persisted step is restored unless they verify (none at all
+        without a key: --require-auth).
+
+        A rollback of the persistent tier (COMPLETE.json of the newest steps deleted, or the bucket
+        put back from an older copy: MACs cannot tell, each older step is authentic) is reported,
+        not refused: when the newest complete step in storage is older than the newest this agent
+        saw complete there earlier or ``persisted_before()`` says was persisted (the persister's
+        newest commit), a warning is logged and ``on_rollback(newest now, newest before)`` called,
+        once per such pair. Only what this agent saw is known: storage rolled back before its
+        first look, or to a step no agent of this node saw, is not detected."""
         self.memory = memory
         self.mac_key = mac_key
         self.require_mac = require_mac
+        self.persisted_before = persisted_before
+        self.on_rollback = on_rollback
+        self._rollback_lock = threading.Lock()
+        self._newest_seen: int | None = None
+        self._rollback_said: tuple[int | None, int] | None = None
         self.storage = storage
         self.peer_held = peer_held
         self.peer_fetch = peer_fetch
@@ -184,6 +201,7 @@ class NodeTiers:
             return None
         try:
             step = durable.latest_complete_step(self.storage)
+            self._check_rollback(step)
             if step is None:
                 return None
             complete = durable.read_complete(self.storage, step)
@@ -191,6 +209,25 @@ class NodeTiers:
             logger.warning("persistent tier unreadable: %s", exc.message)
             return None
         return step, int(complete.get("world_size", -1))
+
+    def _check_rollback(self, newest: int | None) -> None:
+        """Report storage's newest complete step being older than one known complete before."""
+        recorded = self.persisted_before() if self.persisted_before is not None else None
+        with self._rollback_lock:
+            known = max((s for s in (self._newest_seen, recorded) if s is not None), default=None)
+            self._newest_seen = max((s for s in (known, newest) if s is not None), default=None)
+            if known is None or (newest is not None and newest >= known) or self._rollback_said == (newest, known):
+                return
+            self._rollback_said = (newest, known)
+        logger.warning(
+            "the persistent tier was rolled back: its newest complete step is %s, but step %d was complete "
+            "there before (its COMPLETE.json deleted, or the bucket put back from an older copy); a restore "
+            "from storage resumes from the older step",
+            "none" if newest is None else newest,
+            known,
+        )
+        if self.on_rollback is not None:
+            self.on_rollback(newest, known)
 
     def _persisted_at(self, step: int) -> int:
         """The world size of persisted ``step`` (-1: not complete there)."""

@@ -133,9 +133,8 @@ def open_step(
     from resilrun.storage import create_storage
     from resilrun.tiers import durable
 
-    mac_key = durable_mac_key(job_secret_file)
-
     storage = create_storage(uri, s3_endpoint_url=s3_endpoint_url, s3_expected_owner=s3_expected_owner)
+    mac_key = durable_mac_key(job_secret_file, storage.uri)
     steps = durable.list_steps(storage)
     complete = [info.step for info in steps if info.complete]
     if not steps:
@@ -161,8 +160,9 @@ def open_step(
     return Step(storage, step, record, _read(storage, step, 0, record, mac_key), mac_key)
 
 
-def durable_mac_key(job_secret_file: str | None) -> bytes | None:
-    """The persistent tier's MAC key from the run's secret file (None without one)."""
+def durable_mac_key(job_secret_file: str | None, uri: str) -> bytes | None:
+    """The persistent tier's MAC key for the checkpoint at ``uri`` (where the run wrote it: the key
+    is bound to it) from the run's secret file; None without one."""
     if job_secret_file is None:
         return None
     from resilrun.job_secret import external_secret
@@ -170,7 +170,7 @@ def durable_mac_key(job_secret_file: str | None) -> bytes | None:
 
     secret = external_secret(job_secret_file, {})
     assert secret is not None  # (a path was given)
-    return durable_key(secret)
+    return durable_key(secret, uri)
 
 
 def _read(storage: Any, step: int, rank: int, complete: dict[str, Any], mac_key: bytes | None) -> RankFile:

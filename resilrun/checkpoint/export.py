@@ -5,7 +5,8 @@ servers, Hugging Face ``from_pretrained`` and ``safetensors.torch.load_file`` ta
 is what ``torch.distributed.checkpoint.load`` reshards into any later parallel layout.
 
 Invariants: the safetensors file is written next to its final name and renamed into place only
-once complete (a reader never sees half a file); nothing existing is replaced without ``force``;
+once complete (a reader never sees half a file), with the mode the umask gives a new file;
+nothing existing is replaced without ``force``;
 DCP is written by torch itself, in one process (``no_dist``).
 """
 
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +115,7 @@ def _write_safetensors(step: Step, name: str, state: Any, target: Path) -> Expor
     if not tensors:
         raise CheckpointError(f"'{name}' holds no named tensors", hint="export it with --format dcp")
     layout = build_layout([(k, dtype_code(v), tuple(v.shape)) for k, v in tensors.items()], {"format": "pt"})
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    handle, temporary = _create_partial(target)
     try:
         with os.fdopen(handle, "wb") as out:
             out.write(layout.header)
@@ -124,13 +125,26 @@ def _write_safetensors(step: Step, name: str, state: Any, target: Path) -> Expor
                     out.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
             out.flush()
             os.fsync(out.fileno())
-        os.chmod(temporary, 0o644)
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
     return Exported(str(target), "safetensors", step.step, (name,), len(tensors), layout.total_bytes, skipped)
+
+
+def _create_partial(target: Path) -> tuple[int, str]:
+    """A new file next to ``target`` to write it in, created as any file is (mode 0666 less the
+    umask: a user whose umask keeps files private gets a private export; ``mkstemp``'s 0600 would
+    need a chmod that overrides it, issue 43, F15), never through a link, never an existing one."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        path = target.parent / f".{target.name}.{secrets.token_hex(8)}.partial"
+        try:
+            return os.open(path, flags, 0o666), str(path)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary file next to {target}")
 
 
 def _write_dcp(step: Step, names: tuple[str, ...], state: dict[str, Any], target: Path, force: bool) -> Exported:

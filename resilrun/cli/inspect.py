@@ -79,10 +79,7 @@ def inspect_checkpoint(
     """List a checkpoint's steps, ranks and tensors; --verify checks every checksum."""
     out = Output(json_mode=json_output)
     try:
-        from resilrun.checkpoint import durable_mac_key
-
-        mac_key = durable_mac_key(job_secret_file or None)
-        report = _inspect(uri, step, verify or mac_key is not None, mac_key, s3_endpoint_url, s3_expected_owner)
+        report = _inspect(uri, step, verify, job_secret_file or None, s3_endpoint_url, s3_expected_owner)
     except Exception as exc:
         if not json_output:
             raise  # main() renders it as one line + hint
@@ -99,14 +96,17 @@ def _inspect(
     uri: str,
     step: int | None,
     verify: bool,
-    mac_key: bytes | None,
+    job_secret_file: str | None,
     endpoint_url: str | None,
     expected_owner: str | None,
 ) -> dict[str, Any]:
+    from resilrun.checkpoint import durable_mac_key
     from resilrun.storage import create_storage
     from resilrun.tiers import durable
 
     storage = create_storage(uri, s3_endpoint_url=endpoint_url, s3_expected_owner=expected_owner)
+    mac_key = durable_mac_key(job_secret_file, storage.uri)  # (bound to the checkpoint's URI)
+    verify = verify or mac_key is not None
     steps = durable.list_steps(storage)
     if not steps:
         raise CheckpointNotFoundError(

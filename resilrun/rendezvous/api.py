@@ -7,9 +7,12 @@ backend's operation timeout and raises :class:`StoreConnectionError` on failure.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
+
+logger = logging.getLogger(__name__)
 
 
 class KeyView(Protocol):
@@ -127,3 +130,43 @@ class RendezvousBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default has none."""
+
+
+# Records a numbering counter hands out, read in batches of this many keys.
+_NUMBERED_BATCH = 256
+# Reading stops after this many batches: a counter anyone at the store can bump must not make a
+# reader walk 10**12 absent keys.
+_NUMBERED_MAX_BATCHES = 64
+
+
+def read_numbered(backend: RendezvousBackend, key_of: Callable[[int], str], count: int) -> list[bytes]:
+    """The values at ``key_of(1..count)`` that exist, in index order, where ``count`` is read from a
+    counter that carries no MAC (rendezvous/sealed.py): its writers take an index, then write there.
+
+    Bounded against a bumped counter: from index 1 up to the first batch in which nothing exists
+    (records are written right after their index is taken, so real ones are dense), and the last
+    batch below ``count`` (records written after a bump sit there), at most
+    ``_NUMBERED_MAX_BATCHES`` batches in all."""
+    found: list[bytes] = []
+    start, batches = 1, 0
+    while start <= count and batches < _NUMBERED_MAX_BATCHES - 1:
+        end = min(count, start + _NUMBERED_BATCH - 1)
+        values = [v for v in backend.get_many([key_of(i) for i in range(start, end + 1)]) if v is not None]
+        batches += 1
+        found.extend(values)
+        start = end + 1
+        if not values:
+            break
+    if batches >= _NUMBERED_MAX_BATCHES - 1 and start <= count - _NUMBERED_BATCH:
+        logger.warning(
+            "read the first %d and the last %d of %d numbered records at %s: the rest are left out (a counter "
+            "bumped at the store, or more records than a reader walks)",
+            start - 1,
+            _NUMBERED_BATCH,
+            count,
+            key_of(count),
+        )
+    tail = max(start, count - _NUMBERED_BATCH + 1)
+    if tail <= count:
+        found.extend(v for v in backend.get_many([key_of(i) for i in range(tail, count + 1)]) if v is not None)
+    return found

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -115,6 +116,8 @@ class RendezvousClient:
         # is replaced with.
         self._newest: tuple[RdzvState, bytes] | None = None
         self.replayed = 0  # replayed documents refused
+        # Names the job in the document if this node writes it first (``RdzvState.job``).
+        self._job = os.urandom(8).hex()
         self.arrivals = arrivals
         self._arrivals_key = keys.rdzv_arrivals(run_id)
         self._admitted_key = keys.rdzv_admitted(run_id)
@@ -154,7 +157,7 @@ class RendezvousClient:
             return last[1], last[2]
         state = self.documents.decode(document)
         newest = self._newest
-        if newest is not None and state.seq < newest[0].seq:
+        if newest is not None and (state.seq < newest[0].seq or state.job != newest[0].job):
             state, raw = self._fresh(self.backend.get(self._key))  # lagging, or replayed: ask
         else:
             state, raw = self._fresh(document, state)
@@ -168,12 +171,12 @@ class RendezvousClient:
 
     def _fresh(self, raw: bytes | None, state: RdzvState | None = None) -> tuple[RdzvState, bytes | None]:
         """The document read (``state``: already decoded), unless it is older than one this node
-        saw: a replay (every write bumps ``seq``), which is refused, said, and replaced in the
-        store by the newest one."""
+        saw (every write bumps ``seq``) or names another job (an earlier run under this id and
+        secret): a replay, which is refused, said, and replaced in the store by the newest one."""
         if state is None:
             state = self.documents.decode(raw)
         newest = self._newest
-        if newest is None or state.seq >= newest[0].seq:
+        if newest is None or (state.seq >= newest[0].seq and state.job == newest[0].job):
             if raw is not None:
                 self._newest = (state, raw)
             return state, raw
@@ -182,6 +185,14 @@ class RendezvousClient:
             logger.warning(
                 "the rendezvous document is gone or forged: putting back the newest one this node read (seq %d)",
                 newest[0].seq,
+            )
+        elif state.job != newest[0].job:
+            logger.warning(
+                "refused a rendezvous document of another job under this --rdzv-id (seq %d, round %d%s): "
+                "someone with access to the store wrote back one of an earlier run",
+                state.seq,
+                state.round,
+                f", closed: {state.outcome}" if state.closed else "",
             )
         else:
             logger.warning(
@@ -204,7 +215,7 @@ class RendezvousClient:
         replaced = self._newest[0] if self._newest is not None and self._newest[1] == raw else None
         if replaced is None:
             replaced = self.documents.decode(raw)
-        proposed = replace(proposed, seq=replaced.seq + 1)
+        proposed = replace(proposed, seq=replaced.seq + 1, job=replaced.job or self._job)
         document = self.documents.encode(proposed, raw)
         written = self.backend.compare_set(self._key, raw, document)
         if written:
@@ -282,9 +293,13 @@ class RendezvousClient:
             return 0
 
     def _admit(self, admitted: int) -> None:
-        """Admit every arrival after ``admitted`` in one write, then raise the hint past them."""
+        """Admit every arrival after ``admitted`` (the hint; the document's own count when further)
+        in one write, recording how far it went, then raise the hint past them."""
+        state, raw = self._fresh(self.backend.get(self._key))
+        admitted = max(admitted, state.admitted)
         count = min(self.backend.add(self._arrivals_key, 0), admitted + _ADMIT_BATCH)
         if count <= admitted:
+            self._raise_hint(admitted)
             return
         arrivals = []
         wanted = [keys.rdzv_arrival(self.run_id, i) for i in range(admitted + 1, count + 1)]
@@ -295,10 +310,12 @@ class RendezvousClient:
                 arrivals.append(NodeInfo(**json.loads(value)))
             except (ValueError, TypeError):
                 continue
-        state, raw = self._fresh(self.backend.get(self._key))
         proposed = protocol.admit(state, arrivals, min_nodes=self.min_nodes, max_nodes=self.max_nodes)
-        if proposed is not None and not self._write(raw, proposed):
+        if proposed is not None and not self._write(raw, replace(proposed, admitted=count)):
             return  # the document moved meanwhile: the next pass admits against the newer one
+        self._raise_hint(count)
+
+    def _raise_hint(self, count: int) -> None:
         for _ in range(_HINT_ATTEMPTS):  # bounded: a party rewriting the hint only delays (grace)
             current = self.backend.get(self._admitted_key)
             try:
@@ -310,10 +327,17 @@ class RendezvousClient:
                 return
 
     def next_round(self, observed_round: int, *, failure: dict[str, Any] | None, max_restarts: int) -> RdzvState:
-        """Open the next round (or close the job as failed when no restart is left)."""
-        return self._update(
-            lambda s: protocol.decide_next_round(s, observed_round, failure=failure, max_restarts=max_restarts)
-        )
+        """Open the next round (or close the job as failed when no restart is left).
+
+        Every arrival taken so far was for an earlier round: the new round's document says so, so
+        no admitter reads them again (the ``admitted`` hint alone can be wiped by anyone)."""
+        lane = self.backend.add(self._arrivals_key, 0) if self.arrivals else 0
+
+        def decide(state: RdzvState) -> RdzvState | None:
+            opened = protocol.decide_next_round(state, observed_round, failure=failure, max_restarts=max_restarts)
+            return opened if opened is None or opened.closed else replace(opened, admitted=max(opened.admitted, lane))
+
+        return self._update(decide)
 
     def recover(self, observed_round: int, *, failure: dict[str, Any] | None, newest_step: int = -1) -> RdzvState:
         """Open the next generation for an in-process recovery (no-op if the job moved on, or if the
@@ -343,11 +367,9 @@ class RendezvousClient:
         return self.backend.add(keys.job_closed_ack(self.run_id), 0)
 
 
-
 class Joining:
     """One node's attempt to join, one step at a time: ``join`` loops over it, and a simulator of
     many nodes (benchmarks/control_plane_scale.py) schedules the steps of thousands on a few threads."""
-
 
     def __init__(self, client: RendezvousClient) -> None:
         self.client = client
@@ -399,7 +421,11 @@ class Joining:
         if self.arrival is not None:
             now = rdzv.clock.monotonic()
             admitted = self._count(rdzv._admitted_key, rdzv._admitted, rdzv.backend.watch_key)  # sealed
-            if admitted < self.arrival[0] and now < self.deadline:
+            if self.arrival[0] - admitted > _ADMIT_BATCH:
+                # No admit pass (one batch) could reach it: the counter was bumped by someone at
+                # the store, or the hint wiped. The lane only saves writes: join as without it.
+                self.arrival = None
+            elif admitted < self.arrival[0] and now < self.deadline:
                 if self.arrival[0] == admitted + 1 or now - self.arrival[1] >= _ADMIT_GRACE_S:
                     rdzv._admit(admitted)
                 else:

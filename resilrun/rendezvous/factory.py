@@ -7,6 +7,7 @@ store is an external, replicated service, and every agent attaches its writes to
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
 ETCD_PASSWORD_ENV = "RESILRUN_ETCD_PASSWORD"
 
+logger = logging.getLogger(__name__)
+_warned_in_clear = False  # the warning below is said once per process, not per backend opened
+
 
 @dataclass(frozen=True, slots=True)
 class OpenedBackend:
@@ -36,12 +40,17 @@ class OpenedBackend:
     hosting: bool
 
 
-def etcd_security(conf: RdzvConf, environ: Mapping[str, str]) -> EtcdSecurity | None:
+def etcd_security(conf: RdzvConf, environ: Mapping[str, str], *, require_auth: bool = False) -> EtcdSecurity | None:
     """TLS and the user for etcd from ``--rdzv-conf`` (None: plain http); the password from
     ``password_file`` (private to the job's user) or ``RESILRUN_ETCD_PASSWORD``.
 
+    A user without TLS sends its password in clear (etcd's gateway takes it in the body of the
+    authenticate request, and the token it returns in every request's header): anyone on the path
+    reads both. Refused under ``require_auth``, warned about otherwise.
+
     Raises:
-        ConfigError: a user without a password, or a lax or missing password file.
+        ConfigError: a user without a password, a lax or missing password file, or a user without
+            TLS under ``require_auth``.
     """
     from resilrun.rendezvous.etcd import EtcdSecurity
 
@@ -57,7 +66,21 @@ def etcd_security(conf: RdzvConf, environ: Mapping[str, str]) -> EtcdSecurity | 
             f"--rdzv-conf user={conf.user} without a password",
             hint=f"give password_file=PATH (mode 0600) or set {ETCD_PASSWORD_ENV}",
         )
-    return EtcdSecurity(conf.ca_file, conf.cert_file, conf.key_file, conf.user, password)
+    security = EtcdSecurity(conf.ca_file, conf.cert_file, conf.key_file, conf.user, password)
+    if security.user is not None and not security.tls:
+        _check_password_in_clear(security.user, require_auth)
+    return security
+
+
+def _check_password_in_clear(user: str, require_auth: bool) -> None:
+    global _warned_in_clear
+    message = f"--rdzv-conf user={user} without TLS: etcd's password and token would cross the network in clear"
+    hint = "give --rdzv-conf ca_file=PATH (the CA of etcd's certificate) so etcd is reached over https"
+    if require_auth:
+        raise ConfigError(f"--require-auth: {message}", hint=hint)
+    if not _warned_in_clear:
+        _warned_in_clear = True
+        logger.warning("%s; %s", message, hint)
 
 
 def open_backend(config: Config) -> OpenedBackend:
@@ -70,7 +93,11 @@ def open_backend(config: Config) -> OpenedBackend:
     if config.rdzv_backend == "etcd":
         from resilrun.rendezvous.etcd import open_etcd
 
-        etcd = open_etcd(config.rdzv_endpoint, timeout=timeout, security=etcd_security(config.rdzv, os.environ))
+        etcd = open_etcd(
+            config.rdzv_endpoint,
+            timeout=timeout,
+            security=etcd_security(config.rdzv, os.environ, require_auth=config.require_auth),
+        )
         etcd.attach_job_lease(keys.job_lease(config.rdzv_id))
         return OpenedBackend(etcd, f"etcd://{etcd.endpoint_list}", hosting=False)
     if config.rdzv.etcd_security_keys():

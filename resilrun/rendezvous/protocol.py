@@ -74,6 +74,14 @@ class RdzvState:
     # Bumped by every write (rendezvous/executor.py): a reader that saw seq n refuses a document of
     # seq < n, so replaying an old (validly sealed) document cannot roll the job back.
     seq: int = 0
+    # The arrivals lane's index handled so far (rendezvous/executor.py), kept across rounds: the
+    # ``admitted`` hint is only a hint anyone at the store can wipe, and an admitter going by it
+    # alone would read the lane from its start and admit nodes that arrived for earlier rounds.
+    admitted: int = 0
+    # Which job this is: a nonce the document's first writer drew (rendezvous/executor.py). A rerun
+    # under the same --rdzv-id and secret seals alike, so a node that read this job's document
+    # refuses one naming another job, whatever its seq (an earlier run's "closed, succeeded").
+    job: str = ""
 
     def to_bytes(self) -> bytes:
         """The document's JSON, canonical (sorted keys, no spaces: compare-and-set compares bytes).
@@ -318,6 +326,8 @@ def decide_next_round(
         # A restart does not refill the in-process budget: only a new step does.
         progress_step=state.progress_step,
         stalled_recoveries=state.stalled_recoveries,
+        admitted=state.admitted,
+        job=state.job,
     )
 
 

@@ -18,6 +18,9 @@ What it does not do, on purpose:
 - Replay: a MAC cannot tell an old valid value from a new one. The documents whose replay could
   roll the job back carry their own version, checked by their readers (the rendezvous state's
   ``seq``: rendezvous/executor.py); the others are keyed by round, index or node.
+  A rerun under the same ``--rdzv-id`` and secret (a fixed Kubernetes Secret and job name) seals
+  alike, so the rendezvous state also names its job (a nonce its first writer drew): a document of
+  an earlier job is refused by every node that read this job's, whatever its ``seq``.
 - With the secret kept in the store itself (no ``--job-secret-file``), the MACs prove nothing to
   whoever reads it there; the agent says so at start-up.
 
@@ -98,10 +101,17 @@ class SealedBackend(RendezvousBackend):
 
     def check_key(self, key: str, value: bytes) -> bool:
         """Write ``value`` at ``key`` unless something is there already; whether what is there is
-        ``value`` sealed under this key (False: sealed under another key, or forged). Never
-        overwrites what it finds, unlike ``compare_set``."""
+        ``value`` sealed under this key (False: sealed under another key). Never overwrites a
+        sealed value, unlike ``compare_set``: two nodes given different secrets must not fight
+        over it. A value not even shaped as ``value`` sealed (junk anyone at the store can write
+        before the first agent) is overwritten, so one such write cannot stop every node; one
+        shaped as a seal cannot be told from another secret's (a denial of service, not prevented)."""
         sealed = self.seal(key, value)
-        self.inner.compare_set(key, None, sealed)
+        for _ in range(4):  # bounded: a party rewriting junk as fast as we replace it only delays us
+            raw = self.inner.get(key)
+            if raw is not None and len(raw) == len(sealed) and raw.startswith(MAGIC) and raw.endswith(value):
+                break
+            self.inner.compare_set(key, raw, sealed)
         return self.inner.get(key) == sealed
 
     # -- the backend contract --------------------------------------------------------------------

@@ -25,7 +25,7 @@ import json
 from typing import Any
 
 from resilrun import keys
-from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.rendezvous.api import RendezvousBackend, read_numbered
 
 HISTORY_SLOTS = 64
 SCHEMA = 1
@@ -91,9 +91,8 @@ def node_ids(backend: RendezvousBackend, run_id: str) -> list[str]:
     """Every node that registered, in registration order, without duplicates."""
     count = backend.add(keys.status_node_count(run_id), 0)
     seen: list[str] = []
-    for index in range(1, count + 1):
-        raw = backend.get(keys.status_node_index(run_id, index))
-        if raw is not None and raw.decode() not in seen:
+    for raw in read_numbered(backend, lambda i: keys.status_node_index(run_id, i), count):
+        if raw.decode() not in seen:
             seen.append(raw.decode())
     return seen
 

@@ -12,10 +12,18 @@ crc32 is linear). With a job secret from outside the store, the persister also r
 - per manifest, its SHA-256 in COMPLETE.json (the manifest holds the file's GMACs);
 - COMPLETE.json itself, an HMAC-SHA256 of its canonical JSON (every field but ``mac``).
 
+The durable key is bound to the checkpoint's URI (``checkpoint_identity``): a step copied from
+another job's bucket, written under the same secret, is not authentic where it was copied to (issue
+43, F13). So a checkpoint verifies where it was written, under the same spelling up to what
+``checkpoint_identity`` normalizes; one moved elsewhere no longer does.
+
 A restore, ``inspect-checkpoint --verify`` or ``resilrun.checkpoint.load`` given the secret checks
-the chain: COMPLETE's HMAC, each manifest's hash, each file's GMAC. A step without MACs (written by
-a job without a secret from outside the store) is restored with a warning, or refused under
-``--require-auth``: otherwise a forger would strip the MACs.
+the chain: COMPLETE's HMAC, each manifest's hash (both before a byte of the data file is
+downloaded), each file's GMAC. A step without MACs (written by a job without a secret from outside
+the store) is restored with a warning, or refused under ``--require-auth``: otherwise a forger
+would strip the MACs. Every MAC, hash or tag read from storage is checked to be ASCII text before
+it is compared (``hmac.compare_digest`` raises TypeError on other text): a malformed one is
+reported as not authentic, never as an internal error.
 """
 
 from __future__ import annotations
@@ -30,13 +38,47 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from resilrun.errors import CheckpointCorruptError
 
-_LABEL = b"resilrun durable tier v1"
+_LABEL = b"resilrun durable tier v2\0"  # v2: bound to the checkpoint URI
 _NONCE = bytes(12)  # fixed: every file has a key of its own (see the module docstring)
 
 
-def durable_key(secret: bytes) -> bytes:
-    """The persistent tier's MAC key, derived from the job secret (a key per purpose)."""
-    return hmac.new(secret, _LABEL, hashlib.sha256).digest()
+def checkpoint_identity(uri: str) -> str:
+    """The form of a checkpoint URI its key is bound to: the same for spellings that differ only
+    lexically (a trailing '/', ``file://``, a relative path, ``.`` and ``..`` segments), so the job,
+    ``inspect-checkpoint``, ``load`` and ``export`` agree. Symlinks are not resolved: nodes that
+    mount one shared folder through links of their own (automounts, ``/scratch`` links) resolve it
+    differently, and every node's persister must sign with the same key; they give it the same
+    spelling on their command lines."""
+    if uri.startswith("s3://"):
+        bucket, _, prefix = uri[len("s3://") :].partition("/")
+        return f"s3://{bucket}/{prefix.strip('/')}".rstrip("/")
+    if "://" in uri and not uri.startswith("file://"):
+        return uri.rstrip("/")  # (memory:// in tests)
+    path = uri[len("file://") :] if uri.startswith("file://") else uri
+    return os.path.normpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def durable_key(secret: bytes, uri: str) -> bytes:
+    """The persistent tier's MAC key for the checkpoint at ``uri``, derived from the job secret (a
+    key per purpose, and per checkpoint: see the module docstring)."""
+    return hmac.new(secret, _LABEL + checkpoint_identity(uri).encode(), hashlib.sha256).digest()
+
+
+def _same(found: Any, expected: str) -> bool:
+    """Whether a MAC read from storage is ``expected``, in constant time; False for anything that
+    is not ASCII text (which ``hmac.compare_digest`` would raise TypeError on)."""
+    return isinstance(found, str) and found.isascii() and hmac.compare_digest(found, expected)
+
+
+def _salt(found: Any) -> bytes:
+    """A file's salt as a manifest records it (hex); empty when malformed."""
+    salt = found.get("salt") if isinstance(found, dict) else None
+    if not isinstance(salt, str) or not salt.isascii():
+        return b""
+    try:
+        return bytes.fromhex(salt)
+    except ValueError:
+        return b""
 
 
 def _file_tag(key: bytes, salt: bytes, data: bytes | memoryview) -> str:
@@ -78,37 +120,23 @@ def complete_mac(key: bytes, complete: dict[str, Any]) -> str:
     return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
 
-def check(
-    key: bytes,
-    complete: dict[str, Any],
-    rank: int,
-    manifest_raw: bytes,
-    manifest: dict[str, Any],
-    data: bytes | memoryview,
-    where: str,
-) -> bool:
-    """Check one rank of a step against its MACs; False when the step carries none.
+def check_file(key: bytes, rank: int, manifest: dict[str, Any], data: bytes | memoryview, where: str) -> None:
+    """Check a file against the GMAC its manifest (authenticated by ``check_manifest``) records.
 
     Raises:
-        CheckpointCorruptError: a MAC or hash does not match ("not authentic"), or is malformed.
+        CheckpointCorruptError: the GMAC does not verify, or is malformed.
     """
-    if not check_manifest(key, complete, rank, manifest_raw, where):
-        return False
     found = manifest.get("mac")
-    salt = found.get("salt") if isinstance(found, dict) else None
+    salt = _salt(found)
     tag = found.get("gmac") if isinstance(found, dict) else None
-    try:
-        ok = isinstance(tag, str) and hmac.compare_digest(tag, _file_tag(key, bytes.fromhex(str(salt)), data))
-    except ValueError:
-        ok = False
-    if not ok:
+    if not salt or not _same(tag, _file_tag(key, salt, data)):
         raise CheckpointCorruptError(f"{where}: rank {rank}'s file is not authentic (its GMAC does not verify)")
-    return True
 
 
 def check_manifest(key: bytes, complete: dict[str, Any], rank: int, manifest_raw: bytes, where: str) -> bool:
     """Check COMPLETE.json's HMAC and rank's manifest hash: the chain down to the file's MACs;
-    False when the step carries no MACs.
+    False when the step carries no MACs. Needs no byte of the data file, so a reader calls it
+    before downloading one.
 
     Raises:
         CheckpointCorruptError: a MAC or hash does not match, or is malformed.
@@ -116,13 +144,16 @@ def check_manifest(key: bytes, complete: dict[str, Any], rank: int, manifest_raw
     mac = complete.get("mac")
     if mac is None:
         return False
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, complete_mac(key, complete)):
+    if not _same(mac, complete_mac(key, complete)):
         raise CheckpointCorruptError(
             f"{where}: COMPLETE.json is not authentic (its MAC does not verify under this job secret)",
-            hint="the checkpoint was changed after it was written, or written under another job secret",
+            hint="the checkpoint was changed after it was written, written under another job secret, written "
+            "at another URI spelling (a MAC binds the place it was written to), or persisted by an earlier resilrun "
+            "(before the key was bound to the URI and the secret stretched with scrypt: those steps verify only "
+            "with that version)",
         )
     wanted = complete["ranks"][str(rank)].get("manifest_sha256")
-    if not isinstance(wanted, str) or not hmac.compare_digest(wanted, manifest_hash(manifest_raw)):
+    if not _same(wanted, manifest_hash(manifest_raw)):
         raise CheckpointCorruptError(f"{where}: rank {rank}'s manifest is not authentic (its SHA-256 differs)")
     return True
 
@@ -133,11 +164,8 @@ class ChunkChecker:
     def __init__(self, key: bytes, manifest: dict[str, Any], where: str) -> None:
         found = manifest.get("mac")
         tags = found.get("chunks") if isinstance(found, dict) else None
-        try:
-            salt = bytes.fromhex(str(found.get("salt"))) if isinstance(found, dict) else b""
-        except ValueError:
-            salt = b""
-        if not salt or not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        salt = _salt(found)
+        if not salt or not isinstance(tags, list) or not all(isinstance(t, str) and t.isascii() for t in tags):
             raise CheckpointCorruptError(f"{where}: the manifest carries no valid chunk GMACs")
         self._key = _chunk_key(key, salt)
         self._tags: list[str] = tags

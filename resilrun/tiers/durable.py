@@ -302,24 +302,35 @@ def read_rank(
     (and, with ``mac_key``, against its MACs: ``_authentic``; the manifest then says
     ``authentic`` True, or False for a step written without MACs, refused with ``require_mac``).
 
+    COMPLETE.json, the manifest and (with ``mac_key``) their MACs are checked before the data file
+    is downloaded, and the file's size against what they declare: a planted file, however large,
+    is refused without a byte of it read (issue 43, F7).
+
     Args:
         verify: also check every tensor's crc32 (2+ GB/s; skip only when the bytes are re-checked).
         complete: the step's COMPLETE.json if already read.
         require_complete: when False (inspecting a partial step), a rank is read without the
             COMPLETE.json cross-check; restore must never pass False.
+        require_mac: only a step whose MACs verify under ``mac_key`` is read; without a key, none
+            is (``--require-auth`` never restores what it could not check).
 
     Returns:
         ``(layout, snapshot bytes, manifest)``; the bytes are a valid safetensors file.
 
     Raises:
         CheckpointNotFoundError: the step is not complete or has no such rank.
-        CheckpointCorruptError: naming the file and, for a checksum mismatch, the tensor.
+        CheckpointCorruptError: naming the file and, for a checksum mismatch, the tensor; a step
+            that carries no MACs (or no key to check them) with ``require_mac``.
         StorageError: storage failed.
     """
+    _refuse_unchecked(step, mac_key, require_mac)
     if mac_key is not None and complete is None:
         complete = read_complete(storage, step)
     manifest, manifest_raw = _read_manifest(storage, step, rank, complete, require_complete)
     key, file_bytes = data_key(step, rank), manifest["file_bytes"]
+    signed = False
+    if mac_key is not None and complete is not None:
+        signed = _check_signed(mac_key, complete, step, rank, manifest_raw, key, require_mac)
     _checked_size(storage, key, file_bytes)  # before the download, so a replaced file is not fetched
     try:
         data = storage.get(key)
@@ -332,12 +343,9 @@ def read_rank(
     if verify:
         m.check_tensor_crcs(layout, data, manifest, where=key)
     if mac_key is not None and complete is not None:
-        manifest["authentic"] = authentic.check(mac_key, complete, rank, manifest_raw, manifest, data, key)
-        if require_mac and not manifest["authentic"]:
-            raise CheckpointCorruptError(
-                f"step {step} carries no MAC: it cannot be told from a forgery (--require-auth)",
-                hint="a job without a job secret from outside the store wrote it; restore it without --require-auth",
-            )
+        if signed:
+            authentic.check_file(mac_key, rank, manifest, data, key)
+        manifest["authentic"] = signed
     return layout, data, manifest
 
 
@@ -366,17 +374,13 @@ def read_rank_ranges(
     Raises:
         As ``read_rank``; a chunk that fails its checks is a CheckpointCorruptError naming it.
     """
+    _refuse_unchecked(step, mac_key, require_mac)
     complete = read_complete(storage, step) if complete is None else complete
     manifest, manifest_raw = _read_manifest(storage, step, rank, complete, True)
     key, file_bytes = data_key(step, rank), manifest["file_bytes"]
     checker = None
     if mac_key is not None:
-        manifest["authentic"] = authentic.check_manifest(mac_key, complete, rank, manifest_raw, key)
-        if require_mac and not manifest["authentic"]:
-            raise CheckpointCorruptError(
-                f"step {step} carries no MAC: it cannot be told from a forgery (--require-auth)",
-                hint="a job without a job secret from outside the store wrote it; restore it without --require-auth",
-            )
+        manifest["authentic"] = _check_signed(mac_key, complete, step, rank, manifest_raw, key, require_mac)
         if manifest["authentic"] and authentic.has_chunk_tags(manifest):
             checker = authentic.ChunkChecker(mac_key, manifest, key)
     if "chunks" not in manifest or (manifest.get("authentic") and checker is None):
@@ -445,6 +449,30 @@ def _read_chunks(
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+def _refuse_unchecked(step: int, mac_key: bytes | None, require_mac: bool) -> None:
+    """``require_mac`` without a key: nothing could be checked, so nothing is read (issue 43, F1)."""
+    if require_mac and mac_key is None:
+        raise CheckpointCorruptError(
+            f"step {step} is not restored: --require-auth, but there is no job secret from outside the store "
+            "to check its MACs with (it may be unsigned, or signed under a key this reader lacks)",
+            hint="give the job secret the checkpoint was written under (--job-secret-file or RESILRUN_JOB_SECRET)",
+        )
+
+
+def _check_signed(
+    mac_key: bytes, complete: dict[str, Any], step: int, rank: int, manifest_raw: bytes, where: str, require_mac: bool
+) -> bool:
+    """COMPLETE.json's MAC and the manifest's hash (needing none of the data file); whether the
+    step carries MACs at all, refused when ``require_mac`` and it does not."""
+    signed = authentic.check_manifest(mac_key, complete, rank, manifest_raw, where)
+    if require_mac and not signed:
+        raise CheckpointCorruptError(
+            f"step {step} carries no MAC: it cannot be told from a forgery (--require-auth)",
+            hint="a job without a job secret from outside the store wrote it; restore it without --require-auth",
+        )
+    return signed
+
+
 def _read_manifest(
     storage: Storage, step: int, rank: int, complete: dict[str, Any] | None, require_complete: bool
 ) -> tuple[dict[str, Any], bytes]:

@@ -56,7 +56,10 @@ def write_error_file(exc: BaseException) -> None:
     }
     try:
         tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
+        if os.path.lexists(tmp):  # a stale one (a crash mid-write), or a planted link: never followed
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "w", encoding="utf-8") as handle:
             json.dump(record, handle)
         os.replace(tmp, path)
     except OSError:

@@ -127,7 +127,7 @@ def test_with_the_job_secret_verify_says_authentic_unsigned_or_refuses_a_forgery
     secret = external_secret(str(secret_file), {})
     assert secret is not None
     root = tmp_path / "signed"
-    write_checkpoint(LocalStorage(root), mac_key=durable_key(secret))
+    write_checkpoint(LocalStorage(root), mac_key=durable_key(secret, str(root)))
     code, out, err = run([str(root), "--job-secret-file", str(secret_file)], capsys)  # implies --verify
     assert code == ExitCode.OK, err
     assert "every checksum verified; authentic: every MAC verifies under the job secret" in out
@@ -151,6 +151,29 @@ def test_with_the_job_secret_verify_says_authentic_unsigned_or_refuses_a_forgery
     secret_file.chmod(0o644)
     code, _, err = run([str(root), "--job-secret-file", str(secret_file)], capsys)
     assert code == ExitCode.USAGE and "can be read by" in err
+
+
+def test_a_signed_checkpoint_copied_under_another_uri_is_not_authentic_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 43 (F13): the MACs bind the URI the job wrote to; another spelling of it still verifies.
+    import shutil
+
+    secret_file = tmp_path / "job.secret"
+    secret_file.write_text("a job secret of enough characters")
+    secret_file.chmod(0o600)
+    secret = external_secret(str(secret_file), {})
+    assert secret is not None
+    root = tmp_path / "job-a"
+    write_checkpoint(LocalStorage(root), mac_key=durable_key(secret, str(root)))
+    (tmp_path / "x").mkdir()
+    for spelling in (f"{root}/", f"file://{root}", f"{tmp_path}/x/../job-a", f"{tmp_path}/./job-a"):
+        code, out, err = run([spelling, "--job-secret-file", str(secret_file)], capsys)
+        assert code == ExitCode.OK and "authentic: every MAC verifies" in out, err
+    copy = tmp_path / "job-b"
+    shutil.copytree(root, copy)
+    code, _, err = run([str(copy), "--job-secret-file", str(secret_file)], capsys)
+    assert code == ExitCode.CHECKPOINT and "COMPLETE.json is not authentic" in err
 
 
 def tmp_path_unsigned(tmp_path: Path) -> Path:

@@ -113,3 +113,54 @@ def test_require_auth_refuses_a_multi_node_job_without_a_secret(launcher, tmp_pa
     )
     assert run.wait(60) == 2
     assert "resilrun: error: --require-auth: no job secret given" in run.stderr()
+
+
+def test_require_auth_refuses_a_single_node_job_with_a_persistent_tier_and_no_secret(launcher, tmp_path: Path) -> None:
+    # A job of one node makes a random secret of its own, which can sign nothing a later job checks:
+    # under --require-auth its persisted steps would be written and restored unsigned (issue 43, F1)
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "1", "--require-auth",
+        "--checkpoint-uri", str(tmp_path / "ckpt"), str(EXAMPLE), "--steps", "3",
+        env={"RESILRUN_JOB_SECRET": "", "RESILRUN_JOB_SECRET_FILE": ""},
+    )  # fmt: skip
+    assert run.wait(60) == 2, run.stderr()[-3000:]
+    err = run.stderr()
+    assert "resilrun: error: --require-auth with --checkpoint-uri: no job secret given" in err
+    assert "hint: give the job a --job-secret-file" in err
+    assert "resilrun agent:" not in err  # nothing started
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").rglob("*.json"))
+
+
+@pytest.mark.timeout(300)
+def test_a_rendezvous_document_replayed_from_an_earlier_job_is_refused_and_training_goes_on(
+    launcher, tmp_path: Path
+) -> None:
+    # Given an earlier job that ran to its end under the same --rdzv-id and secret (a fixed
+    # Kubernetes Secret and job name, a rerun), its last sealed document ("closed, succeeded") read
+    # off its store by someone who could reach it (issue 43, F3)
+    run_id, secret = "rerun", _secret_file(tmp_path, "job.secret", "r" * 64)
+    flags = ["--nnodes", "1", "--nproc-per-node", "1", "--rdzv-id", run_id, "--job-secret-file", str(secret)]
+    stores = []
+    for _ in range(2):  # each job's store hosted outside it, so it outlives the job (read afterwards)
+        port = free_port()
+        stores.append((port, TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)))
+    (old_port, old_store), (port, store) = stores
+    earlier = launcher("resilrun", *flags, "--rdzv-endpoint", f"127.0.0.1:{old_port}", str(EXAMPLE), "--steps", "2")
+    assert earlier.wait(120) == 0, earlier.stderr()[-3000:]
+    closed = old_store.get(keys.rdzv_state(run_id))
+    # When the rerun is training and that document is written back into its store, with the
+    # change hint its agents follow bumped
+    target = tmp_path / "out.sha"
+    rerun = launcher(
+        "resilrun", *flags, "--rdzv-endpoint", f"127.0.0.1:{port}", str(EXAMPLE),
+        "--steps", "40", "--hidden", "64", "--sleep", "0.1", "--progress", "--checksum-file", str(target),
+    )  # fmt: skip
+    wait_for(lambda: "step 3 " in rerun.stdout(), 120, "the rerun to train")
+    store.set(keys.rdzv_state(run_id), closed)
+    store.add(keys.rdzv_version(run_id), 1)
+    store.add(keys.rdzv_phase(run_id), 1)
+    # Then the rerun is not reported as succeeded early: it trains to its last step and ends as usual
+    assert rerun.wait(150) == 0, rerun.stderr()[-3000:]
+    assert "done: 40 steps" in rerun.stdout(), rerun.stdout()[-2000:]
+    assert target.exists()
+    assert "refused a rendezvous document of another job under this --rdzv-id" in rerun.stderr()

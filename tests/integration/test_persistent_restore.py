@@ -101,3 +101,22 @@ def test_with_a_job_secret_the_bucket_is_authenticated_and_a_forged_step_is_refu
     assert "the job's state was refused" in err and "inspect-checkpoint --verify" in err
     shown = subprocess.run(inspect, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert shown.returncode == 4 and "not authentic" in shown.stderr
+
+
+def test_under_require_auth_a_planted_unsigned_step_is_refused(launcher, tmp_path: Path) -> None:
+    # Given a bucket holding complete steps without MACs, with every crc32 right: what someone who
+    # can write the bucket, but has no secret, plants (here written by a job run without a secret)
+    root = tmp_path / "ckpt"
+    flags = ["--standalone", "--nproc-per-node", "2", "--checkpoint-uri", str(root), "--persist-every", "5"]
+    planted = launcher("resilrun", *flags, str(EXAMPLE), *ARGS, env={"RESILRUN_JOB_SECRET": ""})
+    assert planted.wait(150) == 0, planted.stderr()[-3000:]
+    assert any(root.rglob("COMPLETE.json"))
+    # When a job given the secret and --require-auth starts on that bucket
+    secret = tmp_path / "job.secret"
+    secret.write_text("s" * 40 + "\n")
+    secret.chmod(0o600)
+    resumed = launcher("resilrun", *flags, "--job-secret-file", str(secret), "--require-auth", str(EXAMPLE), *ARGS)
+    # Then it refuses the step (exit 4) rather than train on it (issue 43, F1)
+    assert resumed.wait(150) == ExitCode.CHECKPOINT, resumed.stderr()[-3000:]
+    err = resumed.stderr()
+    assert "carries no MAC" in err and "resumed from step" not in err, err[-3000:]

@@ -242,6 +242,21 @@ def test_safetensors_export_has_the_models_own_names_and_loads_into_it(tmp_path:
     module.load_state_dict(loaded, strict=True)
 
 
+@pytest.mark.parametrize("umask", [0o077, 0o027, 0o022])
+def test_an_exported_file_has_the_mode_the_umask_gives_not_a_forced_one(tmp_path: Path, umask: int) -> None:
+    # Issue 43 (F15): a user whose umask keeps files private must not find exported weights 0644.
+    root = write(tmp_path / "ckpt")
+    step = checkpoint.open_step(str(root))
+    target = exporter.check_target(tmp_path / "m.safetensors", "safetensors", force=False)
+    previous = os.umask(umask)
+    try:
+        exporter.export(step, ("model",), "safetensors", target)
+    finally:
+        os.umask(previous)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert not list(tmp_path.glob(".*.partial"))
+
+
 def test_dcp_export_is_read_back_by_torch_distributed_checkpoint(tmp_path: Path) -> None:
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     root = write(tmp_path / "ckpt", world=4, replicate=2)
@@ -310,6 +325,7 @@ def test_the_export_command_draws_its_progress_on_a_terminal_only(tmp_path: Path
     assert "reading step 9" in text and "\x1b[" in text, text  # the bar, drawn with escape codes
     assert out.startswith("exported step 9"), out  # the data still goes to stdout, plain
 
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
@@ -331,19 +347,20 @@ def test_the_export_command_refuses_bad_input_in_one_line(
 
 
 # -- with the job secret (issue 19): only an authentic step is loaded or exported ------------------
-def _secret_file(tmp_path: Path) -> tuple[str, bytes]:
+def _secret_file(tmp_path: Path, root: Path) -> tuple[str, bytes]:
+    """The secret file and the durable key of the checkpoint at ``root``."""
     path = tmp_path / "job.secret"
     path.write_text("a job secret of enough characters\n")
     path.chmod(0o600)
     secret = external_secret(str(path), {})
     assert secret is not None
-    return str(path), durable_key(secret)
+    return str(path), durable_key(secret, str(root))
 
 
 def test_with_the_secret_an_authentic_step_loads_and_a_forged_or_unsigned_one_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    secret_file, key = _secret_file(tmp_path)
+    secret_file, key = _secret_file(tmp_path, tmp_path / "ckpt")
     root = write(tmp_path / "ckpt", mac_key=key)
     state = checkpoint.load(str(root), job_secret_file=secret_file)
     assert torch.equal(state["model"]["module.w"], WEIGHT)
@@ -358,6 +375,23 @@ def test_with_the_secret_an_authentic_step_loads_and_a_forged_or_unsigned_one_is
     unsigned = write(tmp_path / "unsigned")
     with pytest.raises(CheckpointCorruptError, match="carries no MAC"):
         checkpoint.load(str(unsigned), job_secret_file=secret_file)
+
+
+def test_a_signed_step_copied_from_another_jobs_checkpoint_is_refused_by_load_and_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 43 (F13): same secret, another job's --checkpoint-uri: its MACs bind where it was written.
+    import shutil
+
+    secret_file, key = _secret_file(tmp_path, tmp_path / "job-b")
+    source = write(tmp_path / "job-b", mac_key=key)
+    assert torch.is_tensor(checkpoint.load(str(source), job_secret_file=secret_file)["model"]["module.w"])
+    copy = tmp_path / "job-a"
+    shutil.copytree(source, copy)
+    with pytest.raises(CheckpointCorruptError, match="COMPLETE.json is not authentic"):
+        checkpoint.load(str(copy), job_secret_file=secret_file)
+    code, _, err = _cli([str(copy), "--to", str(tmp_path / "m.safetensors"), "--job-secret-file", secret_file], capsys)
+    assert code == ExitCode.CHECKPOINT and "not authentic" in err and not (tmp_path / "m.safetensors").exists()
 
 
 def test_a_pickle_posing_as_a_rank_file_is_refused_by_load_and_export_and_never_runs(

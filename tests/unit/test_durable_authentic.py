@@ -20,7 +20,7 @@ from tests.conftest import make_snapshot
 from tests.helpers.forgery import forged_keeping_crc32
 
 STEP = 3
-KEY = durable_key(b"s" * 32)
+KEY = durable_key(b"s" * 32, "memory://default")
 
 
 def written(world: int = 2, key: bytes | None = KEY) -> MemoryStorage:
@@ -86,7 +86,7 @@ def test_a_forged_complete_json_and_another_secret_are_not_authentic() -> None:
     complete["ranks"]["0"]["manifest_crc32"] ^= 1
     storage.put(m.complete_key(STEP), m.encode(complete))
     with pytest.raises(CheckpointCorruptError, match="COMPLETE.json is not authentic"):
-        durable.read_rank(written(), STEP, 0, mac_key=durable_key(b"t" * 32))
+        durable.read_rank(written(), STEP, 0, mac_key=durable_key(b"t" * 32, "memory://default"))
     storage = written()
     manifest = json.loads(storage.get(m.manifest_key(STEP, 0)))
     manifest["values"] = {"rank": 7}  # the manifest's own fields (values travel in it)

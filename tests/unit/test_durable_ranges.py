@@ -22,7 +22,7 @@ from tests.conftest import make_snapshot
 from tests.helpers.forgery import forged_keeping_crc32
 
 STEP = 4
-KEY = durable_key(b"r" * 32)
+KEY = durable_key(b"r" * 32, "memory://default")
 ROWS, COLS = 1024, 1024  # 4 MiB of float32: four chunks
 
 

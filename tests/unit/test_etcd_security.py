@@ -3,13 +3,15 @@ refused with one line where they cannot work."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
 from resilrun.config import Config
-from resilrun.errors import ConfigError
+from resilrun.errors import ConfigError, ExitCode
 from resilrun.option_values import parse_rdzv_conf
+from resilrun.rendezvous import factory
 from resilrun.rendezvous.factory import ETCD_PASSWORD_ENV, etcd_security, open_backend
 
 
@@ -60,4 +62,46 @@ def test_a_user_without_a_password_or_with_a_lax_password_file_is_refused(tmp_pa
 def test_etcd_keys_on_the_c10d_backend_are_refused_before_anything_starts() -> None:
     config = Config(nproc_per_node="1", script="train.py", rdzv_conf="ca_file=/c/ca.pem")
     with pytest.raises(ConfigError, match="only for --rdzv-backend etcd"):
+        open_backend(config)
+
+
+# issue 43, F9: etcd's gateway takes the user's password in the body of an authenticate request, so
+# over plain http anyone on the path reads it.
+
+
+def test_a_user_and_password_without_tls_are_refused_under_require_auth() -> None:
+    with pytest.raises(ConfigError, match="in clear") as caught:
+        etcd_security(parse_rdzv_conf("user=trainer"), {ETCD_PASSWORD_ENV: "pw"}, require_auth=True)
+    assert caught.value.hint is not None and "ca_file=" in caught.value.hint
+    assert caught.value.exit_code == ExitCode.USAGE
+    security = etcd_security(
+        parse_rdzv_conf("user=trainer,ca_file=/c/ca.pem"), {ETCD_PASSWORD_ENV: "pw"}, require_auth=True
+    )
+    assert security is not None and security.tls  # with TLS, the same user is fine
+
+
+def test_a_user_and_password_without_tls_are_warned_about_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(factory, "_warned_in_clear", False)  # once per process: earlier tests may have
+    caplog.set_level(logging.WARNING, logger="resilrun.rendezvous.factory")
+    for _ in range(2):
+        security = etcd_security(parse_rdzv_conf("user=trainer"), {ETCD_PASSWORD_ENV: "pw"})
+        assert security is not None and security.password == "pw"
+    warnings = [r for r in caplog.records if "in clear" in r.getMessage()]
+    assert len(warnings) == 1 and "ca_file" in warnings[0].getMessage()
+    assert "pw" not in warnings[0].getMessage().replace("password", "")
+
+
+def test_require_auth_reaches_the_etcd_check_before_anything_is_contacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ETCD_PASSWORD_ENV, "pw")
+    config = Config(
+        nproc_per_node="1",
+        script="train.py",
+        rdzv_backend="etcd",
+        rdzv_endpoint="127.0.0.1:9",  # nothing listens: a check after connecting would fail differently
+        rdzv_conf="user=trainer,read_timeout=2",
+        require_auth=True,
+    )
+    with pytest.raises(ConfigError, match="in clear"):
         open_backend(config)

@@ -570,3 +570,34 @@ def test_nodes_waiting_to_be_admitted_and_for_the_round_follow_pushed_counters_n
 
 def _reads(store: PushingStore | CountingStore) -> int:
     return store.reads + store.counter_reads
+
+
+def test_arrivals_of_an_earlier_round_are_not_admitted_again_when_the_hint_is_gone() -> None:
+    """Issue 43, F4: anyone at the store can delete the ``admitted`` hint (or, sealed, make it read
+    as absent); the next admitter must not read the lane from its start again and put a node that
+    arrived for an earlier round (and died since) into the new one."""
+    backend, clock = MemoryBackend(), FakeClock()
+    a, b = (client(backend, node(name), clock, lo=1, hi=2, last_call_s=5) for name in "ab")
+    first = a.join(on_wait=lambda: b.join())
+    assert first.complete and sorted(p.node_id for p in first.participants) == ["a", "b"]
+    # b dies; a opens the next round; the hint is wiped
+    a.next_round(first.round, failure={"node": "b"}, max_restarts=3)
+    backend.set(keys.rdzv_admitted(RUN), b"0")
+    state = a.join()
+    assert state.complete and [p.node_id for p in state.participants] == ["a"]
+
+
+@pytest.mark.timeout(30)
+def test_one_unauthenticated_bump_of_the_arrivals_counter_does_not_stall_any_join() -> None:
+    """Issue 43, F5: after ``add(arrivals, 10**12)`` every joiner's index lies far past the hint;
+    one admit pass reads at most a batch, so the lane could never reach them. A gap no real
+    arrival could make sends the joiner straight to the document, which decides as before."""
+    backend, clock = MemoryBackend(), FakeClock()
+    backend.add(keys.rdzv_arrivals(RUN), 10**12)
+    a, b = (client(backend, node(name), clock, lo=2, hi=2, last_call_s=5) for name in "ab")
+    start = clock.monotonic()
+    joined: list[RdzvState] = []
+    state = a.join(on_wait=lambda: joined.append(b.join()) if not joined else None)
+    assert state.complete and sorted(p.node_id for p in state.participants) == ["a", "b"]
+    assert joined == [state]
+    assert clock.monotonic() - start <= 5 + 1  # within last_call_timeout + 1 s

@@ -96,6 +96,17 @@ def test_the_secret_check_key_is_never_overwritten_and_tells_another_secret_apar
     assert mine.check_key("check", b"c")  # and did not overwrite it
 
 
+def test_junk_at_the_secret_check_does_not_stop_the_job() -> None:
+    # Anyone at the store can write there before the first agent (issue 43, F14): junk is not
+    # taken for another secret's seal, it is overwritten
+    for junk in (b"junk", MAGIC + b"x" * 60, b""):
+        store = MemoryBackend()
+        store.set("check", junk)
+        mine, _ = sealed(store)
+        assert mine.check_key("check", b"c")
+        assert mine.check_key("check", b"c")
+
+
 def test_a_reader_without_the_secret_unwraps_unverified_and_cannot_write() -> None:
     store = MemoryBackend()
     writer, _ = sealed(store)
@@ -151,6 +162,27 @@ def test_every_write_bumps_seq_and_a_replayed_older_document_is_refused_and_put_
     assert a.state().round == 1 and b.state().round == 1
     assert a.replayed + b.replayed >= 1
     assert RdzvState.from_bytes(sealed(store)[0].get(keys.rdzv_state(RUN))).round == 1
+
+
+def test_a_document_of_an_earlier_job_under_the_same_id_and_secret_is_refused_whatever_its_seq() -> None:
+    # Given an earlier job (same --rdzv-id, same secret: a rerun) that ran further and closed
+    earlier = MemoryBackend()
+    a, _ = _formed(earlier)
+    for _ in range(5):
+        a._update(_bump_round)
+    a.close("succeeded")
+    closed = earlier.get(keys.rdzv_state(RUN))
+    assert closed is not None
+    # When its sealed "closed, succeeded" is written into the rerun's store (issue 43, F3)
+    store = MemoryBackend()
+    c, d = _formed(store)
+    assert RdzvState.from_bytes(closed[len(MAGIC) + 16 :]).seq > c.state().seq
+    store.set(keys.rdzv_state(RUN), closed)
+    # Then both nodes refuse it, and the store holds the rerun's document again
+    assert not c.state().closed and not d.state().closed
+    assert c.replayed + d.replayed >= 1
+    again = sealed(store)[0].get(keys.rdzv_state(RUN))
+    assert again is not None and not RdzvState.from_bytes(again).closed
 
 
 def test_a_forged_rendezvous_document_is_replaced_by_the_newest_one_a_node_read() -> None:

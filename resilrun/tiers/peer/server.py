@@ -14,7 +14,13 @@ one request per connection (protocol in ``resilrun.tiers.peer.wire``). Requests:
 Invariants: a peer that has not proved the job secret gets nothing but a nonce and is cut off
 after ``AUTH_TIMEOUT_S``; a replica becomes visible only after the sender's COMMIT and every
 crc32 matched; no peer input can raise out of a connection thread or make the server allocate
-more than a checked size; at most ``max_connections`` threads exist at once.
+more than a checked size.
+
+Admission: a connection waits in a pre-auth stage of its own (``admission``: at most
+``max_pending``, the oldest of the busiest source dropped to make room for a new one) until it
+proved the secret, and only then takes one of ``max_connections`` service slots; so connections
+without the secret never take the slots that peers' pushes and fetches need. ALIVE needs no slot
+at all: a watcher's probe (``agent.node_loss``) is answered even when every slot is busy.
 
 Fencing (``generation``): a sender following an older generation than this node's is refused at
 its announce and again before its replica is published (the node may have followed a recovery
@@ -42,6 +48,7 @@ from resilrun.snapshot.restore import world_of
 from resilrun.snapshot.selection import Selection
 from resilrun.tiers._priority import yield_to_training
 from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.peer.admission import PreAuthStage
 from resilrun.tiers.peer.refs import LocalReferences
 from resilrun.tiers.peer.store import LocalRef, Replica, ReplicaStore, Reservation
 from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot, spans
@@ -60,15 +67,23 @@ from resilrun.tiers.peer.wire import (
 
 logger = logging.getLogger(__name__)
 
-# The handshake is three small messages: a peer holding a connection thread longer without proving
-# the secret is a scanner or an attacker, and this bounds how long it can hold one.
-AUTH_TIMEOUT_S = 5.0
+# The handshake is three small messages, one round trip and two HMACs on each end (milliseconds even
+# across regions, on a busy agent): a peer holding a connection longer without proving the secret
+# is a scanner or an attacker, and this bounds how long it can hold one of the pre-auth stage's places.
+AUTH_TIMEOUT_S = 2.0
 # After authentication, an operation (one recv_into, one sendall of a frame) that makes no progress
 # for this long means the peer is gone; a legitimate transfer keeps moving.
 IO_TIMEOUT = timedelta(seconds=30)
-# Replicas come from the next k nodes, fetches from restoring nodes; 64 covers both with room to spare
-# and caps the threads a connection flood can create.
+# Authenticated connections served at once. Replicas come from the next k nodes, fetches from
+# restoring nodes; 64 covers both with room to spare.
 MAX_CONNECTIONS = 64
+# Connections still to prove the secret (see ``admission``): with MAX_CONNECTIONS, this caps the
+# threads a connection flood can create. As many as the slots, so that a burst of honest
+# handshakes (every restoring node asking what this node holds) fits as it did before the stage.
+MAX_PENDING = 64
+# Requests answered without a service slot: cheap, and what a watcher needs to tell a live node
+# from a lost one.
+_SLOTLESS_OPS = frozenset({"alive"})
 # How long a push of a newer generation's sender waits for a cut-off transfer to give its slot back
 # (its thread fails at its next recv, at once).
 _SUPERSEDE_WAIT_S = 1.0
@@ -89,10 +104,14 @@ class ReplicaServer:
         *,
         io_timeout: timedelta = IO_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        max_pending: int = MAX_PENDING,
         generation: Callable[[], int] = lambda: -1,
         node_id: str = "",
     ) -> None:
         """Bind and start serving.
+
+        ``max_connections``: authenticated connections served at once; ``max_pending``: connections
+        waiting to prove the secret (see ``admission``).
 
         ``node_id``: the agent's node id, the answer to ALIVE (a watcher checks it is the node it
         asked about, not another agent that took the address since).
@@ -117,10 +136,11 @@ class ReplicaServer:
         self._receiving: dict[int, tuple[int, socket.socket]] = {}
         self._io_timeout = io_timeout.total_seconds()
         self._max_connections = max_connections
+        self._max_pending = max_pending
         self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._listener.bind((host, 0))
-            self._listener.listen(max_connections)
+            self._listener.listen(max_connections + max_pending)
         except OSError:
             self._listener.close()
             raise
@@ -128,6 +148,9 @@ class ReplicaServer:
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
+        self._pending = PreAuthStage(max_pending)
+        self._serving = 0  # service slots taken (authenticated connections)
+        self._dropping_from: set[str] = set()  # sources whose waiting connections were dropped (warned once each)
         self._refused_hosts: set[str] = set()
         self._tampered_hosts: set[str] = set()
         self._closed = threading.Event()
@@ -151,23 +174,53 @@ class ReplicaServer:
                 time.sleep(0.05)  # e.g. EMFILE: do not spin; the listener stays up
                 continue
             with self._lock:
-                if self._closed.is_set() or len(self._connections) >= self._max_connections:
+                if self._closed.is_set():
                     conn.close()
                     continue
                 thread = threading.Thread(target=self._serve, args=(conn, peer[0]), daemon=True)
                 self._connections[conn] = thread
+            dropped = self._pending.admit(conn, peer[0])
+            if dropped is not None:
+                self._drop(*dropped)
             thread.start()
 
+    def _drop(self, conn: socket.socket, source: str) -> None:
+        """Cut a connection still waiting to prove the secret, to make room (see ``admission``)."""
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)  # its thread fails at its next recv and ends
+        with self._lock:
+            first = source not in self._dropping_from
+            self._dropping_from.add(source)
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "more than %d connections to the replica server are waiting to prove the job secret: dropped the "
+            "oldest from %s, the source holding the most (a scanner or a flood)",
+            self._max_pending,
+            source,
+        )
+
     def _serve(self, conn: socket.socket, peer: str) -> None:
+        slot = False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = server_handshake(conn, self._secret, Deadline.total(AUTH_TIMEOUT_S))
+            try:
+                session = server_handshake(conn, self._secret, Deadline.total(AUTH_TIMEOUT_S))
+            finally:
+                waited = self._pending.leave(conn)
             if session is None:
                 self._note_refused(peer)
                 return
+            if not waited:
+                return  # dropped to make room just as it proved the secret: its socket is shut
             deadline = Deadline.idle(self._io_timeout)
             request = session.recv(deadline)
             op = request.get("op")
+            if op not in _SLOTLESS_OPS:
+                slot = self._take_slot()
+                if not slot:
+                    busy = f"busy: {self._max_connections} transfers in progress, try again"
+                    session.send({"ok": False, "error": busy}, deadline)
+                    return
             if op == "push":
                 yield_to_training()  # receiving a replica is background work; serving a fetch is not
                 self._push(session, request, deadline, peer)
@@ -187,7 +240,16 @@ class ReplicaServer:
         finally:
             with self._lock:
                 self._connections.pop(conn, None)
+                self._serving -= slot
             conn.close()
+
+    def _take_slot(self) -> bool:
+        """One of the ``max_connections`` service slots for an authenticated request, if one is free."""
+        with self._lock:
+            if self._serving >= self._max_connections:
+                return False
+            self._serving += 1
+            return True
 
     def _note_ended(self, peer: str, exc: Exception) -> None:
         """A connection that broke off; one whose message failed its MAC was tampered with on the

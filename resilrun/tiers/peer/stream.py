@@ -5,9 +5,11 @@ then data frames (u32 length + bytes; a zero length ends the data), then a trail
 ``{"commit": true, "crc32": [...], "mac": hex}`` with one crc32 per segment and the GMAC of every
 data byte under the session's stream key (``wire.Session``), or ``{"commit": false}`` (ABORT) when
 the sender's source was overwritten meanwhile. On an encrypted session (``--peer-encryption``) the
-frames are AES-256-GCM ciphertext, encrypted and decrypted in line, and the tag covers them. The
-receiver counts nothing whose GMAC does not verify: a party on the path who changed bytes and kept
-their crc32s (crc32 is linear: four chosen bytes restore it) is caught there. Segments are the
+frames are AES-256-GCM ciphertext, encrypted and decrypted in line (re-keyed every
+``wire.REKEY_BYTES``), and the trailer's tags cover them; the messages, values tree included, are
+encrypted too (``wire.Session``). The receiver counts nothing whose GMAC does not verify: a party
+on the path who changed bytes and kept their crc32s (crc32 is linear: four chosen bytes restore
+it) is caught there. Segments are the
 safetensors header and each tensor, so a replica's crc32s are the same numbers the durable tier's
 manifests record. The crc32s ride in the trailer rather than the announce so that each end reads
 the bytes once, hashing them (on a helper thread) while they move; the receiver verifies before

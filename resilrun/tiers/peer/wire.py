@@ -26,11 +26,17 @@ server's (a reflection attack), so a client never sends state to a peer that lac
 message is acted upon before its MAC verified, and no received snapshot counts before its GMAC did.
 
 Confidentiality is optional (``--peer-encryption``, ``PeerKey.encrypt``): the data frames are then
-AES-256-GCM ciphertext under the same stream key and nonce, the trailer's tag covering them, so
-the same check that refuses a forgery refuses a changed ciphertext. Control messages (ranks,
-steps, segment bounds, values trees) stay in clear. The server's hello names its mode
-(``MAGIC`` or ``MAGIC_ENCRYPTED``) and the mode is bound into the session key, so a mismatch is
-named at once and an on-path party cannot strip the encryption by rewriting the hello.
+AES-256-GCM ciphertext under the same stream key and nonce, the trailer's tags covering them, so
+the same check that refuses a forgery refuses a changed ciphertext. A stream is re-keyed every
+``REKEY_BYTES`` (one GCM key and nonce encrypts at most 64 GiB), each segment under its own key
+derived from the stream key and the segment's index, each with its tag in the trailer. Control
+messages (ranks, steps, segment bounds, values trees: a snapshot's non-tensor state) are
+encrypted too, with AES-256-CTR under a message cipher key, the nonce their direction and
+sequence number, and their HMAC then taken over the ciphertext (encrypt-then-MAC: the
+authentication above is unchanged); only their lengths show. The handshake stays in clear (it
+carries nonces and proofs only). The server's hello names its mode (``MAGIC`` or
+``MAGIC_ENCRYPTED``) and the mode is bound into the session key, so a mismatch is named at once
+and an on-path party cannot strip the encryption by rewriting the hello.
 """
 
 from __future__ import annotations
@@ -63,6 +69,10 @@ MAX_SEGMENTS = 1 << 20
 LEN = struct.Struct("<I")  # a frame or message length
 MAC_BYTES = 32  # HMAC-SHA256 of a message
 TAG_BYTES = 16  # GMAC of a stream
+# An encrypted stream takes a fresh key after this many bytes: AES-GCM under one key and nonce
+# encrypts at most 2^32 - 2 blocks (64 GiB less 32 bytes), and a rank's snapshot can be larger. Half
+# the limit, a round number well clear of it; a re-key costs one HMAC and a tag in the trailer.
+REKEY_BYTES = 32 * 1024**3
 _SEQ = struct.Struct("<Q")
 
 
@@ -256,37 +266,100 @@ class _NoTag:
 
 class StreamCipher:
     """AES-256-GCM of one encrypted snapshot stream: each frame is encrypted (or decrypted) in
-    place, in the order frames travel; the tag covers the ciphertext (see ``Session``)."""
+    place, in the order frames travel; the tags cover the ciphertext (see ``Session``).
+
+    Every ``REKEY_BYTES`` of the stream begin a segment under a key of its own,
+    HMAC-SHA256(stream key, "segment" | index), with the stream's nonce (unique per key, as the
+    keys differ); the trailer carries one tag per segment, in order. A segment moved, dropped or
+    swapped fails its tag (its key depends on its index), and a trailer with another count of tags
+    than segments received is refused.
+    """
 
     def __init__(self, key: bytes, nonce: bytes, *, outgoing: bool) -> None:
-        cipher = Cipher(algorithms.AES(key), modes.GCM(nonce))
-        self._ctx = cipher.encryptor() if outgoing else cipher.decryptor()
+        self._key = key
+        self._nonce = nonce
         self._outgoing = outgoing
+        self._segment_bytes = REKEY_BYTES  # read here, so that a test may scale it down
+        self._used = 0  # bytes through the current segment's key
+        self._finished: list[Any] = []  # earlier segments: their tags (sending) or contexts (receiving)
+        self._ctx = self._context(0)
         self.helper_mac = _NoTag()
+
+    def _context(self, index: int) -> Any:
+        key = hmac.new(self._key, b"segment" + _SEQ.pack(index), hashlib.sha256).digest()
+        cipher = Cipher(algorithms.AES(key), modes.GCM(self._nonce))
+        return cipher.encryptor() if self._outgoing else cipher.decryptor()
+
+    def _next_segment(self) -> None:
+        if self._outgoing:
+            self._ctx.finalize()
+            self._finished.append(self._ctx.tag)
+        else:
+            self._finished.append(self._ctx)  # finalized with its tag once the trailer came
+        self._ctx = self._context(len(self._finished))
+        self._used = 0
+
+    def _apply(self, source: memoryview, target: memoryview) -> None:
+        """``source`` through the cipher into ``target`` (as long; the same view is safe: GCM is a
+        stream mode), across as many segments as it spans."""
+        done, count = 0, len(source)
+        while done < count:
+            if self._used == self._segment_bytes:
+                self._next_segment()
+            take = min(count - done, self._segment_bytes - self._used)
+            self._ctx.update_into(source[done : done + take], target[done : done + take])
+            done += take
+            self._used += take
 
     def seal(self, plain: memoryview, out: memoryview) -> memoryview:
         """``plain`` encrypted into ``out`` (at least as long): the frame to send."""
-        count = self._ctx.update_into(plain, out)
-        return out[:count]
+        frame = out[: len(plain)]
+        self._apply(plain, frame)
+        return frame
 
     def open(self, piece: memoryview) -> None:
         """Decrypt a received frame where it lies (AES-GCM is a stream mode: in place is safe)."""
-        self._ctx.update_into(piece, piece)
+        self._apply(piece, piece)
 
     def tag(self) -> bytes:
-        """The sender's tag, to put in the trailer."""
+        """The sender's tags, one per segment in order, to put in the trailer."""
         self._ctx.finalize()
-        return self._ctx.tag  # type: ignore[union-attr]
+        return b"".join([*self._finished, self._ctx.tag])
 
-    def verify(self, tag: bytes) -> bool:
-        """Whether the received ciphertext carried ``tag``; the plaintext counts only then."""
+    def verify(self, tags: bytes) -> bool:
+        """Whether the received ciphertext carried ``tags``; the plaintext counts only then."""
         from cryptography.exceptions import InvalidTag
 
-        try:
-            self._ctx.finalize_with_tag(tag)  # type: ignore[union-attr]
-        except (InvalidTag, ValueError):
+        contexts = [*self._finished, self._ctx]
+        if len(tags) != TAG_BYTES * len(contexts):
             return False
-        return True
+        authentic = True
+        for index, ctx in enumerate(contexts):  # every one, so that each context is finalized
+            try:
+                ctx.finalize_with_tag(tags[index * TAG_BYTES : (index + 1) * TAG_BYTES])
+            except (InvalidTag, ValueError):
+                authentic = False
+        return authentic
+
+
+class _MessageCipher:
+    """AES-256-CTR of an encrypted session's control messages (see the module docstring).
+
+    CTR rather than GCM: the message HMAC already authenticates each message's direction, sequence
+    number and bytes, so it is taken over the ciphertext (encrypt-then-MAC) and the framing and its
+    checks stay as they are. The counter block is direction | sequence number | a 32-bit block
+    counter, unique per message under the session's key; a message (at most ``MAX_MESSAGE_BYTES``)
+    never carries the block counter into the sequence number.
+    """
+
+    def __init__(self, key: bytes) -> None:
+        self._key = hmac.new(key, b"message cipher", hashlib.sha256).digest()
+
+    def apply(self, direction: bytes, seq: int, data: bytes) -> bytes:
+        """``data`` encrypted, or decrypted (the same operation), as message ``seq`` of ``direction``."""
+        counter = direction + _SEQ.pack(seq) + bytes(4)
+        ctx = Cipher(algorithms.AES(self._key), modes.CTR(counter)).encryptor()
+        return ctx.update(data) + ctx.finalize()
 
 
 class Session:
@@ -294,12 +367,14 @@ class Session:
 
     Messages are ``u32 length | JSON body | HMAC-SHA256(message key, direction | seq | body)``; a
     stream's GMAC uses the stream key with a nonce of the sender's direction and its count of
-    streams so far, unique because the session key is fresh for every connection.
+    streams so far, unique because the session key is fresh for every connection. On an encrypted
+    session the body is AES-256-CTR ciphertext (``_MessageCipher``) and the HMAC covers that.
     """
 
     def __init__(self, sock: socket.socket, key: bytes, *, server: bool, encrypt: bool = False) -> None:
         self.sock = sock
         self.encrypt = encrypt
+        self._message_cipher = _MessageCipher(key) if encrypt else None
         self._message_key = hmac.new(key, b"messages", hashlib.sha256).digest()
         self._stream_key = hmac.new(key, b"streams", hashlib.sha256).digest()
         self._out, self._in = (b"srv>", b"cli>") if server else (b"cli>", b"srv>")
@@ -319,6 +394,8 @@ class Session:
 
     def seal(self, body: bytes) -> bytes:
         """``body`` framed as this end's next message, with its MAC (``send`` is this for JSON)."""
+        if self._message_cipher is not None:
+            body = self._message_cipher.apply(self._out, self._sent, body)
         mac = self._mac(self._out, self._sent, body)
         self._sent += 1
         return LEN.pack(len(body)) + body + mac
@@ -338,6 +415,8 @@ class Session:
         body, mac = raw[:length], raw[length:]
         if not hmac.compare_digest(mac, self._mac(self._in, self._received, body)):
             raise ReplicationError("a message failed its MAC: changed on the way, or not from the authenticated peer")
+        if self._message_cipher is not None:
+            body = self._message_cipher.apply(self._in, self._received, body)
         self._received += 1
         return _parse_message(body)
 
