@@ -30,19 +30,26 @@ import socket
 import struct
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from resilrun import channel_protocol as proto
 from resilrun import wire
 from resilrun.agent.control import WorkerControl
 from resilrun.agent.telemetry import Telemetry
 from resilrun.agent.tiers import NodeTiers
+from resilrun.channel_protocol import Request
 from resilrun.errors import ResilrunError
 from resilrun.snapshot.dedup import parse_borrowed, parse_shared
 from resilrun.snapshot.selection import Selection
 from resilrun.tiers.memory import NodeMemoryTier
 
 logger = logging.getLogger(__name__)
+
+
+# A handler's answer: the reply and the descriptors handed with it.
+Reply = tuple[dict[str, Any], list[int]]
 
 
 class HandedFd(int):
@@ -68,6 +75,7 @@ class AgentChannel:
         self.control = control
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.token = secrets.token_hex(32)
+        self._handlers = self._dispatch_table()
         self._refusals: set[str] = set()
         self._dir = Path(tempfile.mkdtemp(prefix="resilrun-agent-"))  # mode 0700
         self.path = str(self._dir / "agent.sock")
@@ -101,8 +109,12 @@ class AgentChannel:
             os.close(fd)
         if uid != os.getuid():
             return self._refuse(conn, f"uid {uid} is not the agent's")
-        token = hello.get("token")
-        if hello.get("op") != "auth" or not isinstance(token, str):
+        try:
+            auth = proto.parse_request(hello)
+        except (ValueError, TypeError):
+            return self._refuse(conn, "no agent token")
+        token = auth.token if isinstance(auth, proto.Auth) else None
+        if not isinstance(token, str):
             return self._refuse(conn, "no agent token")
         if not hmac.compare_digest(token.encode(), self.token.encode()):
             return self._refuse(conn, "a wrong agent token")
@@ -130,7 +142,7 @@ class AgentChannel:
                 except (wire.ChannelError, OSError):
                     return
                 try:
-                    response, fds = self.handle(request)
+                    response, fds = self.handle(proto.parse_request(request))
                 except ResilrunError as exc:
                     response = {"ok": False, "error": exc.message, "hint": exc.hint, "code": type(exc).__name__}
                     fds = []
@@ -145,91 +157,117 @@ class AgentChannel:
                         if isinstance(fd, HandedFd):
                             os.close(fd)
 
-    def handle(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """One request -> (response, fds to pass)."""
-        op = request["op"]
-        if op == "attach":
-            rank = int(request["rank"])
-            memory = self.memory.rank(rank)
-            present = [i for i, buffer in enumerate(memory.slots) if buffer is not None]
-            fds = [memory.ctl.fd] + [memory.slots[i].fd for i in present]  # type: ignore[union-attr]
-            return {"ok": True, "slots": len(memory.slots), "present": present, **self.memory.describe(rank)}, fds
-        if op == "alloc":
-            rank = int(request["rank"])
-            buffer = self.memory.allocate(rank, int(request["slot"]), int(request["nbytes"]))
-            if buffer is None:  # no room for the ring's extra slot: the worker uses the smaller ring
-                return {"ok": True, "slots": len(self.memory.rank(rank).slots)}, []
-            return {"ok": True}, [buffer.fd]
-        if op == "commit":
-            if "pid" in request:
-                self.control.report_step(int(request["pid"]), int(request["step"]))
-            rank, step, nbytes = int(request["rank"]), int(request["step"]), int(request["nbytes"])
-            whole = self.memory.commit(
-                rank,
-                step,
-                int(request["slot"]),
-                nbytes,
-                request.get("values"),
-                parse_borrowed(request.get("borrowed"), rank, nbytes),
-                int(request.get("layout", 0)),
-                parse_shared(request.get("shared"), rank, nbytes),
-                int(request.get("round", -1)),
-                previous=int(request["previous"]) if "previous" in request else None,
-                replicate=bool(request["replicate"]) if "replicate" in request else None,
-            )
-            # The answer waits for the replicas to catch up (peer.py's commit gate): the worker reads
-            # it only before its next snapshot, so this costs training time only when they lag.
-            self.memory.pass_gates(rank, step)
-            copy_s = request.get("copy_s")
-            copied = int(request.get("copied", nbytes))  # less than nbytes when the snapshot borrows
-            self.telemetry.committed(rank, step, copied, None if copy_s is None else float(copy_s))
-            return {"ok": True, "whole": whole, "next": self.memory.next_slot(rank)}, []
-        if op == "report":
-            # A worker's recovery milestone (state restored, collectives rebuilt, first step done).
-            self.telemetry.worker_report(int(request["pid"]), request)
-            return {"ok": True}, []
-        if op == "finished":
-            self.control.finished(int(request["pid"]))
-            return {"ok": True}, []
-        if op == "beat":
-            self.control.beat(int(request["pid"]))
-            if int(request.get("step", -1)) >= 0:
-                self.control.report_step(int(request["pid"]), int(request["step"]))
-            return {"ok": True}, []
-        if op == "hello_api":
-            self.control.register_api(int(request["pid"]))
-            return {"ok": True}, []
-        if op == "await_assignment":
-            env = self.control.await_assignment(int(request["pid"]), float(request["timeout_s"]))
-            return {"ok": True, "env": env}, []
-        if op == "await_generation":
-            env = self.control.await_generation(
-                int(request["pid"]), int(request["round"]), float(request["timeout_s"]), bool(request.get("raised"))
-            )
-            return {"ok": True, "env": env}, []
-        if op == "restore_info":
-            return {"ok": True, **self.tiers.restore_info(int(request["rank"]), int(request["world_size"]))}, []
-        if op == "lend":
-            borrowed, buffers = self.tiers.lend(int(request["rank"]), int(request["step"]))
-            owners = sorted(buffers)
-            return {"ok": True, "borrowed": [list(r) for r in borrowed], "owners": owners}, [
-                buffers[owner].fd for owner in owners
-            ]
-        if op == "inventory":
-            return {"ok": True, **self.tiers.inventory()}, []
-        if op == "fetch":
-            info = self.tiers.fetch(int(request["rank"]), int(request["step"]), str(request["tier"]))
-            return {"ok": True, **info}, []
-        if op == "peek":
-            info = self.tiers.peek(int(request["rank"]), int(request["step"]), int(request["world_size"]))
-            return {"ok": True, **info}, []
-        if op == "gather_ranges":
-            select = Selection.from_message(request["select"])
-            info, fd = self.tiers.gather_ranges(
-                int(request["rank"]), int(request["step"]), int(request["world_size"]), select
-            )
-            return {"ok": True, **info}, [] if fd is None else [HandedFd(fd)]
-        raise ValueError(f"unknown op {op!r}")
+    def handle(self, request: Request) -> Reply:
+        """One request -> (response, fds to pass), by the handler its type names."""
+        return self._handlers[type(request)](request)
+
+    def _dispatch_table(self) -> dict[type[Request], Callable[[Any], Reply]]:
+        return {
+            proto.Attach: self._attach,
+            proto.Alloc: self._alloc,
+            proto.Commit: self._commit,
+            proto.Report: self._report,
+            proto.Finished: self._finished,
+            proto.Beat: self._beat,
+            proto.HelloApi: self._hello_api,
+            proto.AwaitAssignment: self._await_assignment,
+            proto.AwaitGeneration: self._await_generation,
+            proto.RestoreInfo: self._restore_info,
+            proto.Lend: self._lend,
+            proto.Inventory: self._inventory,
+            proto.Fetch: self._fetch,
+            proto.Peek: self._peek,
+            proto.GatherRanges: self._gather_ranges,
+        }
+
+    # -- the handlers: each a request of its type -> (reply, descriptors handed with it) -----------
+    def _attach(self, request: proto.Attach) -> Reply:
+        memory = self.memory.rank(request.rank)
+        present = [i for i, buffer in enumerate(memory.slots) if buffer is not None]
+        fds = [memory.ctl.fd] + [memory.slots[i].fd for i in present]  # type: ignore[union-attr]
+        return {"ok": True, "slots": len(memory.slots), "present": present, **self.memory.describe(request.rank)}, fds
+
+    def _alloc(self, request: proto.Alloc) -> Reply:
+        buffer = self.memory.allocate(request.rank, request.slot, request.nbytes)
+        if buffer is None:  # no room for the ring's extra slot: the worker uses the smaller ring
+            return {"ok": True, "slots": len(self.memory.rank(request.rank).slots)}, []
+        return {"ok": True}, [buffer.fd]
+
+    def _commit(self, request: proto.Commit) -> Reply:
+        if request.pid is not None:
+            self.control.report_step(request.pid, request.step)
+        rank, step, nbytes = request.rank, request.step, request.nbytes
+        whole = self.memory.commit(
+            rank,
+            step,
+            request.slot,
+            nbytes,
+            request.values,
+            parse_borrowed(request.borrowed, rank, nbytes),
+            request.layout,
+            parse_shared(request.shared, rank, nbytes),
+            request.round,
+            previous=request.previous,
+            replicate=request.replicate,
+        )
+        # The answer waits for the replicas to catch up (the commit gate: tiers/memory.py pass_gates,
+        # held by tiers/peer/replicator.py): the worker reads it only before its next snapshot, so
+        # this costs training time only when they lag.
+        self.memory.pass_gates(rank, step)
+        copied = nbytes if request.copied is None else request.copied  # less when the snapshot borrows
+        self.telemetry.committed(rank, step, copied, request.copy_s)
+        return {"ok": True, "whole": whole, "next": self.memory.next_slot(rank)}, []
+
+    def _report(self, request: proto.Report) -> Reply:
+        # A worker's recovery milestone (state restored, collectives rebuilt, first step done).
+        report = {**request.detail, "event": request.event, "rank": request.rank, "pid": request.pid}
+        self.telemetry.worker_report(request.pid, report)
+        return {"ok": True}, []
+
+    def _beat(self, request: proto.Beat) -> Reply:
+        self.control.beat(request.pid)
+        if request.step >= 0:
+            self.control.report_step(request.pid, request.step)
+        return {"ok": True}, []
+
+    def _finished(self, request: proto.Finished) -> Reply:
+        self.control.finished(request.pid)
+        return {"ok": True}, []
+
+    def _hello_api(self, request: proto.HelloApi) -> Reply:
+        self.control.register_api(request.pid)
+        return {"ok": True}, []
+
+    def _await_assignment(self, request: proto.AwaitAssignment) -> Reply:
+        return {"ok": True, "env": self.control.await_assignment(request.pid, request.timeout_s)}, []
+
+    def _await_generation(self, request: proto.AwaitGeneration) -> Reply:
+        env = self.control.await_generation(request.pid, request.round, request.timeout_s, request.raised)
+        return {"ok": True, "env": env}, []
+
+    def _restore_info(self, request: proto.RestoreInfo) -> Reply:
+        return {"ok": True, **self.tiers.restore_info(request.rank, request.world_size)}, []
+
+    def _inventory(self, request: proto.Inventory) -> Reply:
+        return {"ok": True, **self.tiers.inventory()}, []
+
+    def _fetch(self, request: proto.Fetch) -> Reply:
+        return {"ok": True, **self.tiers.fetch(request.rank, request.step, request.tier)}, []
+
+    def _peek(self, request: proto.Peek) -> Reply:
+        return {"ok": True, **self.tiers.peek(request.rank, request.step, request.world_size)}, []
+
+    def _lend(self, request: proto.Lend) -> Reply:
+        borrowed, buffers = self.tiers.lend(request.rank, request.step)
+        owners = sorted(buffers)
+        return {"ok": True, "borrowed": [list(r) for r in borrowed], "owners": owners}, [
+            buffers[owner].fd for owner in owners
+        ]
+
+    def _gather_ranges(self, request: proto.GatherRanges) -> Reply:
+        select = Selection.from_message(request.select)
+        info, fd = self.tiers.gather_ranges(request.rank, request.step, request.world_size, select)
+        return {"ok": True, **info}, [] if fd is None else [HandedFd(fd)]
 
     def close(self) -> None:
         self._closed.set()

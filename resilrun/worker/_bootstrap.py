@@ -185,20 +185,16 @@ def _next_generation(exc: BaseException) -> dict[str, str] | None:
         return None
     raised = _may_be_a_broken_collective(exc)
     wait_s = float(os.environ.get("RESILRUN_RECOVERY_WAIT_S", "10")) if raised else 0.0
+    from resilrun.channel_protocol import AwaitGeneration
     from resilrun.worker._channel import AgentClient
 
     try:
         client = AgentClient(socket_path)
         try:
-            response, _ = client.request(
-                {
-                    "op": "await_generation",
-                    "pid": os.getpid(),
-                    "round": int(os.environ.get("RESILRUN_ROUND", "0")),
-                    "timeout_s": wait_s,
-                    "raised": raised,
-                }
+            request = AwaitGeneration(
+                pid=os.getpid(), round=int(os.environ.get("RESILRUN_ROUND", "0")), timeout_s=wait_s, raised=raised
             )
+            response, _ = client.call(request)
         finally:
             client.close()
     except Exception as exc2:  # noqa: BLE001 - no agent, no recovery: the original error stands
@@ -230,12 +226,13 @@ def _tell_agent_finished() -> None:
     socket_path = os.environ.get("RESILRUN_AGENT_SOCKET")
     if not socket_path or "resilrun.worker.membership" not in sys.modules:
         return
+    from resilrun.channel_protocol import Finished
     from resilrun.worker._channel import AgentClient
 
     try:
         client = AgentClient(socket_path)
         try:
-            client.request({"op": "finished", "pid": os.getpid()})
+            client.call(Finished(pid=os.getpid()))
         finally:
             client.close()
     except Exception:  # noqa: BLE001 - best effort; the exit code says the rest

@@ -8,11 +8,9 @@ import socket
 from typing import Any
 
 from resilrun import wire
+from resilrun.channel_protocol import DEFAULT_DEADLINE_S, Auth, Request
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 
-# The agent answers from memory in microseconds; allocation pre-faults a buffer (a fraction of a
-# second per GiB). A minute means the agent is gone or wedged, not busy.
-_TIMEOUT_S = 60.0
 # The agent's refusals by class name: a restore tells "gone" (plan again) from "refused" (stop).
 _ERRORS: dict[str, type[CheckpointError]] = {
     cls.__name__: cls for cls in (CheckpointCorruptError, CheckpointNotFoundError, CheckpointError)
@@ -30,9 +28,9 @@ class AgentClient:
             CheckpointError: the agent is unreachable or refused the token.
         """
         self.path = path
-        self._posted: dict[str, Any] | None = None
+        self._posted: Request | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(_TIMEOUT_S)
+        self._sock.settimeout(DEFAULT_DEADLINE_S)
         try:
             self._sock.connect(path)
         except OSError as exc:
@@ -42,30 +40,32 @@ class AgentClient:
             ) from exc
         token = os.environ.get("RESILRUN_AGENT_TOKEN", "") if token is None else token
         try:
-            self.request({"op": "auth", "token": token})
+            self.call(Auth(token=token))
         except CheckpointError:
             self._sock.close()
             raise
 
-    def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """Send one request and return ``(response, fds)`` (after the answer to any ``post``).
+    def call(self, request: Request) -> tuple[dict[str, Any], list[int]]:
+        """Send one request and return ``(response, fds)`` (after the answer to any ``post``),
+        waiting for it up to the request's own deadline (``Request.deadline_s``).
 
         Raises:
-            CheckpointError: the agent refused the request (or the posted one) or the channel broke.
+            CheckpointError: the agent refused the request (or the posted one), the channel broke,
+                or no answer came within the deadline.
         """
         self.collect()
-        self._send(message)
-        return self._receive(message)
+        self._send(request)
+        return self._receive(request)
 
-    def post(self, message: dict[str, Any]) -> None:
+    def post(self, request: Request) -> None:
         """Send a request without waiting for its answer; ``collect`` (or the next request) reads it.
 
         Why: a commit's round trip is ~1 ms of training time on a busy node, and nothing in the
         step after it needs the answer.
         """
         self.collect()
-        self._send(message)
-        self._posted = message
+        self._send(request)
+        self._posted = request
 
     def collect(self) -> dict[str, Any] | None:
         """The answer to the posted request, if one is outstanding.
@@ -81,17 +81,18 @@ class AgentClient:
             os.close(fd)
         return response
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, request: Request) -> None:
         try:
-            wire.send(self._sock, message)
+            wire.send(self._sock, request.to_message())
         except OSError as exc:
-            raise CheckpointError(f"the agent channel failed during '{message.get('op')}': {exc}") from exc
+            raise CheckpointError(f"the agent channel failed during '{request.op}': {exc}") from exc
 
-    def _receive(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _receive(self, request: Request) -> tuple[dict[str, Any], list[int]]:
         try:
+            self._sock.settimeout(request.deadline_s)
             response, fds = wire.receive(self._sock)
         except (OSError, wire.ChannelError) as exc:
-            raise CheckpointError(f"the agent channel failed during '{message.get('op')}': {exc}") from exc
+            raise CheckpointError(f"the agent channel failed during '{request.op}': {exc}") from exc
         if not response.get("ok"):
             for fd in fds:
                 os.close(fd)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilrun.channel_protocol import AwaitAssignment, AwaitGeneration, Beat, HelloApi
 from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
 from resilrun.worker import _ddp_sync, _torch_compat
 from resilrun.worker._abort import GenerationWatchdog, SetupGuard, opened_since, peer_hosts, shut_down, tcp_sockets
@@ -89,7 +90,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         pg_seconds = time.monotonic() - pg_started
     snapshotter = None
     if client is not None:
-        client.request({"op": "hello_api", "pid": os.getpid()})
+        client.call(HelloApi(pid=os.getpid()))
         first = variables.rank - variables.local_rank
         group = range(first, first + variables.local_world_size)
         snapshotter = Snapshotter(client, variables.rank, group, variables.round)
@@ -137,7 +138,7 @@ def _start_heartbeat(agent_socket: str, interval_s: float) -> None:
             # nothing else, and the agent's hang detection counts progress, not snapshots.
             step = job.done if job is not None else -1
             try:
-                client.request({"op": "beat", "pid": os.getpid(), "step": step})
+                client.call(Beat(pid=os.getpid(), step=step))
             except Exception:  # noqa: BLE001 - the agent is gone; the process will be stopped anyway
                 return
             time.sleep(interval_s)
@@ -152,9 +153,7 @@ def _start_watchdog(
     client = AgentClient(agent_socket)
 
     def wait_for_next() -> bool:
-        response, _ = client.request(
-            {"op": "await_generation", "pid": os.getpid(), "round": round, "timeout_s": _SPARE_POLL_S}
-        )
+        response, _ = client.call(AwaitGeneration(pid=os.getpid(), round=round, timeout_s=_SPARE_POLL_S))
         return bool(response.get("env"))
 
     watchdog = GenerationWatchdog(wait_for_next, _abort_for(before, group_sockets), client.interrupt, client.close)
@@ -166,9 +165,7 @@ def _start_setup_guard(agent_socket: str, round: int, before: dict[int, int]) ->
     client = AgentClient(agent_socket)
 
     def wait_for_next() -> bool:
-        response, _ = client.request(
-            {"op": "await_generation", "pid": os.getpid(), "round": round, "timeout_s": _SPARE_POLL_S}
-        )
+        response, _ = client.call(AwaitGeneration(pid=os.getpid(), round=round, timeout_s=_SPARE_POLL_S))
         return bool(response.get("env"))
 
     guard = SetupGuard(wait_for_next, client.interrupt, before, release=client.close)
@@ -212,7 +209,7 @@ def stand_by() -> None:
     client = AgentClient(socket_path)
     try:
         while True:
-            response, _ = client.request({"op": "await_assignment", "pid": os.getpid(), "timeout_s": _SPARE_POLL_S})
+            response, _ = client.call(AwaitAssignment(pid=os.getpid(), timeout_s=_SPARE_POLL_S))
             if response.get("env"):
                 _TOOK_PART = True
                 apply_assignment(response["env"])

@@ -17,6 +17,19 @@ from typing import Any
 
 import torch
 
+from resilrun.channel_protocol import (
+    Alloc,
+    Attach,
+    Commit,
+    Fetch,
+    GatherRanges,
+    Inventory,
+    Lend,
+    Peek,
+    Report,
+    Request,
+    RestoreInfo,
+)
 from resilrun.errors import CheckpointError
 from resilrun.snapshot.dedup import Borrowed, borrowed_ranges, plan_owners, shared_ranges
 from resilrun.snapshot.layout import DTYPES, TORCH_TO_CODE, Layout, build_layout, parse_header
@@ -57,7 +70,7 @@ class Snapshotter:
 
     def attach(self) -> None:
         """(Re)map this rank's buffers as the agent holds them now (after a fetch from another tier)."""
-        response, fds = self._request({"op": "attach", "rank": self.rank})
+        response, fds = self._request(Attach(rank=self.rank))
         for buffer in [*self.slots, getattr(self, "ctl", None)]:
             if buffer is not None:
                 buffer.close()
@@ -74,7 +87,7 @@ class Snapshotter:
 
     def restore_info(self, world_size: int) -> dict[str, Any]:
         """Steps each tier holds for this rank: {"memory": [...], "peer": [...], "persisted": s|None}."""
-        response, _ = self._request({"op": "restore_info", "rank": self.rank, "world_size": world_size})
+        response, _ = self._request(RestoreInfo(rank=self.rank, world_size=world_size))
         return response
 
     def fetch(self, step: int, tier: str) -> dict[str, Any]:
@@ -83,7 +96,7 @@ class Snapshotter:
         Returns:
             The agent's account of the transfer: ``{"bytes": int, "seconds": float}``.
         """
-        response, _ = self._request({"op": "fetch", "rank": self.rank, "step": step, "tier": tier})
+        response, _ = self._request(Fetch(rank=self.rank, step=step, tier=tier))
         self.attach()
         return response
 
@@ -93,7 +106,7 @@ class Snapshotter:
         Raises:
             CheckpointError: a part of the step is gone (the restore plans again).
         """
-        response, fds = self._request({"op": "lend", "rank": self.rank, "step": step})
+        response, fds = self._request(Lend(rank=self.rank, step=step))
         self.unborrow()
         buffers = {int(owner): SharedBuffer.attach(fd) for owner, fd in zip(response["owners"], fds, strict=True)}
         self._lent = (step, tuple((int(o), int(b), int(e)) for o, b, e in response["borrowed"]), buffers)
@@ -106,7 +119,7 @@ class Snapshotter:
 
     def report(self, event: str, **fields: Any) -> None:
         """Tell the agent about a recovery milestone (for the job's recovery timeline); best effort."""
-        self._request({"op": "report", "event": event, "rank": self.rank, "pid": os.getpid(), **fields})
+        self._request(Report(pid=os.getpid(), rank=self.rank, event=event, detail=fields))
 
     # -- restore -------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -130,7 +143,7 @@ class Snapshotter:
     def inventory(self) -> dict[str, Any]:
         """Every snapshot the node and its peers hold, as [rank, step, world size], and the newest
         persisted [step, world size] (see ``snapshot.restore.plan_reshard``)."""
-        response, _ = self._request({"op": "inventory"})
+        response, _ = self._request(Inventory())
         return response
 
     def peek(self, rank: int, step: int, world_size: int) -> tuple[Any, bool]:
@@ -140,7 +153,7 @@ class Snapshotter:
         Raises:
             CheckpointError: no tier has it any more.
         """
-        response, _ = self._request({"op": "peek", "rank": rank, "step": step, "world_size": world_size})
+        response, _ = self._request(Peek(rank=rank, step=step, world_size=world_size))
         return response["values"], bool(response["memory"])
 
     def open_part(
@@ -154,8 +167,9 @@ class Snapshotter:
         Raises:
             CheckpointError: no tier has it any more.
         """
-        message = {"op": "gather_ranges", "rank": rank, "step": step, "world_size": world_size}
-        response, fds = self._request({**message, "select": select.to_message()})
+        response, fds = self._request(
+            GatherRanges(rank=rank, step=step, world_size=world_size, select=select.to_message())
+        )
         if not fds:
             return None
         buffer = SharedBuffer.attach(fds[0], populate=False)
@@ -174,7 +188,7 @@ class Snapshotter:
         Raises:
             CheckpointError: the snapshot is not complete in node memory.
         """
-        response, fds = self._request({"op": "attach", "rank": rank})
+        response, fds = self._request(Attach(rank=rank))
         committed = response["committed"]
         slot = next(
             (
@@ -194,7 +208,7 @@ class Snapshotter:
                     os.close(fd)
             if slot is None or not mapped:
                 raise CheckpointError(f"step {step} of rank {rank} (world size {world_size}) is not in node memory")
-            lent, owner_fds = self._request({"op": "lend", "rank": rank, "step": step})
+            lent, owner_fds = self._request(Lend(rank=rank, step=step))
             owners = {int(o): SharedBuffer.attach(fd) for o, fd in zip(lent["owners"], owner_fds, strict=True)}
             mapped.extend(owners.values())
             borrowed = tuple((int(o), int(b), int(e)) for o, b, e in lent["borrowed"])
@@ -264,23 +278,22 @@ class Snapshotter:
         self.seq.end(slot)
         copy_s = time.perf_counter() - started
         self.client.post(
-            {
-                "op": "commit",
-                "copy_s": round(copy_s, 6),
-                "rank": self.rank,
-                "step": step,
-                "slot": slot,
-                "nbytes": layout.total_bytes,
-                "copied": copied,
-                "pid": os.getpid(),
-                "values": values,
-                "borrowed": [list(r) for r in borrowed],
-                "shared": [list(r) for r in shared],
-                "round": self.round,
-                "layout": self._layout_crc,
-                **({"previous": previous} if previous is not None else {}),
-                **({"replicate": replicate} if replicate is not None else {}),
-            }
+            Commit(
+                rank=self.rank,
+                step=step,
+                slot=slot,
+                nbytes=layout.total_bytes,
+                pid=os.getpid(),
+                copy_s=round(copy_s, 6),
+                copied=copied,
+                values=values,
+                borrowed=[list(r) for r in borrowed],
+                shared=[list(r) for r in shared],
+                round=self.round,
+                layout=self._layout_crc,
+                previous=previous,
+                replicate=replicate,
+            )
         )
         self.held[slot] = (step, values)
 
@@ -303,9 +316,9 @@ class Snapshotter:
             if "next" in response:
                 self._next = int(response["next"])
 
-    def _request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _request(self, request: Request) -> tuple[dict[str, Any], list[int]]:
         self._settle()
-        return self.client.request(message)
+        return self.client.call(request)
 
     def close(self) -> None:
         """Unmap the slots and hang up (the agent keeps the memory)."""
@@ -378,7 +391,7 @@ class Snapshotter:
             # else the agent could not hold the ring's extra slot and shrank the ring: choose again
 
     def _allocate(self, slot: int, nbytes: int) -> SharedBuffer | None:
-        response, fds = self._request({"op": "alloc", "rank": self.rank, "slot": slot, "nbytes": nbytes})
+        response, fds = self._request(Alloc(rank=self.rank, slot=slot, nbytes=nbytes))
         if not fds:
             self._shrink(int(response["slots"]))
             return None

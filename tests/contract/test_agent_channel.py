@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from resilrun import channel_protocol as proto
 from resilrun import wire
 from resilrun.agent.channel import TOKEN_ENV, AgentChannel, channel_env
 from resilrun.agent.control import WorkerControl
@@ -53,7 +54,7 @@ def _raw(channel: AgentChannel, first: dict | None) -> tuple[dict, list[int]] | 
             reply, _ = wire.receive(sock)
             if not reply.get("ok"):
                 return reply, []
-        wire.send(sock, {"op": "attach", "rank": 0})
+        wire.send(sock, proto.Attach(rank=0).to_message())
         try:
             return wire.receive(sock)
         except (wire.ChannelError, OSError):
@@ -63,7 +64,7 @@ def _raw(channel: AgentChannel, first: dict | None) -> tuple[dict, list[int]] | 
 def test_a_client_with_the_agents_token_is_served(channel: AgentChannel) -> None:
     client = AgentClient(channel.path, token=channel.token)
     try:
-        response, fds = client.request({"op": "attach", "rank": 0})
+        response, fds = client.call(proto.Attach(rank=0))
         assert response["ok"] is True and len(fds) == 1  # the rank's control page
         for fd in fds:
             os.close(fd)
@@ -81,7 +82,7 @@ def test_a_connection_without_a_token_gets_no_file_descriptors(channel: AgentCha
 
 
 def test_a_wrong_token_is_refused_and_the_connection_closed(channel: AgentChannel) -> None:
-    reply = _raw(channel, {"op": "auth", "token": "0" * 64})
+    reply = _raw(channel, proto.Auth(token="0" * 64).to_message())
     assert reply == ({"ok": False, "error": "refused: a wrong agent token"}, [])
     with pytest.raises(CheckpointError, match="wrong agent token"):
         AgentClient(channel.path, token="f" * 64)
@@ -102,7 +103,7 @@ def test_a_silent_connection_does_not_block_other_workers(channel: AgentChannel)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
         idle.connect(channel.path)
         client = AgentClient(channel.path, token=channel.token)
-        client.request({"op": "beat", "pid": 1})
+        client.call(proto.Beat(pid=1))
         client.close()
 
 
@@ -146,9 +147,9 @@ def test_a_heartbeat_carries_the_newest_finished_step_as_progress(channel: Agent
     # detection fed (a step that no longer changes is a stall; one that changes is progress)
     client = AgentClient(channel.path, token=channel.token)
     try:
-        client.request({"op": "beat", "pid": 7, "step": -1})  # before the first step: no progress yet
+        client.call(proto.Beat(pid=7, step=-1))  # before the first step: no progress yet
         assert channel.control.stalled_for(7) is None
-        client.request({"op": "beat", "pid": 7, "step": 4})
+        client.call(proto.Beat(pid=7, step=4))
         assert channel.control.stalled_for(7) is not None
         assert channel.control.newest_step([7]) == 4
     finally:
@@ -179,10 +180,9 @@ def test_a_worker_resuming_at_another_world_size_gets_only_the_rows_it_asked_for
     before = _memfds()
     try:
         # When a worker asks for old rank 1's values, then 100 rows of its weight
-        peeked, _ = client.request({"op": "peek", "rank": 1, "step": 6, "world_size": 2})
+        peeked, _ = client.call(proto.Peek(rank=1, step=6, world_size=2))
         select = Selection({"model/w": (1000, 1100)})
-        message = {"op": "gather_ranges", "rank": 1, "step": 6, "world_size": 2, "select": select.to_message()}
-        response, fds = client.request(message)
+        response, fds = client.call(proto.GatherRanges(rank=1, step=6, world_size=2, select=select.to_message()))
         # Then it gets them, in a sparse memfd the agent no longer holds open, nothing else read
         assert peeked["values"] == {"world_size": 2, "rank": 1} and peeked["memory"] is False
         assert response["tier"] == "persistent" and len(fds) == 1
@@ -203,7 +203,7 @@ def test_a_worker_resuming_at_another_world_size_gets_only_the_rows_it_asked_for
         assert _memfds() == before
         # And a rank no tier holds is a clear error, not a hang
         with pytest.raises(CheckpointError, match="no tier holds step 6 of rank 5"):
-            client.request({**message, "rank": 5, "world_size": 6})
+            client.call(proto.GatherRanges(rank=5, step=6, world_size=6, select=select.to_message()))
     finally:
         client.close()
         agent.close()

@@ -35,7 +35,7 @@ class _Agent:
         self.closed = False
         _Agent.instances.append(self)
 
-    def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def call(self, request: object) -> tuple[dict[str, Any], list[int]]:
         while not self.release.wait(0.01):
             if self.interrupted.is_set():
                 raise CheckpointError("the agent channel failed during 'await_generation': shut down")
