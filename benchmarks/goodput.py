@@ -20,7 +20,7 @@ Inputs, each a measurement on this machine (override any of them):
   resilrun's mean step time over torchrun's (paired by round) and the interval auto picked; a
   failure redoes on average half an interval (the steps since the newest snapshot).
   Without it, ``--resilrun-step-ratio`` and ``--interval``.
-- Recovery times and steps redone at a killed worker: ``benchmarks/recovery.py`` (README: resilrun
+- Recovery times and steps redone at a killed worker: ``benchmarks/recovery.py`` (docs/benchmarks.md: resilrun
   0.44 s and 0 steps with a snapshot every step; torchrun 5.7 s plus the steps since its checkpoint).
 - dlrover-run (Flash Checkpoint in memory every step) and torchft (live peer recovery, no
   checkpoint): the figures measured on this machine in the same recovery scenario

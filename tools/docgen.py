@@ -1,10 +1,12 @@
-"""``python -m tools.docgen [--check]``: shell completions and man pages from the one CLI definition.
+"""``python -m tools.docgen [--check]``: shell completions, man pages and the flag reference from the one
+CLI definition.
 
 Writes ``completions/resilrun.{bash,zsh,fish}``, the exact text ``_RESILRUN_COMPLETE=source_<shell>
-resilrun`` prints, and ``man/resilrun.1`` plus ``man/resilrun-<command>.1``, roff in the style of
-httpie's ``ManPageBuilder``, by walking ``typer.main.get_command(app)``: options grouped by their
-help panel, ENVIRONMENT from the ``Config`` field metadata and the worker environment contract, EXIT
-STATUS from ``ExitCode``. ``--check`` regenerates in memory and exits 1 listing the files that differ.
+resilrun`` prints, ``man/resilrun.1`` plus ``man/resilrun-<command>.1``, roff in the style of
+httpie's ``ManPageBuilder``, and ``docs/flags.md``, the same reference as Markdown, by walking
+``typer.main.get_command(app)``: options grouped by their help panel, ENVIRONMENT from the ``Config``
+field metadata and the worker environment contract, EXIT STATUS from ``ExitCode``. ``--check``
+regenerates in memory and exits 1 listing the files that differ.
 
 Invariants: the output is a function of the code alone: no build date (the title line carries the
 release date and the version), no terminal width, no environment values; a default that would differ
@@ -33,7 +35,7 @@ from resilrun import __version__
 from resilrun.cli import app
 from resilrun.cli._output import Output
 from resilrun.config import CONFIG_FIELDS
-from resilrun.env import WorkerEnv
+from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE, WorkerEnv
 from resilrun.errors import EXIT_CODE_MEANINGS, ExitCode
 
 __all__ = ["generate", "main"]
@@ -235,7 +237,18 @@ EXTRA_ENV = [
     (
         "RESILRUN_FAULTS",
         "A fault plan for rehearsing failures, e.g. kill:rank=1,step=12; exit:rank=0,step=3,code=7 "
-        "(kinds kill, exit, raise, hang; attempt=N limits a fault to one restart attempt).",
+        "(kinds kill, exit, raise, hang (SIGSTOP), stall (sleeps with heartbeats running); step=restore "
+        "fires while the rank restores during a recovery; attempt=N limits a fault to one restart attempt).",
+    ),
+    (
+        "RESILRUN_FAULT_REPLICATION_DELAY_S",
+        "Set for an agent, holds each of its replica pushes that many seconds, e.g. 0.3 (a slow link: "
+        "training then waits for its replicas, and resilrun status shows how long).",
+    ),
+    (
+        "RESILRUN_FAULT_PERSIST_DELAY_S",
+        "Set for an agent, starts each of its uploads to the persistent tier that many seconds late, "
+        "e.g. 4 (a slow storage link).",
     ),
     ("PYTHON_EXEC", "The interpreter that runs Python workers (default: the one running resilrun)."),
     (
@@ -247,6 +260,33 @@ EXTRA_ENV = [
         "AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION",
         "S3 credentials and region come from the standard AWS chain (environment, shared config and "
         "credentials files, SSO, web identity, container and instance roles); resilrun takes no keys as flags.",
+    ),
+]
+
+# The variables of EXTRA_ENV that only resilrun run reads.
+_RUN_ONLY_ENV = (
+    "RESILRUN_FAULTS",
+    "RESILRUN_FAULT_REPLICATION_DELAY_S",
+    "RESILRUN_FAULT_PERSIST_DELAY_S",
+    "PYTHON_EXEC",
+    "RESILRUN_JOB_SECRET",
+)
+# Codes a worker (not the launcher) exits with for its agent to read; they never end resilrun itself.
+WORKER_EXIT_CODES = [
+    (
+        75,  # resilrun/worker/_abort.py SUPERSEDED_SETUP_EXIT_CODE
+        "the worker was stuck setting up the process group of a generation that was superseded meanwhile "
+        "and whose store is gone; a fresh process takes its rank in-process (docs/recovery.md)",
+    ),
+    (
+        STATE_LOST_EXIT_CODE,
+        "the job's state is in no tier (node memory, peer replicas, persistent storage): the agent stops "
+        "the job at once instead of spending restarts on it (exit 4)",
+    ),
+    (
+        STATE_REFUSED_EXIT_CODE,
+        "the only copy of the state was refused (a persisted step failing its checksums or MACs): final, "
+        'no spare and no restart; the job ends with "the job\'s state was refused" (exit 4)',
     ),
 ]
 
@@ -438,11 +478,7 @@ def _environment(page: ManPage, command: Any | None) -> None:
                 if envvar:
                     page.item(", ".join(_bold(e) for e in envvar), f"{param.opts[0]}: {param.help}")
         for names, meaning in EXTRA_ENV:
-            if (
-                command is not None
-                and command.name != "run"
-                and names in ("RESILRUN_FAULTS", "PYTHON_EXEC", "RESILRUN_JOB_SECRET")
-            ):
+            if command is not None and command.name != "run" and names in _RUN_ONLY_ENV:
                 continue
             page.item(", ".join(_bold(n) for n in names.split(", ")), meaning)
         if command is None or command.name == "run":
@@ -528,11 +564,180 @@ def _page(which: str) -> str:
     return page.build()
 
 
+# -- docs/flags.md -------------------------------------------------------------------------------------
+FLAGS_DOC = "docs/flags.md"
+# Where each help panel of resilrun run is explained at length (links relative to docs/).
+PANEL_DOCS = {
+    "Rendezvous": "[multi-host.md](multi-host.md)",
+    "Processes": "[recovery.md](recovery.md) (restarts), [status.md](status.md#per-rank-logs) (logs)",
+    "Health": "[recovery.md](recovery.md#detection)",
+    "Checkpoints": "[recovery.md](recovery.md#checkpoint-tiers), [integrations.md](integrations.md)",
+    "Observability": "[status.md](status.md)",
+    "Security": "[security.md](security.md)",
+}
+COMPLETION_LINES = [
+    "source completions/resilrun.bash                  # or: resilrun --install-completion",
+    "cp completions/resilrun.zsh ~/.zfunc/_resilrun    # zsh, with fpath+=~/.zfunc before compinit",
+    "cp completions/resilrun.fish ~/.config/fish/completions/",
+    "man -l man/resilrun-run.1                         # one page per command, and man/resilrun.1",
+]
+
+
+def _md(text: str) -> str:
+    """Plain help text as a Markdown table cell: options in code, pipes escaped, one line."""
+    text = " ".join(text.split())
+    return _OPTION.sub(lambda m: f"`{m.group(1)}`", text).replace("|", r"\|")
+
+
+def _md_code(text: str) -> str:
+    return "`" + text.replace("|", r"\|") + "`"
+
+
+def _md_default(param: Any) -> str:
+    default = param.default
+    if param.is_flag:
+        return "off"
+    if default in (None, "", ()):
+        return _SYMBOLIC_DEFAULTS.get(param.name, "")
+    return _md_code(_symbolic(str(default)))
+
+
+def _md_label(param: Any) -> str:
+    """The option's spellings without torchrun's underscore aliases, then what it takes."""
+    opts = sorted([*param.opts, *param.secondary_opts], key=lambda opt: opt.startswith("--"))
+    shown = [opt for opt in opts if "_" not in opt] or opts
+    names = ", ".join(_md_code(opt) for opt in shown)
+    return names if param.is_flag else f"{names} {_md_code(_metavar(param))}"
+
+
+def _md_envvars(param: Any) -> str:
+    envvar = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
+    return ", ".join(_md_code(e) for e in envvar)
+
+
+def _md_options(lines: list[str], command: Any, level: str) -> None:
+    panels: dict[str, list[Any]] = {}
+    for param in _visible(command):
+        panels.setdefault(_panel(param), []).append(param)
+    for title, params in panels.items():
+        lines += ["", f"{level} {title}", ""]
+        if title in PANEL_DOCS:
+            lines += [f"Explained in {PANEL_DOCS[title]}.", ""]
+        if title == "Arguments":
+            lines += ["| argument | meaning |", "| --- | --- |"]
+            for param in params:
+                label = _md_code(_metavar(param) + (" ..." if param.nargs == -1 else ""))
+                lines.append(f"| {label} | {_md((param.help or '').strip())} |")
+            continue
+        lines += ["| option | default | environment | meaning |", "| --- | --- | --- | --- |"]
+        for param in params:
+            row = [_md_label(param), _md_default(param), _md_envvars(param), _md((param.help or "").strip())]
+            lines.append("| " + " | ".join(row) + " |")
+
+
+def flags_markdown() -> str:
+    """docs/flags.md: every command's options, the environment, the files and the exit codes."""
+    group = typer.main.get_command(app)
+    lines = [
+        "<!-- Generated by python -m tools.docgen from the CLI definition (resilrun/config.py, resilrun/cli/): edit",
+        "     those and regenerate; python -m tools.docgen --check (run by the tests) fails when this differs. -->",
+        "",
+        "# Flags, environment variables and exit codes",
+        "",
+        f"The reference of every `{PROG}` command, generated from the same definition as `--help` and the man",
+        f"pages (`man -l man/{PROG}-run.1`). `{PROG} SCRIPT [ARGS]...` is short for `{PROG} run SCRIPT [ARGS]...`:",
+        "everything after SCRIPT goes to the script untouched.",
+        "",
+        "Every torchrun flag keeps its name, its underscore spelling (`--nproc_per_node`) and its `PET_*`",
+        "environment variable; every option of `run` is also `RESILRUN_<NAME>`. Precedence: flag >",
+        "`RESILRUN_*` > `PET_*` > default. Every value is checked before anything starts (a bad one: exit 2).",
+        "",
+        f"Commands: {', '.join(f'[`{name}`](#{PROG}-{name})' for name in _commands())}; "
+        "[environment](#environment-variables), [files](#files), [exit codes](#exit-codes), "
+        "[completion and man pages](#shell-completion-and-man-pages).",
+    ]
+    for name in _commands():
+        command = group.commands[name]  # type: ignore[attr-defined]
+        summary = (command.help or "").strip().splitlines()[0]
+        lines += ["", f"## `{PROG} {name}`", "", _md(summary)]
+        _md_options(lines, command, "###")
+    lines += [
+        "",
+        "## Environment variables",
+        "",
+        "Besides each option's own (above):",
+        "",
+        "| variable | meaning |",
+        "| --- | --- |",
+    ]
+    for names, meaning in EXTRA_ENV:
+        scope = f" (`{PROG} run` only)" if names in _RUN_ONLY_ENV else ""
+        lines.append(f"| {', '.join(_md_code(n) for n in names.split(', '))} | {_md(meaning)}{scope} |")
+    lines += [
+        "",
+        "Set for every worker: torchrun's worker environment, with the same names and meanings, plus",
+        "resilrun's own: " + ", ".join(_md_code(v) for v in _worker_variables()) + ".",
+        "`OMP_NUM_THREADS` is set to 1 when unset and a node runs more than one worker.",
+        "",
+        "## Files",
+        "",
+        "| path | what it holds |",
+        "| --- | --- |",
+    ]
+    for path, meaning in LOG_FILES + CHECKPOINT_FILES:
+        lines.append(f"| {_md_code(path)} | {_md(meaning)} |")
+    lines += [
+        "",
+        "## Exit codes",
+        "",
+        f"What `{PROG} run` exits with (`{PROG}` with no command is `run`):",
+        "",
+        "| code | name | meaning |",
+        "| --- | --- | --- |",
+    ]
+    for code in ExitCode:
+        lines.append(f"| {int(code)} | `{code.name}` | {_md(EXIT_CODE_MEANINGS[code])} |")
+    lines += [
+        "",
+        "The commands that launch nothing exit with some of these codes, some meaning something else:",
+        "",
+        "| command | code | meaning |",
+        "| --- | --- | --- |",
+    ]
+    for which, codes in EXIT_CODES.items():
+        meanings = {**EXIT_CODE_MEANINGS, **EXIT_OVERRIDES.get(which, {})}
+        for code in codes:
+            lines.append(f"| `{PROG} {which}` | {int(code)} | {_md(meanings[code])} |")
+    lines += [
+        "",
+        "A worker (not the launcher) exits with these codes for its agent to read:",
+        "",
+        "| code | meaning |",
+        "| --- | --- |",
+    ]
+    for code, meaning in WORKER_EXIT_CODES:
+        lines.append(f"| {code} | {_md(meaning)} |")
+    lines += [
+        "",
+        "## Shell completion and man pages",
+        "",
+        "Generated from the CLI definition and committed with this file (`python -m tools.docgen` writes them):",
+        "",
+        "```",
+        *COMPLETION_LINES,
+        "```",
+        "",
+        f"Completion knows that `run` is the default command: `{PROG} --nn<TAB>` offers `--nnodes`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def generate() -> dict[str, str]:
     """Every generated file, by path relative to the repository root."""
     files = {f"completions/{PROG}.{shell}": completion_script(shell) for shell in SHELLS}
     for which in ["", *_commands()]:
         files[f"man/{PROG}-{which}.1" if which else f"man/{PROG}.1"] = _page(which)
+    files[FLAGS_DOC] = flags_markdown()
     return files
 
 
@@ -548,7 +753,7 @@ def stale(root: Path = ROOT) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.docgen", description="Write completions/ and man/ from the CLI definition."
+        prog="python -m tools.docgen", description="Write completions/, man/ and docs/flags.md from the CLI definition."
     )
     parser.add_argument("--check", action="store_true", help="fail (exit 1) if a committed file differs")
     parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)

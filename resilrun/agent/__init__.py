@@ -63,9 +63,10 @@ __all__ = ["resolve_nproc", "run"]
 
 logger = logging.getLogger(__name__)
 
-# Agents poll a tiny version counter every monitor tick and re-read the O(nodes) rendezvous document
-# only when it moved, or after this long (the net under a writer that died mid-update); see
-# rendezvous/executor.py and the control-plane benchmark in the README.
+# On a store that cannot push (c10d), agents poll a tiny version counter every monitor tick and re-read
+# the O(nodes) rendezvous document only when it moved, or after this long (the net under a writer that
+# died mid-update); on etcd the document itself is pushed to each agent by watch, and neither the poll
+# nor this re-read happens. See rendezvous/executor.py and docs/benchmarks.md ("Control plane at scale").
 _STATE_REFRESH_S = 10.0
 
 
@@ -147,7 +148,7 @@ def run(config: Config) -> None:
             logger.warning(
                 "no job secret given: it is kept in the rendezvous store, where anyone who can reach %s can "
                 "read it and then forge this job's rendezvous and status documents%s; give every node the same "
-                "--job-secret-file (mode 0600) or %s (README: Security)",
+                "--job-secret-file (mode 0600) or %s (docs/security.md)",
                 endpoint,
                 " and read or forge its replicas" if config.replicas > 0 else "",
                 SECRET_ENV,

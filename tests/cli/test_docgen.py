@@ -1,6 +1,7 @@
-"""Generated docs never drift from the CLI: completions and man pages are regenerated and compared,
-man pages lint without a warning, the README's flag table matches ``resilrun run --help``, and
-``resilrun --help`` stays fast because it never imports torch."""
+"""Generated docs never drift from the CLI: completions, man pages and docs/flags.md are regenerated
+and compared, man pages lint without a warning, docs/flags.md lists every flag of ``resilrun run
+--help``, the README keeps its set-up commands and links to every doc, and ``resilrun --help`` stays
+fast because it never imports torch."""
 
 from __future__ import annotations
 
@@ -157,32 +158,79 @@ def test_man_page_renders_without_a_warning(page: Path) -> None:
         assert result.returncode == 0 and result.stdout + result.stderr == "", (linter[0], result.stdout, result.stderr)
 
 
-# -- README ----------------------------------------------------------------------------------------
-def _readme_flag_table() -> set[str]:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("\n## Flags") : readme.index("\n## ", readme.index("\n## Flags") + 1)]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
-    return {flag for row in rows for flag in re.findall(r"(?<![\w-])(--?[a-z0-9][a-z0-9-]*)", row.split("|")[1])}
+# -- docs/flags.md and the README ----------------------------------------------------------------
+FLAGS_MD = ROOT / "docs" / "flags.md"
 
 
-def test_readme_flag_table_lists_every_flag_of_run_help() -> None:
-    table = _readme_flag_table()
-    for param in _run_command().params:
-        dashed = [opt for opt in param.opts if opt.startswith("--") and "_" not in opt]
-        assert not dashed or dashed[0] in table, f"README flag table lacks {dashed[0]}"
+def _flags_section(command: str) -> str:
+    text = FLAGS_MD.read_text()
+    start = text.index(f"\n## `resilrun {command}`")
+    return text[start : text.index("\n## ", start + 1)]
 
 
-def test_readme_flag_table_has_no_flag_the_cli_lacks() -> None:
-    known = {opt for param in _run_command().params for opt in [*param.opts, *param.secondary_opts]}
-    assert _readme_flag_table() - known == set()
+def _documented_flags(section: str) -> set[str]:
+    rows = [line for line in section.splitlines() if line.startswith("| `-")]
+    return {flag for row in rows for flag in re.findall(r"`(--?[a-z0-9][a-z0-9-]*)`", row.split(" | ")[0])}
+
+
+def test_flags_doc_is_generated() -> None:
+    assert _docgen.FLAGS_DOC in _docgen.generate()
+    assert FLAGS_MD.read_text() == _docgen.flags_markdown()
+
+
+@pytest.mark.parametrize("command", ["run", "inspect-checkpoint", "status", "export"])
+def test_flags_doc_lists_every_flag_of_the_command_and_no_other(command: str) -> None:
+    cli = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
+    documented = _documented_flags(_flags_section(command))
+    known = {opt for param in cli.params for opt in [*param.opts, *param.secondary_opts]}
+    for param in cli.params:
+        dashed = [opt for opt in param.opts if opt.startswith("-") and "_" not in opt]
+        assert set(dashed) <= documented, f"docs/flags.md lacks {dashed} of {command}"
+    assert documented - known == set()
+
+
+def test_flags_doc_names_every_environment_variable_and_exit_code() -> None:
+    text = FLAGS_MD.read_text()
+    for field in CONFIG_FIELDS:
+        for env in field.metadata["env"]:
+            assert f"`{env}`" in text, env
+    exits = text[text.index("\n## Exit codes") :]
+    for code in ExitCode:
+        assert f"| {int(code)} | `{code.name}` | " in exits
+    from resilrun.worker._abort import SUPERSEDED_SETUP_EXIT_CODE
+
+    assert [code for code, _ in _docgen.WORKER_EXIT_CODES][0] == SUPERSEDED_SETUP_EXIT_CODE
 
 
 def test_readme_keeps_the_two_set_up_commands() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert "make demo" in readme and "make test" in readme
+    assert "make demo" in readme and "make test" in readme and "make quick" in readme
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
+    assert all(re.search(rf"^{target}:", makefile, re.M) for target in ("demo", "test", "quick"))
     assert "<!-- benchmarks -->" in readme
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_and_docs_link_only_to_files_and_headings_that_exist() -> None:
+    readme, docs = ROOT / "README.md", sorted((ROOT / "docs").glob("*.md"))
+    from_readme = set()
+    for page in [readme, ROOT / "CHANGELOG.md", *docs]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            assert resolved.exists(), f"{page.name} links to a missing {target}"
+            if page == readme:
+                from_readme.add(resolved)
+            if anchor and resolved.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", resolved.read_text(), re.M)
+                assert anchor in {_anchor(h) for h in headings}, f"{page.name} links to a missing {target}"
+    assert {doc.resolve() for doc in docs} <= from_readme, "the README links to every doc"
 
 
 # -- a fast --help ---------------------------------------------------------------------------------
