@@ -71,11 +71,6 @@ def round_done(run_id: str, round: int, node_id: str) -> str:
     return f"{_base(run_id)}/round/{round}/done/{node_id}"
 
 
-def round_left(run_id: str, round: int) -> str:
-    """Counter of nodes that saw the round finish and are leaving (lets the store host exit)."""
-    return f"{_base(run_id)}/round/{round}/left"
-
-
 def job_closed_ack(run_id: str) -> str:
     """Counter of nodes that saw the job closed (lets the store host exit last)."""
     return f"{_base(run_id)}/closed_ack"

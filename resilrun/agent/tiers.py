@@ -229,11 +229,6 @@ class NodeTiers:
         if self.on_rollback is not None:
             self.on_rollback(newest, known)
 
-    def _persisted_at(self, step: int) -> int:
-        """The world size of persisted ``step`` (-1: not complete there)."""
-        complete = self._complete(step)
-        return -1 if complete is None else int(complete["world_size"])
-
     def _complete(self, step: int) -> dict[str, Any] | None:
         """Persisted ``step``'s COMPLETE.json (None: no storage, or not complete there)."""
         if self.storage is None:
