@@ -12,6 +12,7 @@ import dataclasses
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -29,10 +30,104 @@ from resilrun.option_values import (
 )
 
 
-def _meta(flag: str, panel: str, help: str, *, pet: bool = True) -> dict[str, Any]:
+def _meta(
+    flag: str,
+    panel: str,
+    help: str,
+    *,
+    pet: bool = True,
+    short: tuple[str, ...] = (),
+    parse: Callable[[str, str], Any] | None = None,
+    show_envvar: bool = False,
+) -> dict[str, Any]:
+    """Everything the CLI needs of a field besides its name, type and default (the one definition
+    of a ``run`` option: cli/run.py builds the command from these). ``parse(flag, text)`` converts
+    the text given on the command line or in the environment; None: by the field's type
+    (``cli_value``). ``short``: one-letter spellings; ``show_envvar``: ``--help`` names the variables."""
     name = flag.lstrip("-").replace("-", "_").upper()
     envs = [f"RESILRUN_{name}"] + ([f"PET_{name}"] if pet else [])
-    return {"flag": flag, "env": envs, "panel": panel, "help": help, "value": _VALUES.get(flag)}
+    return {
+        "flag": flag,
+        "env": envs,
+        "panel": panel,
+        "help": help,
+        "value": _VALUES.get(flag),
+        "short": short,
+        "parse": parse,
+        "show_envvar": show_envvar,
+    }
+
+
+# -- the command line's text -> a field's value (every conversion of a run option is here) ----------
+def _integer(flag: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{flag} '{value}' is not an integer") from None
+
+
+def _seconds(flag: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{flag} '{value}' is not a number of seconds") from None
+
+
+def _every(flag: str, value: str) -> int:
+    """``N`` or ``auto`` (SNAPSHOT_AUTO)."""
+    if value.strip().lower() == "auto":
+        return SNAPSHOT_AUTO
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ConfigError(f"{flag} '{value}' is not a positive integer or auto", hint=f"e.g. {flag} 10 or {flag} auto")
+    return number
+
+
+def _percent(flag: str, value: str) -> float:
+    try:
+        return float(value.strip().removesuffix("%"))
+    except ValueError:
+        raise ConfigError(f"{flag} '{value}' is not a percentage", hint=f"e.g. {flag} 3") from None
+
+
+_BY_TYPE: dict[str, Callable[[str, str], Any]] = {"int": _integer, "float": _seconds}
+
+
+def _kind(spec: dataclasses.Field[Any]) -> str:
+    """The field's type without ``| None`` (annotations are strings here)."""
+    return str(spec.type).replace(" | None", "")
+
+
+def cli_value(spec: dataclasses.Field[Any], value: Any) -> Any:
+    """What the text given for ``spec``'s flag means as the field's value (None and "" for an
+    optional field: not given).
+
+    Raises:
+        ConfigError: not a value of the field's kind (one line naming the flag).
+    """
+    meta = spec.metadata
+    if isinstance(value, bool) or value is None:
+        return value
+    if value == "" and _kind(spec) != "str":
+        return None  # given empty: as not given (an optional field stays None, others their default)
+    parse = meta["parse"] or _BY_TYPE.get(_kind(spec))
+    return parse(meta["flag"], value) if parse is not None else value
+
+
+def cli_default(spec: dataclasses.Field[Any]) -> Any:
+    """The default as the command line spells it (``--help`` shows it): text for options that
+    take one, the bool for flags, None where there is none."""
+    default = spec.default
+    if default is None or isinstance(default, bool):
+        return default
+    if spec.metadata["parse"] is _every and default == SNAPSHOT_AUTO:
+        return "auto"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
 
 
 # What each option takes, as ``--help`` and the man page show it (flags that take no value: none).
@@ -90,7 +185,8 @@ class Config:
         default="1", metadata=_meta("--nproc-per-node", P, "Workers per node: N, auto, cpu or gpu.")
     )
     node_rank: int | None = field(
-        default=None, metadata=_meta("--node-rank", R, "This node's rank (default: assigned at rendezvous).")
+        default=None,
+        metadata=_meta("--node-rank", R, "This node's rank (default: assigned at rendezvous).", show_envvar=True),
     )
     rdzv_backend: str = field(default="c10d", metadata=_meta("--rdzv-backend", R, "c10d, etcd or static."))
     rdzv_endpoint: str = field(
@@ -119,7 +215,9 @@ class Config:
     monitor_interval_s: float = field(
         default=0.1, metadata=_meta("--monitor-interval", P, "Seconds between worker polls.")
     )
-    module: bool = field(default=False, metadata=_meta("--module", P, "Run SCRIPT as a module (python -m)."))
+    module: bool = field(
+        default=False, metadata=_meta("--module", P, "Run SCRIPT as a module (python -m).", short=("-m",))
+    )
     no_python: bool = field(
         default=False, metadata=_meta("--no-python", P, "Execute SCRIPT directly, not with python.")
     )
@@ -128,8 +226,12 @@ class Config:
         default="spawn", metadata=_meta("--start-method", P, "Accepted for torchrun compatibility.")
     )
     log_dir: str | None = field(default=None, metadata=_meta("--log-dir", P, "Base directory of per-rank logs."))
-    redirects: str = field(default="0", metadata=_meta("--redirects", P, "Streams to files only: 0-3 or 0:1,1:3."))
-    tee: str = field(default="0", metadata=_meta("--tee", P, "Streams to files and console: 0-3 or 0:1,1:3."))
+    redirects: str = field(
+        default="0", metadata=_meta("--redirects", P, "Streams to files only: 0-3 or 0:1,1:3.", short=("-r",))
+    )
+    tee: str = field(
+        default="0", metadata=_meta("--tee", P, "Streams to files and console: 0-3 or 0:1,1:3.", short=("-t",))
+    )
     local_ranks_filter: str = field(
         default="", metadata=_meta("--local-ranks-filter", P, "Local ranks shown on the console, e.g. 0,1.")
     )
@@ -175,12 +277,17 @@ class Config:
             "Snapshot every N optimizer steps (a failure redoes at most N-1), or auto: as often as "
             "--max-overhead allows.",
             pet=False,
+            parse=_every,
         ),
     )
     max_overhead_pct: float = field(
         default=3.0,
         metadata=_meta(
-            "--max-overhead", C, "With --snapshot-every auto: the share of step time snapshots may take, %.", pet=False
+            "--max-overhead",
+            C,
+            "With --snapshot-every auto: the share of step time snapshots may take, %.",
+            pet=False,
+            parse=_percent,
         ),
     )
     replicas: int = field(
@@ -197,6 +304,7 @@ class Config:
             "Replicate a snapshot to peers every N steps, or auto (with --snapshot-every auto): every "
             "k-th snapshot, k chosen with the interval under --max-overhead.",
             pet=False,
+            parse=_every,
         ),
     )
     checkpoint_uri: str | None = field(
