@@ -16,7 +16,7 @@ spare raised out of its stand-by, a survivor's generation watchdog stopped.)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 VERSION = 1
@@ -41,9 +41,15 @@ class Request:
         return DEFAULT_DEADLINE_S
 
     def to_message(self) -> dict[str, Any]:
-        """The JSON message on the wire (fields left at None are not sent)."""
-        body = {name: value for name, value in asdict(self).items() if value is not None}
-        return {"op": self.op, "v": VERSION, **body}
+        """The JSON message on the wire (fields left at None are not sent). Shallow, not
+        ``dataclasses.asdict``: that deep-copies the values tree of every commit, half a
+        millisecond of the training thread's step for a typical one."""
+        message: dict[str, Any] = {"op": self.op, "v": VERSION}
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if value is not None:
+                message[spec.name] = value
+        return message
 
 
 @dataclass(frozen=True, slots=True)
