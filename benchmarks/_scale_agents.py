@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from resilrun.agent.heartbeat import (  # noqa: E402
+from resilrun.agent.liveness.heartbeat import (  # noqa: E402
     SILENT,
     Heartbeat,
     StalenessJudge,

@@ -43,9 +43,9 @@ def free_port() -> int:
 
 def start_agent() -> Any:
     """A real agent channel in this process; the environment points ``resilrun.init()`` at it."""
-    from resilrun.agent.channel import AgentChannel, channel_env
-    from resilrun.agent.control import WorkerControl
-    from resilrun.agent.tiers import NodeTiers
+    from resilrun.agent.state.channel import AgentChannel, channel_env
+    from resilrun.agent.state.tiers import NodeTiers
+    from resilrun.agent.workers.control import WorkerControl
     from resilrun.tiers.memory import NodeMemoryTier
 
     memory = NodeMemoryTier(f"bench-{uuid.uuid4().hex[:8]}")

@@ -71,7 +71,7 @@ from _scale_agents import (  # noqa: E402
 )
 from _scale_agents import cpu_s as _cpu  # noqa: E402
 
-from resilrun.agent.heartbeat import lease_ttl_s  # noqa: E402
+from resilrun.agent.liveness.heartbeat import lease_ttl_s  # noqa: E402
 
 WARMUP_S, MEASURE_S = 2.0, 4.0
 TORCHRUN_PROCS = 8  # processes the torchrun agents' threads are spread over (at most N)
@@ -174,6 +174,7 @@ def run_cell(store: dict[str, Any], store_pid: int, n: int, mode: str, procs: in
         # simulated agents' own (their joins, and their heartbeats, which run throughout)
         result["rendezvous_store_cpu_pct"] = 100 * (_cpu(store_pid) - store0) / took
         result["rendezvous_sim_cpu_pct"] = 100 * (sum(a["cpu"] for a in after) - sum(b["cpu"] for b in before)) / took
+
         # and the store operations it asked, per agent (O(1) each, heartbeats included)
         def asked(samples: list[dict[str, Any]], kind: str) -> int:
             return sum(sample["kinds"].get(kind, 0) for sample in samples)
@@ -218,9 +219,7 @@ def run_cell(store: dict[str, Any], store_pid: int, n: int, mode: str, procs: in
         result["decide_s"] = min(decided) - killed if decided else None
         if detected and min(detected) < killed:  # (the window measured a round already over, too)
             result.update(detect_s=None, decide_s=None, ops_per_s=None, ops_per_agent_s=None)
-            result["note"] = (
-                "the victim was judged lost before it stopped: its renewals ran late on a saturated host"
-            )
+            result["note"] = "the victim was judged lost before it stopped: its renewals ran late on a saturated host"
         lags = [d["lag_p99_s"] for d in done if d["lag_p99_s"] is not None]
         # the slowest process's p99 over the measurement window (from the first sample to the kill)
         result["tick_lag_p99_ms"] = 1000 * max(lags) if lags else None
@@ -289,9 +288,7 @@ def torchrun_cell(n: int) -> dict[str, Any]:
         for p in range(procs):
             count = n // procs + (1 if p < n % procs else 0)
             argv = [sys.executable, script, str(port), run_id, str(n), str(first), str(count)]
-            workers.append(
-                subprocess.Popen([*argv, str(RENDEZVOUS_DEADLINE_S)], stdout=subprocess.PIPE, text=True)
-            )
+            workers.append(subprocess.Popen([*argv, str(RENDEZVOUS_DEADLINE_S)], stdout=subprocess.PIPE, text=True))
             first += count
         ready_by = time.monotonic() + RENDEZVOUS_DEADLINE_S
         while store.add(f"{run_id}/ready", 0) < n:
@@ -380,8 +377,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {_fmt(r.get('ops_per_agent_s'), 1)} ({_demanded(r)}) "
             f"| {_fmt(r.get('kib_read_per_agent_s'), 1)} | {_fmt(r.get('tick_lag_p99_ms'), 0)} "
             f"| {_fmt(r.get('store_cpu_pct'), 0)} | {_fmt(r.get('store_cpu_us_per_op'), 0)} "
-            f"| {_fmt(r.get('sim_cpu_pct'), 0)} |"
-            + (f" {r['note']}" if r.get("note") else "")
+            f"| {_fmt(r.get('sim_cpu_pct'), 0)} |" + (f" {r['note']}" if r.get("note") else "")
         )
     return "\n".join(lines)
 

@@ -171,9 +171,7 @@ def _report(
     step_ms = {name: statistics.median(m) * 1000 for name, m in means.items()}
     # Each round's ratio against that round's torchrun (runs of one round are interleaved, so they
     # share the machine's drift): the spread a single median hides.
-    rounds = [
-        {name: means[name][i] / means["torchrun"][i] for name in steady} for i in range(len(means["torchrun"]))
-    ]
+    rounds = [{name: means[name][i] / means["torchrun"][i] for name in steady} for i in range(len(means["torchrun"]))]
     walls = {name: statistics.median(w for w, _ in runs) for name, runs in results.items()}
     base = step_ms["torchrun"]
     lines = [

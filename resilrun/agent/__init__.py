@@ -21,21 +21,21 @@ from typing import TYPE_CHECKING, Any
 
 from resilrun import keys
 from resilrun.agent.addressing import choose_address, worker_network_env
-from resilrun.agent.channel import AgentChannel, channel_env
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.events import EVENTS_FILE, EventLog
-from resilrun.agent.fault_hooks import PERSIST_DELAY_ENV, delay_s
-from resilrun.agent.fence import WriteFence
-from resilrun.agent.heartbeat import HeartbeatSender
-from resilrun.agent.node_loss import PeerLiveness
-from resilrun.agent.persister import Persister
-from resilrun.agent.procs import HANDLED_SIGNALS
-from resilrun.agent.replication import PeerTier, job_secret
-from resilrun.agent.specs import NodeSetup
+from resilrun.agent.liveness.fence import WriteFence
+from resilrun.agent.liveness.heartbeat import HeartbeatSender
+from resilrun.agent.observability.events import EVENTS_FILE, EventLog
+from resilrun.agent.observability.telemetry import AgentTelemetry
+from resilrun.agent.state.channel import AgentChannel, channel_env
+from resilrun.agent.state.persister import Persister
+from resilrun.agent.state.replication import PeerTier, job_secret
+from resilrun.agent.state.tiers import NodeTiers
 from resilrun.agent.status import StatusPublisher
-from resilrun.agent.supervisor import SignalFlag, Supervisor
-from resilrun.agent.telemetry import AgentTelemetry
-from resilrun.agent.tiers import NodeTiers
+from resilrun.agent.supervision.node_loss import PeerLiveness
+from resilrun.agent.supervision.supervisor import SignalFlag, Supervisor
+from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.fault_hooks import PERSIST_DELAY_ENV, delay_s
+from resilrun.agent.workers.procs import HANDLED_SIGNALS
+from resilrun.agent.workers.specs import NodeSetup
 from resilrun.config import Config
 from resilrun.env import agent_environ
 from resilrun.errors import (
@@ -57,7 +57,7 @@ from resilrun.tiers.peer.wire import PeerKey
 from resilrun.tiers.slots import REPLICATED_SLOTS, SLOTS
 
 if TYPE_CHECKING:
-    from resilrun.agent.metrics import AgentMetrics
+    from resilrun.agent.observability.metrics import AgentMetrics
 
 __all__ = ["resolve_nproc", "run"]
 
@@ -345,7 +345,7 @@ def _metrics(config: Config, snapshot: Callable[[], dict[str, Any] | None]) -> A
     """The metrics registry when --metrics-port is given (prometheus_client is imported only then)."""
     if config.metrics_port is None:
         return None
-    from resilrun.agent.metrics import AgentMetrics
+    from resilrun.agent.observability.metrics import AgentMetrics
 
     return AgentMetrics(snapshot)
 

@@ -25,17 +25,17 @@ from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.heartbeat import StalenessJudge, read_heartbeats
-from resilrun.agent.telemetry import AgentTelemetry
+from resilrun.agent.liveness.heartbeat import StalenessJudge, read_heartbeats
+from resilrun.agent.observability.telemetry import AgentTelemetry
+from resilrun.agent.workers.control import WorkerControl
 from resilrun.env import SNAPSHOT_AUTO
 from resilrun.errors import ResilrunError
 from resilrun.status import records as history
 from resilrun.tiers.memory import NodeMemoryTier
 
 if TYPE_CHECKING:
-    from resilrun.agent.procs import WorkerSnapshot
-    from resilrun.agent.supervisor import Supervisor
+    from resilrun.agent.supervision.supervisor import Supervisor
+    from resilrun.agent.workers.procs import WorkerSnapshot
     from resilrun.config import Config
 
 logger = logging.getLogger(__name__)

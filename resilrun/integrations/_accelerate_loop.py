@@ -89,9 +89,7 @@ class Loop:
         if self.active:
             self.active = False
             self.position = self.held = None
-            logger.warning(
-                "resilrun: %s; this run is not snapshotted, and a failure resumes it as under torchrun", why
-            )
+            logger.warning("resilrun: %s; this run is not snapshotted, and a failure resumes it as under torchrun", why)
 
     # -- what is snapshotted --------------------------------------------------------------------------
     def objects(self) -> dict[str, Any]:

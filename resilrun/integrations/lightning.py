@@ -268,9 +268,7 @@ class _Session:
         from resilrun.integrations._held import LiveState
         from resilrun.worker.job import fix_bucket_layouts
 
-        self.job.track(
-            lightning=LiveState(self.checkpoint, "Lightning's state is restored through fit(ckpt_path=...)")
-        )
+        self.job.track(lightning=LiveState(self.checkpoint, "Lightning's state is restored through fit(ckpt_path=...)"))
         fix_bucket_layouts([self.trainer.strategy.model])
 
     def before_batch(self) -> None:

@@ -266,4 +266,3 @@ def _callback_class() -> type:
             self._session.job.finish()
 
     return ResilrunCallback
-

@@ -126,9 +126,7 @@ class GatewayEndpoint:
     def _connection(self) -> http.client.HTTPConnection:
         if self._context is None:
             return http.client.HTTPConnection(self.host, self.port, timeout=self._connect_timeout_s)
-        return http.client.HTTPSConnection(
-            self.host, self.port, timeout=self._connect_timeout_s, context=self._context
-        )
+        return http.client.HTTPSConnection(self.host, self.port, timeout=self._connect_timeout_s, context=self._context)
 
 
 def _fail(conn: http.client.HTTPConnection, exc: BaseException) -> NoReturn:

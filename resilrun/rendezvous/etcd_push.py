@@ -39,7 +39,6 @@ def kv_value(kv: dict[str, Any]) -> bytes:
     return base64.b64decode(kv.get("value", ""))
 
 
-
 class KeyWatch:
     """One key as an etcd watch pushes it: its value (None: absent) and when this process saw it
     last change (``EtcdBackend.watch_key``, ``watch_presence``).

@@ -14,7 +14,7 @@ What it does not do, on purpose:
   or hand out indices. A party at the store can bump a dead node's heartbeat and so delay its
   detection (denial of service, like deleting keys), or hold a live node's counter still; the
   latter does not make the node lost, because a heartbeat verdict counts only once the node's
-  agent fails to prove the job secret on its replica server (``agent/node_loss.py``).
+  agent fails to prove the job secret on its replica server (``agent/supervision/node_loss.py``).
 - Replay: a MAC cannot tell an old valid value from a new one. The documents whose replay could
   roll the job back carry their own version, checked by their readers (the rendezvous state's
   ``seq``: rendezvous/executor.py); the others are keyed by round, index or node.

@@ -445,7 +445,7 @@ class NodeMemoryTier:
                         "complete": not _borrowing.missing(self._ranks, c),
                     }
                     for slot, c in memory.committed.items()
-                }
+                },
             }
 
     def held_ranks(self) -> list[int]:

@@ -60,7 +60,7 @@ class Committed:
     origin: str = "worker"
     # The step this rank snapshotted before this one (-1: none; None: not said). Tiers that copy
     # every N-th step choose by it, so with unevenly spaced snapshots (--snapshot-every auto) every
-    # rank still copies the same steps (agent/persister.py's ``persists``).
+    # rank still copies the same steps (agent/state/persister.py's ``persists``).
     previous: int | None = None
     # Whether the peers get this snapshot, as the workers' schedule agreed (--replicate-every auto;
     # the same on every rank); None: the agent's --replicate-every N decides (``replicated``).

@@ -1,4 +1,4 @@
-"""The worker side of the agent channel (see resilrun.agent.channel for the server)."""
+"""The worker side of the agent channel (see resilrun.agent.state.channel for the server)."""
 
 from __future__ import annotations
 

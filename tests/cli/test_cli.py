@@ -400,7 +400,6 @@ def test_snapshot_every_auto_with_a_budget_reaches_the_config(
     assert (config.snapshot_every, config.max_overhead_pct, config.replicate_every) == (SNAPSHOT_AUTO, 2.0, 10)
 
 
-
 def test_replicate_every_auto_reaches_the_config(
     capsys: pytest.CaptureFixture[str], launched: list[Config], script: str
 ) -> None:

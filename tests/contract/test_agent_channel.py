@@ -1,7 +1,7 @@
 """The worker<->agent channel refuses strangers: no token, a wrong token, another uid.
 
 The channel hands out node-memory file descriptors and accepts commits, so a process that is not
-one of the agent's workers must get nothing. (resilrun.agent.channel explains the three layers.)
+one of the agent's workers must get nothing. (resilrun.agent.state.channel explains the three layers.)
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 
 from resilrun import channel_protocol as proto
 from resilrun import wire
-from resilrun.agent.channel import TOKEN_ENV, AgentChannel, channel_env
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.tiers import NodeTiers
+from resilrun.agent.state.channel import TOKEN_ENV, AgentChannel, channel_env
+from resilrun.agent.state.tiers import NodeTiers
+from resilrun.agent.workers.control import WorkerControl
 from resilrun.errors import CheckpointError
 from resilrun.snapshot.layout import parse_header
 from resilrun.snapshot.selection import Selection

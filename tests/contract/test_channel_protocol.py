@@ -15,9 +15,9 @@ import torch
 
 from resilrun import channel_protocol as proto
 from resilrun import wire
-from resilrun.agent.channel import AgentChannel
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.tiers import NodeTiers
+from resilrun.agent.state.channel import AgentChannel
+from resilrun.agent.state.tiers import NodeTiers
+from resilrun.agent.workers.control import WorkerControl
 from resilrun.errors import CheckpointError
 from resilrun.snapshot.selection import Selection
 from resilrun.storage import LocalStorage

@@ -19,10 +19,10 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from resilrun.agent.channel import AgentChannel, channel_env
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.telemetry import Telemetry
-from resilrun.agent.tiers import NodeTiers
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.state.channel import AgentChannel, channel_env
+from resilrun.agent.state.tiers import NodeTiers
+from resilrun.agent.workers.control import WorkerControl
 from resilrun.snapshot.layout import DTYPES, parse_header
 from resilrun.tiers.memory import NodeMemoryTier
 

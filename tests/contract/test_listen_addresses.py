@@ -13,7 +13,7 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from resilrun.agent.replication import PeerTier
+from resilrun.agent.state.replication import PeerTier
 from resilrun.rendezvous.c10d import connect_store, host_store, open_store
 from resilrun.tiers.memory import NodeMemoryTier
 

@@ -23,8 +23,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from resilrun.agent.heartbeat import StalenessJudge
-from resilrun.agent.node_loss import NodeWatch, PeerLiveness
+from resilrun.agent.liveness.heartbeat import StalenessJudge
+from resilrun.agent.supervision.node_loss import NodeWatch, PeerLiveness
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer import ReplicaServer, ReplicaStore, ReplicationError, alive, push

@@ -23,7 +23,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from resilrun.agent.replication import PeerTier
+from resilrun.agent.state.replication import PeerTier
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from resilrun.snapshot.dedup import layout_hash
 from resilrun.snapshot.layout import parse_header

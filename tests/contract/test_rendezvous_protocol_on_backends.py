@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 
-from resilrun.agent.heartbeat import HeartbeatSender, StalenessJudge, read_heartbeats
+from resilrun.agent.liveness.heartbeat import HeartbeatSender, StalenessJudge, read_heartbeats
 from resilrun.errors import RendezvousClosedError
 from resilrun.rendezvous import document
 from resilrun.rendezvous.api import RendezvousBackend

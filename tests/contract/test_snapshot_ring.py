@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from resilrun.agent.channel import AgentChannel
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.tiers import NodeTiers
+from resilrun.agent.state.channel import AgentChannel
+from resilrun.agent.state.tiers import NodeTiers
+from resilrun.agent.workers.control import WorkerControl
 from resilrun.env import SNAPSHOT_AUTO
 from resilrun.tiers import memory as memory_module
 from resilrun.tiers.memory import NodeMemoryTier

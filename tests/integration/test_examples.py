@@ -27,7 +27,18 @@ TINY = {
     "train_ddp_torchrun.py": ["--steps", "6", "--hidden", "16"],
     "train_fsdp2.py": ["--steps", "6", "--hidden", "16", "--layers", "2"],
     "train_gpt.py": [
-        "--steps", "8", "--layers", "2", "--width", "32", "--heads", "2", "--vocab", "64", "--context", "16",
+        "--steps",
+        "8",
+        "--layers",
+        "2",
+        "--width",
+        "32",
+        "--heads",
+        "2",
+        "--vocab",
+        "64",
+        "--context",
+        "16",
     ],  # fmt: skip
     "train_scheduler_dataloader.py": [
         "--steps",

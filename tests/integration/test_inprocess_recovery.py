@@ -176,9 +176,7 @@ def test_a_worker_stuck_before_its_first_step_is_caught_by_the_first_step_timeou
     assert target.read_text() == _clean_checksum(launcher, tmp_path, 2)
 
 
-def test_failures_alternating_between_ranks_at_one_step_exhaust_the_in_process_budget(
-    launcher, tmp_path: Path
-) -> None:
+def test_failures_alternating_between_ranks_at_one_step_exhaust_the_in_process_budget(launcher, tmp_path: Path) -> None:
     # Given ranks 0 and 1 killed in turn as step 5 starts, in every incarnation, spares to replace each
     plan = "; ".join(f"kill:rank={attempt % 2},step=5,attempt={attempt}" for attempt in range(8))
     run = launcher(

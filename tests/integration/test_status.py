@@ -16,7 +16,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from resilrun.agent.events import read_events
+from resilrun.agent.observability.events import read_events
 from tests.conftest import free_port
 from tests.integration.conftest import ROOT, wait_for
 from tests.integration.test_tier1_restore import EXAMPLE
@@ -226,8 +226,10 @@ def test_with_snapshot_every_auto_status_and_metrics_show_the_interval_and_the_s
     # When the ranks agreed an interval and trained past the next snapshot
     doc = poll(
         port,
-        lambda d: (d.get("snapshot_policy") or {}).get("interval") is not None
-        and (d["job"]["newest_step"] or 0) > d["snapshot_policy"]["decided_at_step"] + 5,
+        lambda d: (
+            (d.get("snapshot_policy") or {}).get("interval") is not None
+            and (d["job"]["newest_step"] or 0) > d["snapshot_policy"]["decided_at_step"] + 5
+        ),
         200,
         "an agreed interval",
         [node],

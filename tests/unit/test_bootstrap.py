@@ -38,7 +38,7 @@ def test_error_files_of_two_ranks_failing_in_one_second_order_them(tmp_path, mon
     # The root cause is the earliest failure: whole seconds would tie two ranks failing together
     import time
 
-    from resilrun.agent.failures import collect_failure, root_cause
+    from resilrun.agent.workers.failures import collect_failure, root_cause
     from resilrun.worker._bootstrap import write_error_file
 
     failures = []

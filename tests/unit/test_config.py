@@ -551,7 +551,7 @@ def test_bad_metrics_settings_are_usage_errors(changes: dict[str, object], fragm
 
 @pytest.mark.parametrize(("flag", "expected"), [(False, True), (True, False)])
 def test_no_snapshot_dedup_reaches_every_worker(tmp_path: Path, flag: bool, expected: bool) -> None:
-    from resilrun.agent.specs import NodeSetup, worker_specs
+    from resilrun.agent.workers.specs import NodeSetup, worker_specs
     from resilrun.env import read_worker_variables
     from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from resilrun.agent.control import WorkerControl
+from resilrun.agent.workers.control import WorkerControl
 
 
 def test_the_first_step_allowance_runs_from_the_generation_start_until_a_step_is_committed() -> None:

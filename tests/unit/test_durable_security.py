@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilrun.agent.tiers import NodeTiers
+from resilrun.agent.state.tiers import NodeTiers
 from resilrun.errors import CheckpointCorruptError, ExitCode
 from resilrun.snapshot.selection import Selection
 from resilrun.storage import MemoryStorage
@@ -233,7 +233,7 @@ def test_deleting_the_newest_complete_markers_is_reported_as_a_rollback(caplog: 
         assert tiers.restore_info(0, 1)["persisted"] == 7
         assert found == []
         storage.delete(m.complete_key(7))  # someone rolls the bucket back to step 3
-        with caplog.at_level(logging.WARNING, logger="resilrun.agent.tiers"):
+        with caplog.at_level(logging.WARNING, logger="resilrun.agent.state.tiers"):
             assert tiers.restore_info(0, 1)["persisted"] == 3
             tiers.restore_info(0, 1)  # (said once)
         assert found == [(3, 7)]
@@ -250,7 +250,7 @@ def test_a_step_this_job_persisted_but_storage_no_longer_has_is_reported(caplog:
         tiers = NodeTiers(
             memory, storage, persisted_before=lambda: 9, on_rollback=lambda now, before: found.append((now, before))
         )
-        with caplog.at_level(logging.WARNING, logger="resilrun.agent.tiers"):
+        with caplog.at_level(logging.WARNING, logger="resilrun.agent.state.tiers"):
             tiers.restore_info(0, 1)
         assert found == [(3, 9)]
         assert any("step 9" in r.getMessage() and "rolled back" in r.getMessage() for r in caplog.records)

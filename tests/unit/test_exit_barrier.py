@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from resilrun import keys
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.rounds import RoundEnd, SignalFlag
-from resilrun.agent.specs import NodeSetup
-from resilrun.agent.supervisor import Supervisor
+from resilrun.agent.supervision.rounds import RoundEnd, SignalFlag
+from resilrun.agent.supervision.supervisor import Supervisor
+from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.specs import NodeSetup
 from resilrun.config import Config
 from resilrun.errors import RendezvousClosedError, RendezvousTimeoutError, ShutdownRequested
 from resilrun.rendezvous.executor import RendezvousClient

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from resilrun.agent.failures import FailureLedger, ProcessFailure, collect_failure, format_report, root_cause
+from resilrun.agent.workers.failures import FailureLedger, ProcessFailure, collect_failure, format_report, root_cause
 from resilrun.rendezvous.memory import MemoryBackend
 
 

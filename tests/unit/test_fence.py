@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from resilrun.agent.fence import WriteFence
+from resilrun.agent.liveness.fence import WriteFence
 from resilrun.errors import StoreConnectionError
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 
@@ -28,7 +28,7 @@ def state(*nodes: str, round: int = 2) -> RdzvState:
 def test_a_participant_within_its_lease_may_write_and_each_condition_alone_stops_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="resilrun.agent.fence")
+    caplog.set_level(logging.INFO, logger="resilrun.agent.liveness.fence")
     clock, confirmed = Clock(), [99.0]
     current: list[RdzvState | Exception] = [state("h0:1:x", ME)]
 

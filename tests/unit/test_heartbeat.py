@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from resilrun import keys
-from resilrun.agent.heartbeat import Reading, StalenessJudge, lease_ttl_s, read_heartbeats, watched_nodes
-from resilrun.agent.policy import Action, AgentView, decide
+from resilrun.agent.liveness.heartbeat import Reading, StalenessJudge, lease_ttl_s, read_heartbeats, watched_nodes
+from resilrun.agent.supervision.policy import Action, AgentView, decide
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import RdzvState
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from resilrun.agent.rounds import Round
-from resilrun.agent.telemetry import Telemetry
-from resilrun.agent.worker_verdicts import HungWorkers
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.supervision.rounds import Round
+from resilrun.agent.supervision.worker_verdicts import HungWorkers
 from resilrun.config import Config
 from resilrun.rendezvous.protocol import RdzvState
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from resilrun import keys
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.failures import FailureLedger
-from resilrun.agent.worker_verdicts import RAISED_GRACE_S, RaisedVerdict
+from resilrun.agent.supervision.worker_verdicts import RAISED_GRACE_S, RaisedVerdict
+from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.failures import FailureLedger
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 

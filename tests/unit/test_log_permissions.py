@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from resilrun.agent import _log_root
-from resilrun.agent.events import EVENTS_FILE, EventLog
-from resilrun.agent.procs import WorkerSpec, spawn
+from resilrun.agent.observability.events import EVENTS_FILE, EventLog
+from resilrun.agent.workers.procs import WorkerSpec, spawn
 from resilrun.config import Config
 from resilrun.errors import ConfigError, ExitCode
 from resilrun.option_values import Std

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from resilrun.agent.persister import Persister
+from resilrun.agent.state.persister import Persister
 from resilrun.storage import MemoryStorage
 from resilrun.tiers import durable
 from resilrun.tiers.memory import NodeMemoryTier
@@ -106,7 +106,7 @@ def test_a_node_the_fence_refuses_neither_uploads_nor_counts_and_one_refused_mid
 
 def test_a_step_restored_from_storage_is_not_uploaded_again_but_the_next_one_is() -> None:
     # Given storage holding step 0 of a one-rank job (a new job resuming on an old --checkpoint-uri)
-    from resilrun.agent.tiers import NodeTiers
+    from resilrun.agent.state.tiers import NodeTiers
 
     storage = MemoryStorage()
     durable.write_rank(storage, 0, 0, 1, make_snapshot({"w": torch.zeros(64)}), {"step": 0})

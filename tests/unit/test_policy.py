@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from resilrun.agent.policy import Action, AgentView, decide
+from resilrun.agent.supervision.policy import Action, AgentView, decide
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 
 A = NodeInfo(node_id="a", addr="a", local_world_size=2)

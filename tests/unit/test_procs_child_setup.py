@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from resilrun.agent import procs
+from resilrun.agent.workers import procs
 from resilrun.option_values import Std
 
 # Runs in the worker, after exec (its own ctypes, untouched by the test's patch).

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from resilrun.agent import procs
-from resilrun.agent.rounds import Membership, NodePhase, Round
 from resilrun.agent.status import StatusPublisher
+from resilrun.agent.supervision.rounds import Membership, NodePhase, Round
+from resilrun.agent.workers import procs
 from resilrun.option_values import Std
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import RdzvState

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from resilrun.agent import procs
+from resilrun.agent.workers import procs
 from resilrun.option_values import Std
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from resilrun.agent.policy import Action, AgentView, decide
+from resilrun.agent.supervision.policy import Action, AgentView, decide
 from resilrun.errors import RendezvousError
 from resilrun.rendezvous.protocol import (
     MAX_RECOVERIES_WITHOUT_PROGRESS,
@@ -367,9 +367,14 @@ def test_the_state_round_trips_with_spares_and_reads_documents_without_them() ->
     state = RdzvState(round=1, complete=True, participants=(A, B), spares=(C,))
     assert RdzvState.from_bytes(state.to_bytes()) == state
     # (documents written before spare nodes existed have no "spares" field)
-    assert RdzvState.from_bytes(b'{"closed":false,"complete":false,"failure":null,"outcome":null,'
-                                b'"participants":[],"recovering":false,"recoveries":0,"restarts":0,'
-                                b'"round":0,"waiting":[]}') == RdzvState()
+    assert (
+        RdzvState.from_bytes(
+            b'{"closed":false,"complete":false,"failure":null,"outcome":null,'
+            b'"participants":[],"recovering":false,"recoveries":0,"restarts":0,'
+            b'"round":0,"waiting":[]}'
+        )
+        == RdzvState()
+    )
 
 
 # -- the in-process recovery budget -----------------------------------------------------------------

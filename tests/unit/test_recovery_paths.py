@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 
 from resilrun import keys
-from resilrun.agent import round_master
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.failures import ProcessFailure
-from resilrun.agent.procs import Processes, WorkerSnapshot, WorkerSpec
-from resilrun.agent.rounds import NodePhase, Round, RoundEnd, SignalFlag
-from resilrun.agent.specs import NodeSetup
-from resilrun.agent.supervisor import Supervisor
-from resilrun.agent.telemetry import Telemetry
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.supervision import round_master
+from resilrun.agent.supervision.rounds import NodePhase, Round, RoundEnd, SignalFlag
+from resilrun.agent.supervision.supervisor import Supervisor
+from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.failures import ProcessFailure
+from resilrun.agent.workers.procs import Processes, WorkerSnapshot, WorkerSpec
+from resilrun.agent.workers.specs import NodeSetup
 from resilrun.config import Config
 from resilrun.env import STATE_LOST_EXIT_CODE
 from resilrun.errors import ShutdownRequested, StateLostError, WorkerGroupFailed

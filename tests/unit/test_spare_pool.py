@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from resilrun.agent.procs import WorkerSpec
-from resilrun.agent.rounds import Round, SignalFlag
-from resilrun.agent.spare_pool import SPARE_READY_TIMEOUT_S, SparePool
-from resilrun.agent.specs import NodeSetup
-from resilrun.agent.telemetry import Telemetry
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.supervision.rounds import Round, SignalFlag
+from resilrun.agent.supervision.spare_pool import SPARE_READY_TIMEOUT_S, SparePool
+from resilrun.agent.workers.procs import WorkerSpec
+from resilrun.agent.workers.specs import NodeSetup
 from resilrun.config import Config
 from resilrun.errors import ShutdownRequested
 from resilrun.rendezvous.protocol import RdzvState
@@ -129,13 +129,14 @@ def test_top_up_starts_the_configured_spares_and_replaces_dead_ones(make) -> Non
 
 
 def test_a_spare_that_dies_while_waiting_is_reported_and_restarted_after_a_growing_backoff(
-    make, caplog: pytest.LogCaptureFixture  # noqa: ANN001
+    make,
+    caplog: pytest.LogCaptureFixture,  # noqa: ANN001
 ) -> None:
     p = make(spares=1, warm_s=None)  # spares that die before they ever wait for a rank
     p.pool.top_up(p.round)
     spare = p.round.spares[0]
     spare.die(1, "RuntimeError: could not preload the model")
-    with caplog.at_level(logging.ERROR, logger="resilrun.agent.supervisor"):
+    with caplog.at_level(logging.ERROR, logger="resilrun.agent.supervision.supervisor"):
         p.pool.check(p.round)
     # Then it is gone from the pool, its output collected, and the log says why, with its traceback
     assert p.round.spares == [] and spare.output_finished

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from resilrun.agent.metrics import StatusCollector
+from resilrun.agent.observability.metrics import StatusCollector
 from resilrun.agent.status import snapshot_policy
 from resilrun.cli._status_render import policy_text
 from resilrun.config import Config

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from resilrun.agent.events import EventLog, read_events
-from resilrun.agent.failures import ProcessFailure
-from resilrun.agent.telemetry import AgentTelemetry, Telemetry
+from resilrun.agent.observability.events import EventLog, read_events
+from resilrun.agent.observability.telemetry import AgentTelemetry, Telemetry
+from resilrun.agent.workers.failures import ProcessFailure
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 from resilrun.status import records
@@ -153,7 +153,7 @@ def test_worker_reports_for_a_round_not_entered_after_a_failure_are_ignored(tele
 
 def test_step_rate_is_smoothed_from_commit_times(telemetry: AgentTelemetry, monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
-    monkeypatch.setattr("resilrun.agent.telemetry.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("resilrun.agent.observability.telemetry.time.monotonic", lambda: now[0])
     for step in range(5):
         telemetry.committed(0, step, 10, None)
         now[0] += 0.5

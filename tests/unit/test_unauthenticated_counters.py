@@ -9,7 +9,7 @@ import json
 import pytest
 
 from resilrun import keys
-from resilrun.agent.failures import FailureLedger, ProcessFailure
+from resilrun.agent.workers.failures import FailureLedger, ProcessFailure
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.status import records
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from resilrun.agent.procs import spawn
-from resilrun.agent.specs import NodeSetup, spare_spec, worker_specs
+from resilrun.agent.workers.procs import spawn
+from resilrun.agent.workers.specs import NodeSetup, spare_spec, worker_specs
 from resilrun.config import Config
 from resilrun.env import WITHHELD_FROM_WORKERS, agent_environ
 from resilrun.job_secret import SECRET_ENV

@@ -19,22 +19,22 @@ from __future__ import annotations
 import logging
 import signal
 
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.exit_barrier import ExitBarrier
-from resilrun.agent.failures import FailureLedger
-from resilrun.agent.heartbeat import StalenessJudge
-from resilrun.agent.inprocess import InProcessRecovery
-from resilrun.agent.node_loss import NodeWatch, PeerLiveness
-from resilrun.agent.policy import Action, AgentView, decide
-from resilrun.agent.procs import Processes
-from resilrun.agent.restarts import Restarts
-from resilrun.agent.round_master import RoundMaster
-from resilrun.agent.rounds import Membership, NodePhase, Round, RoundEnd, SignalFlag
-from resilrun.agent.spare_nodes import SpareNodeStandby
-from resilrun.agent.spare_pool import SparePool
-from resilrun.agent.specs import NodeSetup, worker_specs
-from resilrun.agent.telemetry import Telemetry
-from resilrun.agent.worker_verdicts import HungWorkers, RaisedVerdict
+from resilrun.agent.liveness.heartbeat import StalenessJudge
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.supervision.exit_barrier import ExitBarrier
+from resilrun.agent.supervision.inprocess import InProcessRecovery
+from resilrun.agent.supervision.node_loss import NodeWatch, PeerLiveness
+from resilrun.agent.supervision.policy import Action, AgentView, decide
+from resilrun.agent.supervision.restarts import Restarts
+from resilrun.agent.supervision.round_master import RoundMaster
+from resilrun.agent.supervision.rounds import Membership, NodePhase, Round, RoundEnd, SignalFlag
+from resilrun.agent.supervision.spare_nodes import SpareNodeStandby
+from resilrun.agent.supervision.spare_pool import SparePool
+from resilrun.agent.supervision.worker_verdicts import HungWorkers, RaisedVerdict
+from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.failures import FailureLedger
+from resilrun.agent.workers.procs import Processes
+from resilrun.agent.workers.specs import NodeSetup, worker_specs
 from resilrun.config import Config
 from resilrun.env import STOP_EXIT_CODES
 from resilrun.errors import ShutdownRequested

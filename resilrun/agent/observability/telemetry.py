@@ -25,15 +25,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from resilrun.agent.events import EventLog
+from resilrun.agent.observability.events import EventLog
 from resilrun.errors import ResilrunError
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.status import records as history
 
 if TYPE_CHECKING:
-    from resilrun.agent.failures import ProcessFailure
-    from resilrun.agent.metrics import AgentMetrics
-    from resilrun.agent.procs import WorkerProcess
+    from resilrun.agent.observability.metrics import AgentMetrics
+    from resilrun.agent.workers.failures import ProcessFailure
+    from resilrun.agent.workers.procs import WorkerProcess
     from resilrun.rendezvous.protocol import RdzvState
 
 logger = logging.getLogger(__name__)

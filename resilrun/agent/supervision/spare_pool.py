@@ -13,16 +13,16 @@ import logging
 import time
 from collections.abc import Callable
 
-from resilrun.agent import procs
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.failures import collect_failure
-from resilrun.agent.procs import WorkerSpec
-from resilrun.agent.rounds import Round, SignalFlag
-from resilrun.agent.specs import NodeSetup, spare_spec
-from resilrun.agent.telemetry import Telemetry
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.supervision.rounds import Round, SignalFlag
+from resilrun.agent.workers import procs
+from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.failures import collect_failure
+from resilrun.agent.workers.procs import WorkerSpec
+from resilrun.agent.workers.specs import NodeSetup, spare_spec
 from resilrun.config import Config
 
-logger = logging.getLogger("resilrun.agent.supervisor")
+logger = logging.getLogger("resilrun.agent.supervision.supervisor")
 
 # A failure in the first seconds finds the spare still importing torch: waiting for it (still far
 # quicker than a restart) beats giving up on in-process recovery. Survivors wait longer than this.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from resilrun.agent import procs
+from resilrun.agent.workers import procs
 from resilrun.errors import ShutdownRequested
 from resilrun.rendezvous.protocol import RdzvState
 

@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from resilrun import keys
-from resilrun.agent.fault_hooks import REPLICATION_DELAY_ENV, delay_s
+from resilrun.agent.workers.fault_hooks import REPLICATION_DELAY_ENV, delay_s
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError, ResilrunError
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.snapshot.selection import Selection

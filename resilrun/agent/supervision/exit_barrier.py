@@ -14,16 +14,16 @@ from __future__ import annotations
 import logging
 
 from resilrun import keys
-from resilrun.agent.heartbeat import StalenessJudge, read_heartbeats
-from resilrun.agent.node_loss import WATCH_FANOUT, NodeWatch
-from resilrun.agent.restarts import Restarts
-from resilrun.agent.rounds import RoundEnd, SignalFlag
+from resilrun.agent.liveness.heartbeat import StalenessJudge, read_heartbeats
+from resilrun.agent.supervision.node_loss import WATCH_FANOUT, NodeWatch
+from resilrun.agent.supervision.restarts import Restarts
+from resilrun.agent.supervision.rounds import RoundEnd, SignalFlag
 from resilrun.config import Config
 from resilrun.errors import RendezvousTimeoutError
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
 
-logger = logging.getLogger("resilrun.agent.supervisor")
+logger = logging.getLogger("resilrun.agent.supervision.supervisor")
 
 
 class ExitBarrier:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from resilrun.agent.procs import WorkerSpec
+from resilrun.agent.workers.procs import WorkerSpec
 from resilrun.config import Config
 from resilrun.env import (
     SNAPSHOT_AUTO,

@@ -21,19 +21,19 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.failures import ProcessFailure, root_cause
-from resilrun.agent.heartbeat import StalenessJudge, read_heartbeats, watched_nodes
-from resilrun.agent.restarts import Restarts
-from resilrun.agent.rounds import Round
-from resilrun.agent.telemetry import Telemetry
+from resilrun.agent.liveness.heartbeat import StalenessJudge, read_heartbeats, watched_nodes
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.supervision.restarts import Restarts
+from resilrun.agent.supervision.rounds import Round
+from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.failures import ProcessFailure, root_cause
 from resilrun.config import Config
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState, recovery_budget_spent
 from resilrun.tiers.peer import ReplicationError, alive
 from resilrun.tiers.peer.wire import Credential
 
-logger = logging.getLogger("resilrun.agent.supervisor")
+logger = logging.getLogger("resilrun.agent.supervision.supervisor")
 
 # Ring successors each node watches: two, so that two adjacent nodes lost together are seen together
 # and a watcher that is itself slow is covered (see heartbeat.watched_nodes).

@@ -13,18 +13,18 @@ from datetime import timedelta
 from typing import Any
 
 from resilrun import keys
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.heartbeat import StalenessJudge, read_heartbeats
-from resilrun.agent.node_loss import NodeWatch
-from resilrun.agent.restarts import Restarts
-from resilrun.agent.rounds import Membership, SignalFlag
-from resilrun.agent.specs import NodeSetup
+from resilrun.agent.liveness.heartbeat import StalenessJudge, read_heartbeats
+from resilrun.agent.supervision.node_loss import NodeWatch
+from resilrun.agent.supervision.restarts import Restarts
+from resilrun.agent.supervision.rounds import Membership, SignalFlag
+from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.specs import NodeSetup
 from resilrun.config import Config
 from resilrun.rendezvous.c10d import host_store
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
 
-logger = logging.getLogger("resilrun.agent.supervisor")
+logger = logging.getLogger("resilrun.agent.supervision.supervisor")
 
 # How often a node waiting for the worker store's address reads its key (a store read, no watch yet).
 _ADDRESS_POLL_S = 0.02

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import logging
 
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.failures import root_cause
-from resilrun.agent.procs import WorkerProcess
-from resilrun.agent.restarts import Restarts
-from resilrun.agent.round_master import RoundMaster
-from resilrun.agent.rounds import Membership, Round
-from resilrun.agent.spare_pool import SparePool
-from resilrun.agent.specs import NodeSetup, worker_specs
-from resilrun.agent.telemetry import Telemetry
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.supervision.restarts import Restarts
+from resilrun.agent.supervision.round_master import RoundMaster
+from resilrun.agent.supervision.rounds import Membership, Round
+from resilrun.agent.supervision.spare_pool import SparePool
+from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.failures import root_cause
+from resilrun.agent.workers.procs import WorkerProcess
+from resilrun.agent.workers.specs import NodeSetup, worker_specs
 from resilrun.clock import Clock
 from resilrun.config import Config
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import MAX_RECOVERIES_WITHOUT_PROGRESS, RdzvState, recovery_budget_spent
 
-logger = logging.getLogger("resilrun.agent.supervisor")
+logger = logging.getLogger("resilrun.agent.supervision.supervisor")
 
 # Replacement spares start this long after a recovery, past its busiest seconds (they compete with
 # it for the cores).

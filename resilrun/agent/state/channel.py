@@ -36,9 +36,9 @@ from typing import Any
 
 from resilrun import channel_protocol as proto
 from resilrun import wire
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.telemetry import Telemetry
-from resilrun.agent.tiers import NodeTiers
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.state.tiers import NodeTiers
+from resilrun.agent.workers.control import WorkerControl
 from resilrun.channel_protocol import Request
 from resilrun.errors import ResilrunError
 from resilrun.snapshot.dedup import parse_borrowed, parse_shared

@@ -12,19 +12,19 @@ from __future__ import annotations
 import logging
 import signal
 
-from resilrun.agent.inprocess import InProcessRecovery
-from resilrun.agent.procs import Processes, WorkerProcess
-from resilrun.agent.restarts import Restarts
-from resilrun.agent.rounds import Membership, NodePhase, Round, RoundEnd, SignalFlag
-from resilrun.agent.spare_pool import SparePool
-from resilrun.agent.specs import NodeSetup
+from resilrun.agent.supervision.inprocess import InProcessRecovery
+from resilrun.agent.supervision.restarts import Restarts
+from resilrun.agent.supervision.rounds import Membership, NodePhase, Round, RoundEnd, SignalFlag
+from resilrun.agent.supervision.spare_pool import SparePool
+from resilrun.agent.workers.procs import Processes, WorkerProcess
+from resilrun.agent.workers.specs import NodeSetup
 from resilrun.clock import Clock
 from resilrun.config import Config
 from resilrun.errors import ShutdownRequested
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
 
-logger = logging.getLogger("resilrun.agent.supervisor")
+logger = logging.getLogger("resilrun.agent.supervision.supervisor")
 
 
 class SpareNodeStandby:

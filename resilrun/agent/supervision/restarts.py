@@ -14,18 +14,18 @@ import signal
 import time
 from collections.abc import Sequence
 
-from resilrun.agent.failures import FailureLedger, ProcessFailure, collect_failure, format_report, root_cause
-from resilrun.agent.procs import Processes, WorkerProcess
-from resilrun.agent.rounds import Round, RoundEnd
-from resilrun.agent.specs import NodeSetup
-from resilrun.agent.telemetry import Telemetry
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.supervision.rounds import Round, RoundEnd
+from resilrun.agent.workers.failures import FailureLedger, ProcessFailure, collect_failure, format_report, root_cause
+from resilrun.agent.workers.procs import Processes, WorkerProcess
+from resilrun.agent.workers.specs import NodeSetup
 from resilrun.config import Config
 from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE
 from resilrun.errors import RendezvousClosedError, StateLostError, StateRefusedError, WorkerGroupFailed
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
 
-logger = logging.getLogger("resilrun.agent.supervisor")
+logger = logging.getLogger("resilrun.agent.supervision.supervisor")
 
 
 class Restarts:

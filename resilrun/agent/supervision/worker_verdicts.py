@@ -21,16 +21,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from resilrun.agent.control import WorkerControl
-from resilrun.agent.failures import FailureLedger
-from resilrun.agent.heartbeat import read_heartbeats
-from resilrun.agent.rounds import Round
-from resilrun.agent.telemetry import Telemetry
+from resilrun.agent.liveness.heartbeat import read_heartbeats
+from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.supervision.rounds import Round
+from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.failures import FailureLedger
 from resilrun.config import Config
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.rendezvous.protocol import RdzvState
 
-logger = logging.getLogger("resilrun.agent.supervisor")
+logger = logging.getLogger("resilrun.agent.supervision.supervisor")
 
 # Workers killed as hung in one tick are waited for this long, so that they are recovered together.
 _HUNG_REAP_S = 2.0

@@ -3,7 +3,7 @@
 Why a registry per agent (not prometheus_client's global one): several agents (and tests) share one
 process in simulations, and each must expose only its own node. Two kinds of values:
 
-- event-driven counters and histograms, updated by :class:`~resilrun.agent.telemetry.AgentTelemetry`
+- event-driven counters and histograms, updated by :class:`~resilrun.agent.observability.telemetry.AgentTelemetry`
   as things happen (failures, recoveries and their seconds, snapshot and restore bytes and seconds
   per tier, step durations);
 - point-in-time gauges (step per rank, steps/s, worker and peer heartbeat ages, spares, snapshot
