@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from resilrun.snapshot._crc import crc32  # noqa: E402 - benchmarks/ is not a package
+from resilrun.snapshot.crc import crc32  # noqa: E402 - benchmarks/ is not a package
 from resilrun.tiers.peer.wire import CHUNK_BYTES  # noqa: E402
 
 KEY = os.urandom(32)

@@ -22,7 +22,7 @@ result per text for the process; no per-step path derives a key).
 The salt is fixed (``KDF_SALT``), not the job's ``--rdzv-id``: the persistent tier's key must be
 derivable again from the secret file alone, by ``resilrun inspect-checkpoint``, ``export`` and
 ``resilrun.checkpoint.load``, which do not know the run id (that key is bound to the checkpoint URI
-afterwards, ``tiers._authentic.durable_key``). A fixed salt still forces a guesser to compute
+afterwards, ``tiers.authentic.durable_key``). A fixed salt still forces a guesser to compute
 tables for resilrun alone, but one table serves every job: a secret a person chose should be long,
 and one ``openssl rand -hex 32`` writes is beyond any guessing.
 """

@@ -51,7 +51,7 @@ from resilrun.rendezvous.factory import open_backend
 from resilrun.rendezvous.protocol import NodeInfo
 from resilrun.rendezvous.sealed import SealedBackend, store_key
 from resilrun.storage.api import Storage
-from resilrun.tiers._authentic import durable_key
+from resilrun.tiers.authentic import durable_key
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer.wire import PeerKey
 from resilrun.tiers.slots import REPLICATED_SLOTS, SLOTS

@@ -8,7 +8,7 @@ which under DDP holds what every rank holds).
 
 Reading never unpickles and never trusts a file beyond its checksums (see ``consolidate``). Given
 the job's secret (``job_secret_file``), every file is also checked against the MACs the run wrote
-(``tiers._authentic``): a step changed by anyone without the secret, or one carrying no MACs, is refused.
+(``tiers.authentic``): a step changed by anyone without the secret, or one carrying no MACs, is refused.
 
 Example::
 
@@ -166,7 +166,7 @@ def durable_mac_key(job_secret_file: str | None, uri: str) -> bytes | None:
     if job_secret_file is None:
         return None
     from resilrun.job_secret import external_secret
-    from resilrun.tiers._authentic import durable_key
+    from resilrun.tiers.authentic import durable_key
 
     secret = external_secret(job_secret_file, {})
     assert secret is not None  # (a path was given)

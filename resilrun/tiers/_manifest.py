@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from resilrun.errors import CheckpointCorruptError
-from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.crc import crc32
 from resilrun.snapshot.layout import DTYPES, FORMAT, MAX_HEADER_BYTES, Layout
 
 COMPLETE_NAME = "COMPLETE.json"

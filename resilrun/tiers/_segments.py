@@ -23,7 +23,7 @@ import logging
 from collections.abc import Iterator
 
 from resilrun.errors import CheckpointCorruptError
-from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.crc import crc32
 from resilrun.snapshot.dedup import Borrowed
 from resilrun.snapshot.layout import parse_header
 from resilrun.snapshot.shm import SharedBuffer

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, StorageNotFoundError
-from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.crc import crc32
 from resilrun.snapshot.layout import FORMAT, MAX_HEADER_BYTES, Layout, parse_header
 from resilrun.snapshot.selection import Selection
 from resilrun.storage.api import Storage
-from resilrun.tiers import _authentic as authentic
 from resilrun.tiers import _manifest as m
+from resilrun.tiers import authentic
 from resilrun.tiers._manifest import COMPLETE_NAME, complete_key, data_key, manifest_key, step_prefix
 
 __all__ = [
@@ -91,7 +91,7 @@ def write_rank(
         snapshot: a safetensors buffer laid out by ``resilrun.snapshot.layout``; bytes after the last
             tensor (the unused tail of a reused, larger slot) are not written.
         values: the tracked non-tensor values, any JSON document (NaN and infinities allowed).
-        mac_key: the durable key (``_authentic.durable_key``): the manifest then records the file's
+        mac_key: the durable key (``authentic.durable_key``): the manifest then records the file's
             GMAC, so a reader with the secret can tell a forged file.
 
     Returns:
@@ -146,7 +146,7 @@ def write_rank(
 
 def commit_step(storage: Storage, step: int, world_size: int, *, mac_key: bytes | None = None) -> dict[str, Any]:
     """Write COMPLETE.json for ``step`` once every rank's manifest and file are in place (with
-    ``mac_key``, each manifest's SHA-256 and an HMAC of the whole: see ``_authentic``).
+    ``mac_key``, each manifest's SHA-256 and an HMAC of the whole: see ``authentic``).
 
     Returns:
         The COMPLETE.json document written.
@@ -299,7 +299,7 @@ def read_rank(
     require_mac: bool = False,
 ) -> tuple[Layout, bytes, dict[str, Any]]:
     """Read one rank's snapshot of a complete step, checked against its manifest and COMPLETE.json
-    (and, with ``mac_key``, against its MACs: ``_authentic``; the manifest then says
+    (and, with ``mac_key``, against its MACs: ``authentic``; the manifest then says
     ``authentic`` True, or False for a step written without MACs, refused with ``require_mac``).
 
     COMPLETE.json, the manifest and (with ``mac_key``) their MACs are checked before the data file

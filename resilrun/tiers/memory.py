@@ -32,7 +32,7 @@ import psutil
 import torch
 
 from resilrun.errors import CheckpointError
-from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.crc import crc32
 from resilrun.snapshot.dedup import Borrowed, layout_hash
 from resilrun.snapshot.shm import SharedBuffer
 from resilrun.tiers import _borrowing, _segments

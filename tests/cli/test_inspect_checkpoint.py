@@ -16,7 +16,7 @@ from resilrun.job_secret import external_secret
 from resilrun.storage import LocalStorage, Storage
 from resilrun.tiers import _manifest as m
 from resilrun.tiers import durable
-from resilrun.tiers._authentic import durable_key
+from resilrun.tiers.authentic import durable_key
 from tests.conftest import FAKE_ACCESS_KEY_ID, FAKE_SECRET_ACCESS_KEY, S3Server, make_snapshot
 from tests.helpers.forgery import pickle_payload
 

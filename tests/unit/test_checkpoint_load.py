@@ -27,7 +27,7 @@ from resilrun.snapshot.sharding import MeshSpec, ShardSpec, local_block
 from resilrun.storage import LocalStorage
 from resilrun.tiers import _manifest as m
 from resilrun.tiers import durable
-from resilrun.tiers._authentic import durable_key
+from resilrun.tiers.authentic import durable_key
 from tests.conftest import make_snapshot
 from tests.helpers.forgery import forged_keeping_crc32, pickle_payload
 

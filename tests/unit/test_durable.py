@@ -230,7 +230,7 @@ def test_the_fast_crc32_is_zlibs_crc32() -> None:
     import os
     import zlib
 
-    from resilrun.snapshot._crc import crc32
+    from resilrun.snapshot.crc import crc32
 
     data = os.urandom(1 << 20)
     assert crc32(data) == zlib.crc32(data)

@@ -1,4 +1,4 @@
-"""The persistent tier's MACs (tiers/_authentic.py): a bucket changed by someone who recomputes
+"""The persistent tier's MACs (tiers/authentic.py): a bucket changed by someone who recomputes
 every crc32 is told apart from the real checkpoint by a reader with the job secret, and a step
 stripped of its MACs is refused where authenticity is required."""
 
@@ -15,7 +15,7 @@ from resilrun.snapshot.layout import parse_header
 from resilrun.storage import MemoryStorage
 from resilrun.tiers import _manifest as m
 from resilrun.tiers import durable
-from resilrun.tiers._authentic import durable_key
+from resilrun.tiers.authentic import durable_key
 from tests.conftest import make_snapshot
 from tests.helpers.forgery import forged_keeping_crc32
 

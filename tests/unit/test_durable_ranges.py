@@ -17,7 +17,7 @@ from resilrun.snapshot.selection import Selection, check_ranges, merge
 from resilrun.storage import MemoryStorage
 from resilrun.tiers import _manifest as m
 from resilrun.tiers import durable
-from resilrun.tiers._authentic import durable_key
+from resilrun.tiers.authentic import durable_key
 from tests.conftest import make_snapshot
 from tests.helpers.forgery import forged_keeping_crc32
 

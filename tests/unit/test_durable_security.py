@@ -28,7 +28,7 @@ from resilrun.snapshot.selection import Selection
 from resilrun.storage import MemoryStorage
 from resilrun.tiers import _manifest as m
 from resilrun.tiers import durable
-from resilrun.tiers._authentic import complete_mac, durable_key
+from resilrun.tiers.authentic import complete_mac, durable_key
 from resilrun.tiers.memory import NodeMemoryTier
 from tests.conftest import make_snapshot
 

@@ -81,7 +81,7 @@ def test_background_threads_yield_the_cpu_to_training_and_never_raise_their_prio
     import os
     import threading
 
-    from resilrun.tiers._priority import BACKGROUND_NICE, yield_to_training
+    from resilrun.tiers.priority import BACKGROUND_NICE, yield_to_training
 
     seen: list[int] = []
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # (pytest may itself run niced)

@@ -22,8 +22,8 @@ from typing import Any
 from resilrun.errors import CheckpointError, CheckpointNotFoundError, ResilrunError
 from resilrun.storage.api import Storage
 from resilrun.tiers import durable
-from resilrun.tiers._priority import yield_to_training
 from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.priority import yield_to_training
 from resilrun.tiers.slots import Committed
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class Persister:
         (the write fence, ``agent.fence``: a node cut off and replaced must not write).
         ``on_persisted(rank, step, bytes, seconds, step_complete)`` runs after each upload (events, metrics).
         ``upload_delay_s``: a fault hook (``fault_hooks.PERSIST_DELAY_ENV``): each upload waits this long first.
-        ``mac_key``: the durable key (tiers/_authentic.py): files and COMPLETE.json then carry MACs.
+        ``mac_key``: the durable key (tiers/authentic.py): files and COMPLETE.json then carry MACs.
         Of the snapshots, the first at or past each multiple of ``every`` steps is persisted
         (``Committed.crosses``): with a snapshot every step that is steps every-1, 2*every-1, ...;
         with sparser snapshots (``--snapshot-every``), a multiple falling between two of them is

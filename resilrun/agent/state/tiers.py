@@ -53,7 +53,7 @@ class NodeTiers:
         persisted_before: Callable[[], int | None] | None = None,
         on_rollback: Callable[[int | None, int], None] | None = None,
     ) -> None:
-        """``mac_key``: the durable key (tiers/_authentic.py): persisted steps are checked against
+        """``mac_key``: the durable key (tiers/authentic.py): persisted steps are checked against
         their MACs; ``require_mac``: no persisted step is restored unless they verify (none at all
         without a key: --require-auth).
 

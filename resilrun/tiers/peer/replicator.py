@@ -27,7 +27,6 @@ from datetime import timedelta
 
 from resilrun.errors import CheckpointCorruptError
 from resilrun.snapshot.shm import SharedBuffer
-from resilrun.tiers._priority import yield_to_training
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer.client import DEFAULT_TIMEOUT, push_view
 from resilrun.tiers.peer.wire import (
@@ -39,6 +38,7 @@ from resilrun.tiers.peer.wire import (
     parse_address,
     snapshot_bounds,
 )
+from resilrun.tiers.priority import yield_to_training
 from resilrun.tiers.slots import Committed, RankMemory, crcs_at
 
 logger = logging.getLogger(__name__)

@@ -42,11 +42,10 @@ from datetime import timedelta
 from typing import Any
 
 from resilrun.errors import CheckpointCorruptError, CheckpointError
-from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.crc import crc32
 from resilrun.snapshot.layout import parse_header
 from resilrun.snapshot.restore import world_of
 from resilrun.snapshot.selection import Selection
-from resilrun.tiers._priority import yield_to_training
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer.admission import PreAuthStage
 from resilrun.tiers.peer.refs import LocalReferences
@@ -64,6 +63,7 @@ from resilrun.tiers.peer.wire import (
     server_handshake,
     snapshot_bounds,
 )
+from resilrun.tiers.priority import yield_to_training
 
 logger = logging.getLogger(__name__)
 

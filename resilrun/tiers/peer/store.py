@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 
-from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.crc import crc32
 from resilrun.snapshot.shm import SharedBuffer
 from resilrun.tiers.peer.wire import ReplicationError
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from resilrun.errors import CheckpointCorruptError
-from resilrun.snapshot._crc import crc32
+from resilrun.snapshot.crc import crc32
 from resilrun.snapshot.layout import parse_header
 from resilrun.tiers.peer.wire import (
     CHUNK_BYTES,
