@@ -18,7 +18,7 @@ from resilrun.errors import StoreConnectionError
 if TYPE_CHECKING:
     from resilrun.rendezvous.etcd import EtcdBackend
 
-logger = logging.getLogger("resilrun.rendezvous.etcd")
+logger = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 2.0  # the most close() waits for a watch's thread
 _BACKOFF_FIRST_S = 0.05

@@ -136,7 +136,7 @@ def test_a_spare_that_dies_while_waiting_is_reported_and_restarted_after_a_growi
     p.pool.top_up(p.round)
     spare = p.round.spares[0]
     spare.die(1, "RuntimeError: could not preload the model")
-    with caplog.at_level(logging.ERROR, logger="resilrun.agent.supervision.supervisor"):
+    with caplog.at_level(logging.ERROR, logger="resilrun.agent.supervision.spare_pool"):
         p.pool.check(p.round)
     # Then it is gone from the pool, its output collected, and the log says why, with its traceback
     assert p.round.spares == [] and spare.output_finished

@@ -25,7 +25,7 @@ from resilrun.config import Config
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import MAX_RECOVERIES_WITHOUT_PROGRESS, RdzvState, recovery_budget_spent
 
-logger = logging.getLogger("resilrun.agent.supervision.supervisor")
+logger = logging.getLogger(__name__)
 
 # Replacement spares start this long after a recovery, past its busiest seconds (they compete with
 # it for the cores).

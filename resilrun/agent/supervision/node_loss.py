@@ -33,7 +33,7 @@ from resilrun.rendezvous.protocol import NodeInfo, RdzvState, recovery_budget_sp
 from resilrun.tiers.peer import ReplicationError, alive
 from resilrun.tiers.peer.wire import Credential
 
-logger = logging.getLogger("resilrun.agent.supervision.supervisor")
+logger = logging.getLogger(__name__)
 
 # Ring successors each node watches: two, so that two adjacent nodes lost together are seen together
 # and a watcher that is itself slow is covered (see heartbeat.watched_nodes).

@@ -25,7 +25,7 @@ from resilrun.errors import RendezvousClosedError, StateLostError, StateRefusedE
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
 
-logger = logging.getLogger("resilrun.agent.supervision.supervisor")
+logger = logging.getLogger(__name__)
 
 
 class Restarts:

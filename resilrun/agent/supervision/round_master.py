@@ -24,7 +24,7 @@ from resilrun.rendezvous.c10d import host_store
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
 
-logger = logging.getLogger("resilrun.agent.supervision.supervisor")
+logger = logging.getLogger(__name__)
 
 # How often a node waiting for the worker store's address reads its key (a store read, no watch yet).
 _ADDRESS_POLL_S = 0.02

@@ -22,7 +22,7 @@ from resilrun.agent.workers.procs import WorkerSpec
 from resilrun.agent.workers.specs import NodeSetup, spare_spec
 from resilrun.config import Config
 
-logger = logging.getLogger("resilrun.agent.supervision.supervisor")
+logger = logging.getLogger(__name__)
 
 # A failure in the first seconds finds the spare still importing torch: waiting for it (still far
 # quicker than a restart) beats giving up on in-process recovery. Survivors wait longer than this.

@@ -30,7 +30,7 @@ from resilrun.config import Config
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.rendezvous.protocol import RdzvState
 
-logger = logging.getLogger("resilrun.agent.supervision.supervisor")
+logger = logging.getLogger(__name__)
 
 # Workers killed as hung in one tick are waited for this long, so that they are recovered together.
 _HUNG_REAP_S = 2.0
