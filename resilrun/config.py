@@ -1,5 +1,9 @@
 """The launch configuration: one frozen dataclass, its flags, environment names and validation.
 
+Each field that is a ``run`` option declares its flag, environment names, help and panel with
+``options.option_meta``; how command-line text becomes the field's value lives there too, so this
+module holds what a value may be and that module how it is spelled.
+
 Invariants: a ``Config`` that exists has been validated (``from_cli`` is the only way the CLI makes
 one); nothing here reads the environment, touches the network or spawns anything, so every usage
 error is reported before a socket or a process exists. Seconds are floats with an ``_s`` suffix
@@ -12,7 +16,6 @@ import dataclasses
 import os
 import shutil
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -28,149 +31,7 @@ from resilrun.option_values import (
     parse_rdzv_conf,
     parse_std_map,
 )
-
-
-def _meta(
-    flag: str,
-    panel: str,
-    help: str,
-    *,
-    pet: bool = True,
-    short: tuple[str, ...] = (),
-    parse: Callable[[str, str], Any] | None = None,
-    show_envvar: bool = False,
-) -> dict[str, Any]:
-    """Everything the CLI needs of a field besides its name, type and default (the one definition
-    of a ``run`` option: cli/run.py builds the command from these). ``parse(flag, text)`` converts
-    the text given on the command line or in the environment; None: by the field's type
-    (``cli_value``). ``short``: one-letter spellings; ``show_envvar``: ``--help`` names the variables."""
-    name = flag.lstrip("-").replace("-", "_").upper()
-    envs = [f"RESILRUN_{name}"] + ([f"PET_{name}"] if pet else [])
-    return {
-        "flag": flag,
-        "env": envs,
-        "panel": panel,
-        "help": help,
-        "value": _VALUES.get(flag),
-        "short": short,
-        "parse": parse,
-        "show_envvar": show_envvar,
-    }
-
-
-# -- the command line's text -> a field's value (every conversion of a run option is here) ----------
-def _integer(flag: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{flag} '{value}' is not an integer") from None
-
-
-def _seconds(flag: str, value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"{flag} '{value}' is not a number of seconds") from None
-
-
-def _every(flag: str, value: str) -> int:
-    """``N`` or ``auto`` (SNAPSHOT_AUTO)."""
-    if value.strip().lower() == "auto":
-        return SNAPSHOT_AUTO
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise ConfigError(f"{flag} '{value}' is not a positive integer or auto", hint=f"e.g. {flag} 10 or {flag} auto")
-    return number
-
-
-def _percent(flag: str, value: str) -> float:
-    try:
-        return float(value.strip().removesuffix("%"))
-    except ValueError:
-        raise ConfigError(f"{flag} '{value}' is not a percentage", hint=f"e.g. {flag} 3") from None
-
-
-_BY_TYPE: dict[str, Callable[[str, str], Any]] = {"int": _integer, "float": _seconds}
-
-
-def _kind(spec: dataclasses.Field[Any]) -> str:
-    """The field's type without ``| None`` (annotations are strings here)."""
-    return str(spec.type).replace(" | None", "")
-
-
-def cli_value(spec: dataclasses.Field[Any], value: Any) -> Any:
-    """What the text given for ``spec``'s flag means as the field's value (None and "" for an
-    optional field: not given).
-
-    Raises:
-        ConfigError: not a value of the field's kind (one line naming the flag).
-    """
-    meta = spec.metadata
-    if isinstance(value, bool) or value is None:
-        return value
-    if value == "" and _kind(spec) != "str":
-        return None  # given empty: as not given (an optional field stays None, others their default)
-    parse = meta["parse"] or _BY_TYPE.get(_kind(spec))
-    return parse(meta["flag"], value) if parse is not None else value
-
-
-def cli_default(spec: dataclasses.Field[Any]) -> Any:
-    """The default as the command line spells it (``--help`` shows it): text for options that
-    take one, the bool for flags, None where there is none."""
-    default = spec.default
-    if default is None or isinstance(default, bool):
-        return default
-    if spec.metadata["parse"] is _every and default == SNAPSHOT_AUTO:
-        return "auto"
-    if isinstance(default, float):
-        return f"{default:g}"
-    return str(default)
-
-
-# What each option takes, as ``--help`` and the man page show it (flags that take no value: none).
-_VALUES = {
-    "--nnodes": "N|MIN:MAX",
-    "--nproc-per-node": "N|auto|cpu|gpu",
-    "--node-rank": "INTEGER",
-    "--rdzv-backend": "c10d|etcd|static",
-    "--rdzv-endpoint": "HOST[:PORT][,...]",
-    "--rdzv-id": "TEXT",
-    "--rdzv-conf": "KEY=VALUE,...",
-    "--master-addr": "HOST",
-    "--master-port": "PORT",
-    "--local-addr": "HOST",
-    "--max-restarts": "INTEGER",
-    "--monitor-interval": "SECONDS",
-    "--role": "TEXT",
-    "--start-method": "spawn|fork|forkserver",
-    "--log-dir": "DIR",
-    "--redirects": "0-3|RANK:0-3,...",
-    "--tee": "0-3|RANK:0-3,...",
-    "--local-ranks-filter": "RANKS",
-    "--spares": "INTEGER",
-    "--heartbeat-interval": "SECONDS",
-    "--heartbeat-timeout": "SECONDS",
-    "--hang-timeout": "SECONDS",
-    "--first-step-timeout": "SECONDS",
-    "--shutdown-timeout": "SECONDS",
-    "--exit-barrier-timeout": "SECONDS",
-    "--replicas": "INTEGER",
-    "--snapshot-every": "N|auto",
-    "--max-overhead": "PERCENT",
-    "--replicate-every": "N|auto",
-    "--checkpoint-uri": "s3://BUCKET/PREFIX|DIR",
-    "--persist-every": "STEPS",
-    "--keep-last": "INTEGER",
-    "--s3-endpoint-url": "URL",
-    "--s3-expected-owner": "ACCOUNT",
-    "--metrics-port": "PORT",
-    "--metrics-addr": "HOST",
-    "--job-secret-file": "PATH",
-}
-
+from resilrun.options import option_meta, parse_every, parse_percent
 
 R, P, H, C, OBS, SEC = "Rendezvous", "Processes", "Health", "Checkpoints", "Observability", "Security"
 
@@ -180,30 +41,33 @@ class Config:
     """Everything one node's agent needs to launch and supervise its share of the job."""
 
     # Rendezvous
-    nnodes: str = field(default="1:1", metadata=_meta("--nnodes", R, "Number of nodes: N or MIN:MAX."))
+    nnodes: str = field(default="1:1", metadata=option_meta("--nnodes", R, "Number of nodes: N or MIN:MAX."))
     nproc_per_node: str = field(
-        default="1", metadata=_meta("--nproc-per-node", P, "Workers per node: N, auto, cpu or gpu.")
+        default="1", metadata=option_meta("--nproc-per-node", P, "Workers per node: N, auto, cpu or gpu.")
     )
     node_rank: int | None = field(
         default=None,
-        metadata=_meta("--node-rank", R, "This node's rank (default: assigned at rendezvous).", show_envvar=True),
+        metadata=option_meta("--node-rank", R, "This node's rank (default: assigned at rendezvous).", show_envvar=True),
     )
-    rdzv_backend: str = field(default="c10d", metadata=_meta("--rdzv-backend", R, "c10d, etcd or static."))
+    rdzv_backend: str = field(default="c10d", metadata=option_meta("--rdzv-backend", R, "c10d, etcd or static."))
     rdzv_endpoint: str = field(
-        default="", metadata=_meta("--rdzv-endpoint", R, "Rendezvous host[:port]; etcd: host:2379[,host:2379...].")
+        default="",
+        metadata=option_meta("--rdzv-endpoint", R, "Rendezvous host[:port]; etcd: host:2379[,host:2379...]."),
     )
-    rdzv_id: str = field(default="none", metadata=_meta("--rdzv-id", R, "Job id shared by all nodes."))
-    rdzv_conf: str = field(default="", metadata=_meta("--rdzv-conf", R, "Extra rendezvous settings k=v,..."))
+    rdzv_id: str = field(default="none", metadata=option_meta("--rdzv-id", R, "Job id shared by all nodes."))
+    rdzv_conf: str = field(default="", metadata=option_meta("--rdzv-conf", R, "Extra rendezvous settings k=v,..."))
     standalone: bool = field(
-        default=False, metadata=_meta("--standalone", R, "One node, embedded store on a free port.")
+        default=False, metadata=option_meta("--standalone", R, "One node, embedded store on a free port.")
     )
     master_addr: str = field(
-        default="127.0.0.1", metadata=_meta("--master-addr", R, "Store host for --rdzv-backend static.")
+        default="127.0.0.1", metadata=option_meta("--master-addr", R, "Store host for --rdzv-backend static.")
     )
-    master_port: int = field(default=29500, metadata=_meta("--master-port", R, "Store port for --rdzv-backend static."))
+    master_port: int = field(
+        default=29500, metadata=option_meta("--master-port", R, "Store port for --rdzv-backend static.")
+    )
     local_addr: str | None = field(
         default=None,
-        metadata=_meta(
+        metadata=option_meta(
             "--local-addr",
             R,
             "Address this node advertises (default: the FQDN; where it means loopback in a multi-host job, "
@@ -211,59 +75,66 @@ class Config:
         ),
     )
     # Processes
-    max_restarts: int = field(default=0, metadata=_meta("--max-restarts", P, "Whole-job restarts before giving up."))
+    max_restarts: int = field(
+        default=0, metadata=option_meta("--max-restarts", P, "Whole-job restarts before giving up.")
+    )
     monitor_interval_s: float = field(
-        default=0.1, metadata=_meta("--monitor-interval", P, "Seconds between worker polls.")
+        default=0.1, metadata=option_meta("--monitor-interval", P, "Seconds between worker polls.")
     )
     module: bool = field(
-        default=False, metadata=_meta("--module", P, "Run SCRIPT as a module (python -m).", short=("-m",))
+        default=False, metadata=option_meta("--module", P, "Run SCRIPT as a module (python -m).", short=("-m",))
     )
     no_python: bool = field(
-        default=False, metadata=_meta("--no-python", P, "Execute SCRIPT directly, not with python.")
+        default=False, metadata=option_meta("--no-python", P, "Execute SCRIPT directly, not with python.")
     )
-    role: str = field(default="default", metadata=_meta("--role", P, "Role name of the workers (ROLE_NAME)."))
+    role: str = field(default="default", metadata=option_meta("--role", P, "Role name of the workers (ROLE_NAME)."))
     start_method: str = field(
-        default="spawn", metadata=_meta("--start-method", P, "Accepted for torchrun compatibility.")
+        default="spawn", metadata=option_meta("--start-method", P, "Accepted for torchrun compatibility.")
     )
-    log_dir: str | None = field(default=None, metadata=_meta("--log-dir", P, "Base directory of per-rank logs."))
+    log_dir: str | None = field(default=None, metadata=option_meta("--log-dir", P, "Base directory of per-rank logs."))
     redirects: str = field(
-        default="0", metadata=_meta("--redirects", P, "Streams to files only: 0-3 or 0:1,1:3.", short=("-r",))
+        default="0", metadata=option_meta("--redirects", P, "Streams to files only: 0-3 or 0:1,1:3.", short=("-r",))
     )
     tee: str = field(
-        default="0", metadata=_meta("--tee", P, "Streams to files and console: 0-3 or 0:1,1:3.", short=("-t",))
+        default="0", metadata=option_meta("--tee", P, "Streams to files and console: 0-3 or 0:1,1:3.", short=("-t",))
     )
     local_ranks_filter: str = field(
-        default="", metadata=_meta("--local-ranks-filter", P, "Local ranks shown on the console, e.g. 0,1.")
+        default="", metadata=option_meta("--local-ranks-filter", P, "Local ranks shown on the console, e.g. 0,1.")
     )
     spares: int = field(
         default=0,
-        metadata=_meta("--spares", H, "Hot spare worker processes per node (in-process recovery).", pet=False),
+        metadata=option_meta("--spares", H, "Hot spare worker processes per node (in-process recovery).", pet=False),
     )
     heartbeat_interval_s: float = field(
-        default=1.0, metadata=_meta("--heartbeat-interval", H, "Seconds between agent heartbeats.", pet=False)
+        default=1.0, metadata=option_meta("--heartbeat-interval", H, "Seconds between agent heartbeats.", pet=False)
     )
     # A few seconds, not minutes: a lost node costs the whole job this long before it reacts.
     heartbeat_timeout_s: float = field(
         default=5.0,
-        metadata=_meta("--heartbeat-timeout", H, "Seconds without heartbeat before a node is lost.", pet=False),
+        metadata=option_meta("--heartbeat-timeout", H, "Seconds without heartbeat before a node is lost.", pet=False),
     )
     # Minutes, not seconds: a long evaluation or a slow first compile is not a hang.
     hang_timeout_s: float = field(
-        default=300.0, metadata=_meta("--hang-timeout", H, "Seconds without a committed step before a hang.", pet=False)
+        default=300.0,
+        metadata=option_meta("--hang-timeout", H, "Seconds without a committed step before a hang.", pet=False),
     )
     # Separate from --hang-timeout: imports, compilation and a restore make the first step of a
     # worker (and of every recovered generation) far slower than the steady state.
     first_step_timeout_s: float = field(
         default=1800.0,
-        metadata=_meta("--first-step-timeout", H, "Seconds a worker may take to its first committed step.", pet=False),
+        metadata=option_meta(
+            "--first-step-timeout", H, "Seconds a worker may take to its first committed step.", pet=False
+        ),
     )
     shutdown_timeout_s: float = field(
-        default=30.0, metadata=_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.")
+        default=30.0, metadata=option_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.")
     )
     # 300 s as torchrun's exit_barrier_timeout: nodes finish minutes apart when the last ones save.
     exit_barrier_timeout_s: float = field(
         default=300.0,
-        metadata=_meta("--exit-barrier-timeout", H, "Seconds finished nodes wait for the others' workers.", pet=False),
+        metadata=option_meta(
+            "--exit-barrier-timeout", H, "Seconds finished nodes wait for the others' workers.", pet=False
+        ),
     )
     # Checkpoints (resilrun's own: RESILRUN_* only)
     # Every step by default: a failure then redoes none. Larger N divides the steady-state cost of
@@ -271,59 +142,61 @@ class Config:
     # "auto" on the command line): the interval is measured to keep the cost under --max-overhead.
     snapshot_every: int = field(
         default=1,
-        metadata=_meta(
+        metadata=option_meta(
             "--snapshot-every",
             C,
             "Snapshot every N optimizer steps (a failure redoes at most N-1), or auto: as often as "
             "--max-overhead allows.",
             pet=False,
-            parse=_every,
+            parse=parse_every,
         ),
     )
     max_overhead_pct: float = field(
         default=3.0,
-        metadata=_meta(
+        metadata=option_meta(
             "--max-overhead",
             C,
             "With --snapshot-every auto: the share of step time snapshots may take, %.",
             pet=False,
-            parse=_percent,
+            parse=parse_percent,
         ),
     )
     replicas: int = field(
-        default=1, metadata=_meta("--replicas", C, "Peer nodes holding a copy of each snapshot.", pet=False)
+        default=1, metadata=option_meta("--replicas", C, "Peer nodes holding a copy of each snapshot.", pet=False)
     )
     # Every snapshot by default. Replication traffic shares the memory bus with training; a node
     # loss redoes the steps since the newest replicated snapshot, a worker failure only those since
     # the newest snapshot in node memory.
     replicate_every: int = field(
         default=1,
-        metadata=_meta(
+        metadata=option_meta(
             "--replicate-every",
             C,
             "Replicate a snapshot to peers every N steps, or auto (with --snapshot-every auto): every "
             "k-th snapshot, k chosen with the interval under --max-overhead.",
             pet=False,
-            parse=_every,
+            parse=parse_every,
         ),
     )
     checkpoint_uri: str | None = field(
         default=None,
-        metadata=_meta("--checkpoint-uri", C, "Persistent tier: s3://bucket/prefix or a directory.", pet=False),
+        metadata=option_meta("--checkpoint-uri", C, "Persistent tier: s3://bucket/prefix or a directory.", pet=False),
     )
     persist_every: int = field(
-        default=100, metadata=_meta("--persist-every", C, "Persist a snapshot every N steps.", pet=False)
+        default=100, metadata=option_meta("--persist-every", C, "Persist a snapshot every N steps.", pet=False)
     )
-    keep_last: int = field(default=3, metadata=_meta("--keep-last", C, "Complete persisted steps to keep.", pet=False))
+    keep_last: int = field(
+        default=3, metadata=option_meta("--keep-last", C, "Complete persisted steps to keep.", pet=False)
+    )
     # Off only for scripts that make DDP's parameters differ between ranks behind its back.
     no_snapshot_dedup: bool = field(
         default=False,
-        metadata=_meta("--no-snapshot-dedup", C, "Each rank snapshots all DDP state (no sharing).", pet=False),
+        metadata=option_meta("--no-snapshot-dedup", C, "Each rank snapshots all DDP state (no sharing).", pet=False),
     )
     # Off leaves every framework as it is (docs/integrations.md): a failure then restarts its script.
     no_integrations: bool = field(
         default=False,
-        metadata=_meta(
+        metadata=option_meta(
             "--no-integrations",
             C,
             "Do not adapt frameworks (Hugging Face Trainer and Accelerate, Lightning) for recovery.",
@@ -331,25 +204,28 @@ class Config:
         ),
     )
     s3_endpoint_url: str | None = field(
-        default=None, metadata=_meta("--s3-endpoint-url", C, "Endpoint of an S3-compatible store.", pet=False)
+        default=None, metadata=option_meta("--s3-endpoint-url", C, "Endpoint of an S3-compatible store.", pet=False)
     )
     s3_expected_owner: str | None = field(
-        default=None, metadata=_meta("--s3-expected-owner", C, "Account id that must own the bucket.", pet=False)
+        default=None, metadata=option_meta("--s3-expected-owner", C, "Account id that must own the bucket.", pet=False)
     )
     # Observability (resilrun's own). Off by default: an open port is a choice, not a side effect.
     metrics_port: int | None = field(
         default=None,
-        metadata=_meta("--metrics-port", OBS, "Serve Prometheus metrics on this port (0: a free one).", pet=False),
+        metadata=option_meta(
+            "--metrics-port", OBS, "Serve Prometheus metrics on this port (0: a free one).", pet=False
+        ),
     )
     # Loopback: the endpoint is unauthenticated and shows the job's shape and progress.
     metrics_addr: str = field(
-        default="127.0.0.1", metadata=_meta("--metrics-addr", OBS, "Address the metrics endpoint binds.", pet=False)
+        default="127.0.0.1",
+        metadata=option_meta("--metrics-addr", OBS, "Address the metrics endpoint binds.", pet=False),
     )
     # Security (resilrun's own). The secret itself never goes on a command line: a file, or the
     # environment (RESILRUN_JOB_SECRET, read by the agent; see job_secret.py).
     job_secret_file: str | None = field(
         default=None,
-        metadata=_meta(
+        metadata=option_meta(
             "--job-secret-file",
             SEC,
             "File (mode 0600) holding the job secret every node shares; it is then never kept in the store.",
@@ -358,7 +234,7 @@ class Config:
     )
     require_auth: bool = field(
         default=False,
-        metadata=_meta(
+        metadata=option_meta(
             "--require-auth",
             SEC,
             "Refuse to run without a secret from outside the store where one is needed (several nodes, "
@@ -368,7 +244,7 @@ class Config:
     )
     peer_encryption: bool = field(
         default=False,
-        metadata=_meta(
+        metadata=option_meta(
             "--peer-encryption",
             SEC,
             "Encrypt replica and fetch streams (AES-256-GCM) for untrusted networks; every node alike.",

@@ -37,9 +37,7 @@ def read_private(path: Path, what: str, *, hint: str | None = None) -> str:
     except OSError as exc:
         raise ConfigError(f"{what} {path} cannot be read: {exc.strerror}") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{what} {path} is not a regular file", hint=hint)
+        info = _fstat_of_kind(fd, stat.S_IFREG, f"{what} {path}", hint)
         if info.st_mode & 0o077:
             mode = stat.S_IMODE(info.st_mode)
             raise ConfigError(
@@ -78,16 +76,9 @@ def private_dir(path: Path, what: str, *, hint: str) -> None:
         ConfigError: a symbolic link, not a directory, owned by another user, writable by its group
             or others, or not openable.
     """
+    fd = _open_no_link(path, os.O_RDONLY, f"{what} {path}", "refusing to write there", hint)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ConfigError(f"{what} {path} is a symbolic link: refusing to write there", hint=hint) from None
-        raise ConfigError(f"{what} {path} cannot be opened: {exc.strerror}", hint=hint) from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISDIR(info.st_mode):
-            raise ConfigError(f"{what} {path} is not a directory", hint=hint)
+        info = _fstat_of_kind(fd, stat.S_IFDIR, f"{what} {path}", hint)
         if info.st_uid != os.geteuid():
             raise ConfigError(
                 f"{what} {path} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}): "
@@ -126,16 +117,9 @@ def open_private_output(path: Path, *, append: bool = False) -> int:
         pass
     except OSError as exc:
         raise ConfigError(f"log file {path} cannot be created: {exc.strerror}") from None
+    fd = _open_no_link(path, flags, f"log file {path}", "refusing to write through it", hint)
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK)  # a FIFO planted there must not block the open
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ConfigError(f"log file {path} is a symbolic link: refusing to write through it", hint=hint) from None
-        raise ConfigError(f"log file {path} cannot be opened: {exc.strerror}", hint=hint) from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"log file {path} is not a regular file", hint=hint)
+        info = _fstat_of_kind(fd, stat.S_IFREG, f"log file {path}", hint)
         if info.st_uid != os.geteuid():
             raise ConfigError(f"log file {path} belongs to uid {info.st_uid}, not to this user", hint=hint)
         if info.st_nlink != 1:
@@ -150,6 +134,43 @@ def open_private_output(path: Path, *, append: bool = False) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _open_no_link(path: Path, flags: int, name: str, refusal: str, hint: str) -> int:
+    """``path`` opened with ``flags``, refused where it is a symbolic link (``name``: the path as
+    errors say it; ``refusal``: what a link there makes us refuse).
+
+    Not following the link is the point: one planted at a path we write would turn the write into
+    one on its target. ``O_NONBLOCK``: a FIFO planted there must not block the open.
+
+    Raises:
+        ConfigError: a symbolic link, or not openable.
+    """
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"{name} is a symbolic link: {refusal}", hint=hint) from None
+        raise ConfigError(f"{name} cannot be opened: {exc.strerror}", hint=hint) from None
+
+
+# The file types these checks insist on, as their errors name them.
+_KINDS = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory"}
+
+
+def _fstat_of_kind(fd: int, kind: int, name: str, hint: str | None) -> os.stat_result:
+    """The ``fstat`` of the open ``fd``, which must be of file type ``kind`` (``stat.S_IFREG`` or
+    ``stat.S_IFDIR``; ``name``: the path as errors say it). The caller closes ``fd``.
+
+    Judged on the descriptor, not the path, so that what is checked is what is then used.
+
+    Raises:
+        ConfigError: the file is of another type.
+    """
+    info = os.fstat(fd)
+    if stat.S_IFMT(info.st_mode) != kind:
+        raise ConfigError(f"{name} is not {_KINDS[kind]}", hint=hint)
+    return info
 
 
 def _tighten(fd: int, mode: int, wanted: int, what: str, hint: str) -> None:

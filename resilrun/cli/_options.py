@@ -2,7 +2,8 @@
 ``run`` command's parameters with it).
 
 Flag names, environment spellings (``RESILRUN_*`` then torchrun's ``PET_*``), help text and panels
-come from ``resilrun.config``; a test checks that the ``run`` command and ``Config`` stay one-to-one.
+come from the ``Config`` fields' metadata (declared with ``resilrun.options.option_meta``); a test
+checks that the ``run`` command and ``Config`` stay one-to-one.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """``resilrun [run] [OPTIONS] SCRIPT [ARGS...]``: launch and supervise this node's workers.
 
 The command's options are not written here: each is a ``Config`` field (resilrun/config.py: its
-flag, environment names, help, panel, default and parser), and ``run``'s signature is built from
-those fields, so adding a flag touches one definition. typer reads the built signature.
+flag, environment names, help, panel, default and parser, declared with resilrun/options.py), and
+``run``'s signature is built from those fields, so adding a flag touches one definition. typer reads
+the built signature.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Annotated, Any
 import typer
 
 from resilrun.cli._options import option
-from resilrun.config import CONFIG_FIELDS, cli_default, cli_value
+from resilrun.config import CONFIG_FIELDS
 from resilrun.errors import ConfigError
+from resilrun.options import cli_default, cli_value
 
 CONTEXT = {
     "allow_extra_args": True,

@@ -118,16 +118,27 @@ def test_verify_reports_a_corrupt_tensor_in_one_line_with_exit_code_4(
     assert "fails its crc32" in lines[0]
 
 
-def test_with_the_job_secret_verify_says_authentic_unsigned_or_refuses_a_forgery(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    secret_file = tmp_path / "job.secret"
-    secret_file.write_text("a job secret of enough characters")
-    secret_file.chmod(0o600)
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    """A job secret file as ``--job-secret-file`` accepts it (mode 0600)."""
+    path = tmp_path / "job.secret"
+    path.write_text("a job secret of enough characters")
+    path.chmod(0o600)
+    return path
+
+
+def write_signed_checkpoint(root: Path, secret_file: Path) -> None:
+    """``write_checkpoint`` at ``root`` with MACs under the secret in ``secret_file``, bound to ``root``."""
     secret = external_secret(str(secret_file), {})
     assert secret is not None
-    root = tmp_path / "signed"
     write_checkpoint(LocalStorage(root), mac_key=durable_key(secret, str(root)))
+
+
+def test_with_the_job_secret_verify_says_authentic_unsigned_or_refuses_a_forgery(
+    tmp_path: Path, secret_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "signed"
+    write_signed_checkpoint(root, secret_file)
     code, out, err = run([str(root), "--job-secret-file", str(secret_file)], capsys)  # implies --verify
     assert code == ExitCode.OK, err
     assert "every checksum verified; authentic: every MAC verifies under the job secret" in out
@@ -154,18 +165,13 @@ def test_with_the_job_secret_verify_says_authentic_unsigned_or_refuses_a_forgery
 
 
 def test_a_signed_checkpoint_copied_under_another_uri_is_not_authentic_there(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, secret_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Issue 43 (F13): the MACs bind the URI the job wrote to; another spelling of it still verifies.
     import shutil
 
-    secret_file = tmp_path / "job.secret"
-    secret_file.write_text("a job secret of enough characters")
-    secret_file.chmod(0o600)
-    secret = external_secret(str(secret_file), {})
-    assert secret is not None
     root = tmp_path / "job-a"
-    write_checkpoint(LocalStorage(root), mac_key=durable_key(secret, str(root)))
+    write_signed_checkpoint(root, secret_file)
     (tmp_path / "x").mkdir()
     for spelling in (f"{root}/", f"file://{root}", f"{tmp_path}/x/../job-a", f"{tmp_path}/./job-a"):
         code, out, err = run([spelling, "--job-secret-file", str(secret_file)], capsys)
