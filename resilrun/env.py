@@ -123,6 +123,16 @@ def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in WITHHELD_FROM_WORKERS}
 
 
+def agent_secrets(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``WITHHELD_FROM_WORKERS`` secrets that are set in ``environ`` (default: this process's).
+
+    Why: they are all that ``job_secret.external_secret`` and ``rendezvous.factory.etcd_security``
+    read, so the agent and the commands hand those two this, not the whole environment.
+    """
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in WITHHELD_FROM_WORKERS if k in env}
+
+
 def resilrun_debug() -> bool:
     return os.environ.get("RESILRUN_DEBUG", "") not in ("", "0", "false")
 
@@ -132,6 +142,37 @@ def python_exec() -> str:
     import sys
 
     return os.environ.get("PYTHON_EXEC") or sys.executable
+
+
+def agent_token(environ: Mapping[str, str] | None = None) -> str:
+    """The token a worker shows its agent's channel (``RESILRUN_AGENT_TOKEN``); "" when unset.
+
+    The agent puts it only in the environment of the workers it spawns, so an empty one is refused
+    by the agent: that is how a process the launcher did not start is kept off the channel.
+    """
+    env = os.environ if environ is None else environ
+    return env.get("RESILRUN_AGENT_TOKEN", "")
+
+
+def fault_hook_setting(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The value of the agent's fault hook ``name`` (``RESILRUN_FAULT_*``), stripped; "" when unset.
+
+    Parsed by ``agent/workers/fault_hooks.py``: a value that is not a number is refused there, with
+    an error that this leaf module cannot raise.
+    """
+    env = os.environ if environ is None else environ
+    return env.get(name, "").strip()
+
+
+# typer answers shell completion when this variable is set (its name: _<PROG>_COMPLETE); the
+# scripts in completions/ set it to complete_<shell>.
+SHELL_COMPLETE_ENV = "_RESILRUN_COMPLETE"
+
+
+def shell_completion_request(environ: Mapping[str, str] | None = None) -> str:
+    """What the shell asks ``resilrun`` for (``complete_<shell>``, ``source_<shell>``); "" on a run."""
+    env = os.environ if environ is None else environ
+    return env.get(SHELL_COMPLETE_ENV, "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +229,52 @@ def _snapshot_every(value: str) -> int:
 def apply_assignment(env: Mapping[str, str]) -> None:
     """Adopt the environment the agent gave this process (a promoted spare, a new generation)."""
     os.environ.update(env)
+
+
+# Single values of the contract a worker process reads (the entry point, resilrun/worker_main.py,
+# among others), each read afresh: a process that moves to a new generation adopts a new
+# environment (``apply_assignment``).
+def error_file() -> str | None:
+    """Where an uncaught exception is recorded (torchrun's error file); None without one."""
+    return os.environ.get("TORCHELASTIC_ERROR_FILE") or None
+
+
+def is_spare() -> bool:
+    """Whether this process is a hot spare, with no rank yet (``spare_environ``)."""
+    return os.environ.get("RESILRUN_SPARE") == "1"
+
+
+def agent_socket_path() -> str | None:
+    """The local socket of this worker's agent; None outside a resilrun worker (python, torchrun)."""
+    return os.environ.get("RESILRUN_AGENT_SOCKET") or None
+
+
+def recovery_wait_s() -> float:
+    """How long a rank whose collective broke waits for the agent's verdict (``WorkerEnv``)."""
+    return float(os.environ.get("RESILRUN_RECOVERY_WAIT_S", "10"))
+
+
+def current_round() -> int:
+    """The rendezvous round (generation) whose environment this process has."""
+    return int(os.environ.get("RESILRUN_ROUND", "0"))
+
+
+# --no-integrations as the workers inherit it; config.py parses the flag's value with the same words.
+NO_INTEGRATIONS_ENV = "RESILRUN_NO_INTEGRATIONS"
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+
+
+def integrations_wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether frameworks are to be adapted: only in a worker resilrun started (a plain python or
+    torchrun run must find every framework untouched), unless ``--no-integrations`` was given."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("RESILRUN_AGENT_SOCKET")) and env.get(NO_INTEGRATIONS_ENV, "").lower() not in _TRUE_WORDS
+
+
+def any_set_true(*names: str) -> bool:
+    """Whether any of ``names`` is "true" (any case): how a launcher such as ``accelerate launch``
+    tells its workers to set up a sharded engine (``ACCELERATE_USE_FSDP``), read the same way here."""
+    return any(os.environ.get(name, "").lower() == "true" for name in names)
 
 
 def spare_environ(base: Mapping[str, str], agent_socket: str, log_dir: str) -> dict[str, str]:

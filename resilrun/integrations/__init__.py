@@ -1,21 +1,28 @@
 """Checkpointless recovery for training loops that a framework owns, with no change to the script.
 
-Under resilrun, the worker bootstrap calls ``install_import_hooks()`` before the script runs: when
-the script imports a supported framework, the framework is adapted (see each module) so that its
-state is snapshotted after every optimizer step and a recovered generation resumes at the same
-step in-process. Pass ``--no-integrations`` (or set ``RESILRUN_NO_INTEGRATIONS=1``, which the
-workers inherit) to leave every framework exactly as it is; a script may also call an
-integration's ``install()`` itself.
+Under resilrun, the worker entry point (``resilrun.worker_main``, the layer above this package)
+calls ``install_import_hooks()`` before the script runs: when the script imports a supported
+framework, the framework is adapted (see each module) so that its state is snapshotted after every
+optimizer step and a recovered generation resumes at the same step in-process. Pass
+``--no-integrations`` (or set ``RESILRUN_NO_INTEGRATIONS=1``, which the workers inherit) to leave
+every framework exactly as it is; a script may also call an integration's ``install()`` itself.
 
-Light on purpose (no torch, no framework): the bootstrap imports it for every worker.
+Every private or version-dependent framework internal an integration touches is reached through
+``_framework_compat``, behind a feature probe: a framework version that lacks one is left exactly as
+it is, with a one-line warning naming what it lacks.
+
+Light on purpose (no torch, no framework): the worker entry point imports it for every worker.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable, Mapping
 from types import ModuleType
+
+from resilrun.env import integrations_wanted
+
+__all__ = ["enabled", "install_import_hooks"]
 
 # The framework module whose import triggers each integration, and the integration's function.
 _HOOKS: dict[str, tuple[str, str]] = {
@@ -26,17 +33,14 @@ _HOOKS: dict[str, tuple[str, str]] = {
     "pytorch_lightning.trainer.trainer": ("resilrun.integrations.lightning", "adapt_trainer"),
 }
 
-# The flag's environment variable (resilrun/config.py parses the same words), inherited by workers.
-_OFF_VARIABLE = "RESILRUN_NO_INTEGRATIONS"
-_TRUE = frozenset({"1", "true", "yes", "on"})
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether framework integrations are wanted (``environ``: this process's environment by default):
+    only in a worker resilrun started, unless turned off."""
+    return integrations_wanted(environ)
 
 
-def enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether framework integrations are wanted: only in a worker resilrun started, unless turned off."""
-    return bool(environ.get("RESILRUN_AGENT_SOCKET")) and environ.get(_OFF_VARIABLE, "").lower() not in _TRUE
-
-
-def install_import_hooks(environ: Mapping[str, str] = os.environ) -> bool:
+def install_import_hooks(environ: Mapping[str, str] | None = None) -> bool:
     """Adapt each supported framework when the script imports it; False when integrations are off."""
     if not enabled(environ):
         return False

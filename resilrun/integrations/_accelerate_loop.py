@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from resilrun.integrations._framework_compat import prepared
 from resilrun.integrations._held import LiveState
 
 logger = logging.getLogger(__name__)
@@ -66,13 +67,13 @@ class Loop:
         self._hooked: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def index_of(self, loader: Any) -> int | None:
-        return next((i for i, known in enumerate(self.accelerator._dataloaders) if known is loader), None)
+        return next((i for i, known in enumerate(prepared(self.accelerator, "dataloaders")) if known is loader), None)
 
     def hook_optimizers(self) -> None:
         """Count the steps of every prepared optimizer (the hook fires only on a real step: not on
         an accumulating micro-batch, not when the grad scaler skips an overflowing one)."""
-        for prepared in self.accelerator._optimizers:
-            optimizer = _inner(prepared)
+        for wrapped in prepared(self.accelerator, "optimizers"):
+            optimizer = _inner(wrapped)
             if optimizer not in self._hooked:
                 self._hooked.add(optimizer)
                 optimizer.register_step_post_hook(self._after_optimizer_step)
@@ -96,10 +97,10 @@ class Loop:
         accelerator = self.accelerator
         named: dict[str, Any] = {}
         for kind, items in (
-            ("model", accelerator._models),
-            ("optimizer", [_inner(o) for o in accelerator._optimizers]),
-            ("scheduler", accelerator._schedulers),
-            ("custom", accelerator._custom_objects),
+            ("model", prepared(accelerator, "models")),
+            ("optimizer", [_inner(o) for o in prepared(accelerator, "optimizers")]),
+            ("scheduler", prepared(accelerator, "schedulers")),
+            ("custom", prepared(accelerator, "custom_objects")),
         ):
             for i, obj in enumerate(items):
                 named[kind if i == 0 else f"{kind}_{i}"] = obj
@@ -119,7 +120,7 @@ class Loop:
             "batches": current.batches,
             "rng": current.rng,
             "generators": current.generators,
-            "iterations": [int(getattr(d, "iteration", 0)) for d in self.accelerator._dataloaders],
+            "iterations": [int(getattr(d, "iteration", 0)) for d in prepared(self.accelerator, "dataloaders")],
         }
 
     def track_live(self) -> None:
@@ -130,7 +131,7 @@ class Loop:
             **self.objects(),
             loop=LiveState(self.loop_state, "Accelerate's loop state is restored as the resumed pass starts"),
         )
-        fix_bucket_layouts(self.accelerator._models)
+        fix_bucket_layouts(prepared(self.accelerator, "models"))
 
     # -- the passes over prepared loaders -------------------------------------------------------------
     def start(self) -> None:
@@ -221,7 +222,7 @@ class Loop:
             if self.held.has(name):
                 self.held.load_into(name, obj)
         self.accelerator.step = position.accelerator_step
-        for other, iteration in zip(self.accelerator._dataloaders, position.iterations, strict=False):
+        for other, iteration in zip(prepared(self.accelerator, "dataloaders"), position.iterations, strict=False):
             if other is not loader and hasattr(other, "iteration"):
                 other.iteration = iteration
         loader.iteration = position.iteration

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 import weakref
 from collections.abc import Callable
@@ -46,6 +45,8 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
+from resilrun.env import any_set_true
+from resilrun.integrations import _framework_compat as compat
 from resilrun.integrations._accelerate_loop import Loop
 from resilrun.integrations._support import GENERATION, forget_on_reentry, outside
 
@@ -57,7 +58,6 @@ _DISTRIBUTED_TYPES = frozenset({"NO", "MULTI_CPU", "MULTI_GPU"})
 _NOT_INTEGRATED_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM")
 # Modules whose code creates an Accelerator for a loop it owns (and integrates itself, or not at all).
 _FRAMEWORKS = ("transformers.", "trl.", "lightning.", "pytorch_lightning.")
-_ACCELERATOR_LISTS = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects")
 _ADAPTED = "__resilrun_adapted__"
 # What the script saves through Accelerate: not saved again while finished epochs are replayed.
 _SAVES = ("save_state", "save_model", "save")
@@ -72,13 +72,13 @@ def adapt_accelerator(module: ModuleType) -> None:
 
     reason = outside("accelerate", getattr(accelerate, "__version__", ""), SUPPORTED)
     if reason is None:
-        import accelerate.data_loader
-        import accelerate.state
-
-        reason = _lacks(accelerate.data_loader)
+        reason = compat.lacks("accelerate", compat.accelerate_lacks(accelerator_class))
     if reason is not None:
         logger.warning("resilrun: %s; a failure restarts the job (Accelerate is left as it is)", reason)
         return
+    import accelerate.data_loader
+    import accelerate.state
+
     _adapt_partial_state(accelerate.state.PartialState)
     for loader_class in (accelerate.data_loader.DataLoaderShard, accelerate.data_loader.DataLoaderDispatcher):
         _adapt_loader(loader_class)
@@ -96,16 +96,6 @@ def install() -> bool:
 
     adapt_accelerator(accelerate.accelerator)
     return bool(getattr(accelerate.accelerator.Accelerator, _ADAPTED, False))
-
-
-def _lacks(data_loader: ModuleType) -> str | None:
-    missing = [
-        f"{name}.{attribute}"
-        for name in ("DataLoaderShard", "DataLoaderDispatcher")
-        for attribute in ("__iter__", "set_epoch")
-        if not callable(getattr(getattr(data_loader, name, None), attribute, None))
-    ]
-    return f"this Accelerate lacks {', '.join(missing)}" if missing else None
 
 
 # -- joining the job ------------------------------------------------------------------------------
@@ -134,7 +124,7 @@ def _joins() -> bool:
     that sets up its own, not a framework's (the Trainer joins through its own integration)."""
     from resilrun.integrations import enabled
 
-    if not enabled() or any(os.environ.get(name, "").lower() == "true" for name in _NOT_INTEGRATED_ENV):
+    if not enabled() or any_set_true(*_NOT_INTEGRATED_ENV):
         return False
     return not _created_by_framework()
 
@@ -159,11 +149,8 @@ class _Active:
 def _forget_generation() -> None:
     """The script runs again: the next generation's accelerator builds its process state anew
     (Accelerate keeps it in class-level singletons, which still describe the torn-down group)."""
-    from accelerate.state import AcceleratorState, GradientState
-
     _Active.session = None
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    compat.reset_accelerate_state()
 
 
 def _adapt_prepare(accelerator_class: type) -> None:
@@ -243,13 +230,10 @@ def _unless_replaying(save: Callable[..., Any]) -> Callable[..., Any]:
 def _open_session(accelerator: Any) -> Loop | None:
     """The loop of this accelerator is the generation's snapshotted one, if it can be."""
     kind = getattr(getattr(accelerator, "distributed_type", None), "name", "?")
-    missing = [name for name in _ACCELERATOR_LISTS if not isinstance(getattr(accelerator, name, None), list)]
     reason = (
         f"Accelerate's {kind} is not integrated (single-process and DDP are)"
         if kind not in _DISTRIBUTED_TYPES
-        else f"this Accelerator lacks {', '.join(missing)} as resilrun knows them"
-        if missing
-        else None
+        else compat.lacks("accelerate", compat.accelerator_instance_lacks(accelerator))
     )
     if reason is not None:
         logger.warning("resilrun: %s; a failure restarts the job", reason)

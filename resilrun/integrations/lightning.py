@@ -34,10 +34,10 @@ import inspect
 import logging
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
+from resilrun.integrations import _framework_compat as compat
 from resilrun.integrations._support import GENERATION, forget_on_reentry, outside
 
 logger = logging.getLogger(__name__)
@@ -66,17 +66,17 @@ def adapt_trainer(module: ModuleType) -> None:
     if getattr(trainer_class, _ADAPTED, False):
         return
     package = module.__name__.rsplit(".trainer.trainer", 1)[0]  # lightning.pytorch or pytorch_lightning
-    reason = _unsupported(package)
+    reason = _unsupported(package) or compat.lacks(package, compat.lightning_lacks(package, trainer_class))
     if reason is not None:
         logger.warning("resilrun: %s; a failure restarts the job (the Trainer is left as it is)", reason)
         return
-    _adapt_combined_loader(importlib.import_module(f"{package}.utilities.combined_loader").CombinedLoader)
+    _adapt_combined_loader(compat.combined_loader_class(package))
     original = trainer_class.fit
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        reason = _not_integrated(self)
+        reason = _not_integrated(self, package)
         if reason is not None or not GENERATION.claim("Trainer.fit()"):
             if reason:
                 logger.warning("resilrun: %s; a failure restarts the job", reason)
@@ -108,7 +108,7 @@ def _unsupported(package: str) -> str | None:
     return outside(top, getattr(importlib.import_module(top), "__version__", ""), SUPPORTED)
 
 
-def _not_integrated(trainer: Any) -> str | None:
+def _not_integrated(trainer: Any, package: str) -> str | None:
     """Why this ``fit`` runs as Lightning has it: None to integrate, "" to say nothing."""
     from resilrun.integrations import enabled
 
@@ -117,18 +117,7 @@ def _not_integrated(trainer: Any) -> str | None:
     classes = {cls.__name__ for cls in type(trainer.strategy).__mro__}
     if "DeepSpeedStrategy" in classes or not classes & _STRATEGIES:
         return f"the {type(trainer.strategy).__name__} is not integrated (DDP and single-device are)"
-    missing = [
-        what
-        for what, owner, attribute in (
-            ("the checkpoint connector", getattr(trainer, "_checkpoint_connector", None), "dump_checkpoint"),
-            ("the training epoch loop", getattr(trainer.fit_loop, "epoch_loop", None), "on_advance_end"),
-            ("the fit loop's data", trainer.fit_loop, "_combined_loader"),
-        )
-        if not hasattr(owner, attribute)
-    ]
-    if missing:
-        return f"this Lightning lacks {', '.join(missing)} as resilrun knows them"
-    return None
+    return compat.lacks(package, compat.lightning_instance_lacks(trainer))
 
 
 @dataclasses.dataclass
@@ -155,7 +144,7 @@ def _adapt_combined_loader(combined_loader: type) -> None:
     @functools.wraps(original)
     def __iter__(self: Any) -> Any:  # noqa: N807 - the method it wraps
         session = _Active.session
-        if session is None or self is not getattr(session.trainer.fit_loop, "_combined_loader", None):
+        if session is None or self is not compat.fit_data(session.trainer):
             return original(self)
         return session.iterate(self, original)
 
@@ -172,8 +161,7 @@ class _Session:
 
         self.trainer = trainer
         self.package = package
-        timeout = getattr(trainer.strategy, "_timeout", None)
-        self.job = membership.init(timeout=timeout if isinstance(timeout, timedelta) else None)
+        self.job = membership.init(timeout=compat.strategy_timeout(trainer.strategy))
         self.held = HeldRestore(self.job, ["lightning"])
         self.epoch_rng: dict[str, Any] | None = None  # when the running epoch's data iterator was made
         self.position: _Position | None = None  # where a resumed epoch's data must start
@@ -283,7 +271,7 @@ class _Session:
     def checkpoint(self) -> dict[str, Any]:
         """What Lightning would write to a checkpoint now, and where the epoch's data stands."""
         trainer = self.trainer
-        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        state = compat.lightning_checkpoint(trainer)
         for key in _OMITTED:
             state.pop(key, None)
         state["resilrun"] = {
@@ -323,9 +311,8 @@ def _set_sampler_epoch(loader: Any, epoch: int) -> None:
 @functools.cache
 def _callback_class(package: str) -> type:
     """Built on first use: ``Callback`` comes from the Lightning the script imported."""
-    callback = importlib.import_module(f"{package}.callbacks").Callback
 
-    class ResilrunCallback(callback):
+    class ResilrunCallback(compat.lightning_callback_base(package)):  # type: ignore[misc]  # known at run time
         """Starts each optimizer step for resilrun (the step numbers are Lightning's global_step)."""
 
         def __init__(self, session: _Session) -> None:

@@ -31,15 +31,13 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
+from resilrun.integrations import _framework_compat as compat
 from resilrun.integrations._support import GENERATION, forget_on_reentry, outside
 
 logger = logging.getLogger(__name__)
 
 # The versions this integration is tested with (docs: docs/integrations.md; the optional extra pins them).
 SUPPORTED = ((5, 0), (6, 0))
-# What the Trainer calls where it would read a checkpoint: each is handed the restored state instead.
-_LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
-_STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 _ADAPTED = "__resilrun_adapted__"
 
 
@@ -48,26 +46,26 @@ def adapt_training_arguments(module: ModuleType) -> None:
     arguments = module.TrainingArguments
     if getattr(arguments, _ADAPTED, False) or _unsupported(module) is not None:
         return
-    prop = arguments.__dict__.get("_setup_devices")
-    if not isinstance(prop, functools.cached_property):
+    reason = compat.lacks("transformers", compat.training_arguments_lack(arguments))
+    if reason is not None:
         logger.warning(
-            "resilrun: TrainingArguments._setup_devices is not what this integration knows; "
-            "Accelerate creates the process group (recovery still works, a stuck setup is not guarded)"
+            "resilrun: %s; Accelerate creates the process group (recovery still works, a stuck setup is not guarded)",
+            reason,
         )
         return
-    original = prop.func
 
-    def _setup_devices(self: Any) -> Any:
-        if _joins(self):
-            from resilrun.worker import membership
+    def joining_first(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def _setup_devices(self: Any) -> Any:
+            if _joins(self):
+                from resilrun.worker import membership
 
-            backend = self.ddp_backend or ("gloo" if self.use_cpu else None)
-            membership.init(backend=backend, timeout=timedelta(seconds=self.ddp_timeout))
-        return original(self)
+                backend = self.ddp_backend or ("gloo" if self.use_cpu else None)
+                membership.init(backend=backend, timeout=timedelta(seconds=self.ddp_timeout))
+            return original(self)
 
-    adapted = functools.cached_property(_setup_devices)
-    adapted.__set_name__(arguments, "_setup_devices")
-    arguments._setup_devices = adapted
+        return _setup_devices
+
+    compat.wrap_setup_devices(arguments, joining_first)
     setattr(arguments, _ADAPTED, True)
 
 
@@ -84,7 +82,13 @@ def adapt_trainer(module: ModuleType) -> None:
 
     @functools.wraps(original)
     def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if not _joins(self.args) or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if not _joins(self.args):
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        reason = compat.lacks("transformers", compat.trainer_instance_lacks(self))
+        if reason is not None:
+            logger.warning("resilrun: %s; a failure restarts the job", reason)
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return original(self, resume_from_checkpoint, *args, **kwargs)
         if not GENERATION.claim("Trainer.train()"):
             return original(self, resume_from_checkpoint, *args, **kwargs)
@@ -110,14 +114,9 @@ def _unsupported(module: ModuleType) -> str | None:
     import transformers
 
     reason = outside("transformers", getattr(transformers, "__version__", ""), SUPPORTED)
-    if reason is not None:
+    if reason is not None or not hasattr(module, "Trainer"):
         return reason
-    trainer_class = getattr(module, "Trainer", None)
-    if trainer_class is not None:
-        missing = [name for name in ("train", *_LOADERS) if not callable(getattr(trainer_class, name, None))]
-        if missing:
-            return f"this transformers' Trainer lacks {', '.join(missing)}"
-    return None
+    return compat.lacks("transformers", compat.trainer_lacks(module))
 
 
 def _joins(args: Any) -> bool:
@@ -130,11 +129,9 @@ def _joins(args: Any) -> bool:
 def _forget_accelerate_state_on_reentry() -> None:
     """The next run of the script builds new TrainingArguments (which reset Accelerate's process
     state themselves) but inherits ``GradientState``, which still points at the old data loaders."""
-    from accelerate.state import GradientState
-
     from resilrun.worker import membership
 
-    membership.on_reentry(GradientState._reset_state)
+    membership.on_reentry(compat.reset_gradient_state)
     forget_on_reentry()
 
 
@@ -183,27 +180,21 @@ class _Session:
         directory = tempfile.mkdtemp(prefix="resilrun-trainer-")
         trainer = self.trainer
         try:
-            with open(os.path.join(directory, _STATE_FILE), "w", encoding="utf-8") as handle:
+            with open(os.path.join(directory, compat.trainer_state_file()), "w", encoding="utf-8") as handle:
                 handle.write(state)
-            loaders = {name: getattr(trainer, name) for name in _LOADERS}
-
-            def held(name: str, load: Callable[[], None]) -> Callable[..., None]:
-                def loader(checkpoint: Any, *args: Any, **kwargs: Any) -> None:
-                    if checkpoint != directory:
-                        return loaders[name](checkpoint, *args, **kwargs)
-                    load()
-                    return None
-
-                return loader
-
-            trainer._load_from_checkpoint = held("_load_from_checkpoint", self._load_model)
-            trainer._load_optimizer_and_scheduler = held("_load_optimizer_and_scheduler", self._load_optimizer)
-            trainer._load_scaler = held("_load_scaler", self._load_scaler)
-            trainer._load_rng_state = held("_load_rng_state", self.held.restore_rng)
+            compat.redirect_trainer_loaders(
+                trainer,
+                directory,
+                {
+                    "model": self._load_model,
+                    "optimizer": self._load_optimizer,
+                    "scaler": self._load_scaler,
+                    "rng": self.held.restore_rng,
+                },
+            )
             yield directory
         finally:
-            for name in _LOADERS:
-                trainer.__dict__.pop(name, None)
+            compat.restore_trainer_loaders(trainer)
             shutil.rmtree(directory, ignore_errors=True)
 
     def _load_model(self) -> None:
@@ -231,12 +222,7 @@ class _Session:
 
     def commit(self, state: Any) -> None:
         """An optimizer step is done: snapshot it with the Trainer's state as its own checkpoint has it."""
-        from transformers.trainer_callback import ExportableState
-
-        trainer = self.trainer
-        for exportable in [*trainer.callback_handler.callbacks, trainer.control]:
-            if isinstance(exportable, ExportableState):
-                state.stateful_callbacks[type(exportable).__name__] = exportable.state()
+        state.stateful_callbacks.update(compat.exported_callback_states(self.trainer))
         # What TrainerState.save_to_json writes (its own format, read back by load_from_json).
         self.job["trainer_state"] = json.dumps(dataclasses.asdict(state), sort_keys=True)
         self.job.commit(state.global_step - 1)
@@ -245,9 +231,8 @@ class _Session:
 @functools.cache
 def _callback_class() -> type:
     """Built on first use: ``TrainerCallback`` comes from transformers, imported by then."""
-    from transformers.trainer_callback import TrainerCallback
 
-    class ResilrunCallback(TrainerCallback):
+    class ResilrunCallback(compat.trainer_callback_base()):  # type: ignore[misc]  # a class known at run time
         """Snapshots after every optimizer step; the step numbers are the Trainer's (0-based)."""
 
         def __init__(self, session: _Session) -> None:

@@ -16,6 +16,7 @@ from resilrun import integrations
 from resilrun.integrations import _import_hooks
 from resilrun.integrations import _support as support
 from resilrun.integrations import transformers as hf
+from tests.unit import fake_frameworks as fake
 
 
 @pytest.fixture
@@ -86,23 +87,11 @@ def test_integrations_are_only_installed_in_a_resilrun_worker_that_wants_them(
         sys.meta_path[:] = before
 
 
-class _Trainer:
-    def train(self, resume_from_checkpoint: object = None) -> str:
-        return "the framework's own train"
-
-    def _load_from_checkpoint(self, checkpoint: str) -> None: ...
-    def _load_optimizer_and_scheduler(self, checkpoint: str) -> None: ...
-    def _load_scaler(self, checkpoint: str) -> None: ...
-    def _load_rng_state(self, checkpoint: str) -> None: ...
+_Trainer = fake.Trainer
 
 
 def _framework(monkeypatch: pytest.MonkeyPatch, version: str, trainer: type) -> ModuleType:
-    package = ModuleType("transformers")
-    package.__version__ = version  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "transformers", package)
-    module = ModuleType("transformers.trainer")
-    module.Trainer = trainer  # type: ignore[attr-defined]
-    return module
+    return fake.transformers(monkeypatch, version, trainer)
 
 
 def test_a_transformers_version_outside_the_tested_range_is_left_alone(
@@ -125,7 +114,7 @@ def test_a_trainer_without_the_loaders_it_needs_is_left_alone(
     with caplog.at_level(logging.WARNING):
         hf.adapt_trainer(module)
     assert trainer.train is _Trainer.train
-    assert "this transformers' Trainer lacks _load_scaler" in caplog.text
+    assert "transformers 5.23.0 lacks Trainer._load_scaler as resilrun uses it" in caplog.text
 
 
 def test_outside_a_resilrun_worker_the_adapted_trainer_is_the_frameworks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,8 +125,7 @@ def test_outside_a_resilrun_worker_the_adapted_trainer_is_the_frameworks(monkeyp
     hf.adapt_trainer(module)
     assert trainer.train is not _Trainer.train
     # Then without resilrun's agent it runs the framework's own train
-    instance = trainer()
-    instance.args = object()
+    instance = fake.trainer_instance(trainer)
     assert instance.train() == "the framework's own train"
 
 
@@ -152,8 +140,7 @@ def test_a_second_train_in_the_same_run_is_not_snapshotted(
     monkeypatch.setattr(support, "GENERATION", support.Generation())
     monkeypatch.setattr(hf, "GENERATION", support.GENERATION)
     support.GENERATION.claim("an earlier training")
-    instance = trainer()
-    instance.args, instance.is_deepspeed_enabled, instance.is_fsdp_enabled = object(), False, False
+    instance = fake.trainer_instance(trainer)
     # When the script trains again (a second stage), Then it runs as the framework's own, and says so:
     # the job's snapshots are the first training's steps, which this one must never restore
     with caplog.at_level(logging.WARNING):
@@ -196,14 +183,9 @@ def test_lightning_strategies_other_than_ddp_and_single_device_are_not_integrate
 
     monkeypatch.setenv("RESILRUN_AGENT_SOCKET", "/run/agent.sock")
     monkeypatch.delenv("RESILRUN_NO_INTEGRATIONS", raising=False)
-    ddp = type("DDPStrategy", (), {})
-    bases = (ddp,) if strategy == "DeepSpeedStrategy" else ()
-    loop = type("FitLoop", (), {"_combined_loader": None, "epoch_loop": type("E", (), {"on_advance_end": None})()})
-    trainer = type("Trainer", (), {})()
-    trainer.strategy = (type(strategy, bases, {}) if bases else type(strategy, (), {}))()
-    trainer.fit_loop = loop()
-    trainer._checkpoint_connector = type("C", (), {"dump_checkpoint": None})()
-    reason = lit._not_integrated(trainer)
+    bases = (type("DDPStrategy", (), {}),) if strategy == "DeepSpeedStrategy" else ()
+    trainer = fake.lightning_instance(fake.LightningTrainer, strategy, bases)
+    reason = lit._not_integrated(trainer, "lightning.pytorch")
     assert (reason is None) is integrated, reason
     if not integrated:
         assert f"the {strategy} is not integrated (DDP and single-device are)" == reason
@@ -213,7 +195,7 @@ def test_lightning_is_left_alone_outside_a_resilrun_worker(monkeypatch: pytest.M
     from resilrun.integrations import lightning as lit
 
     monkeypatch.delenv("RESILRUN_AGENT_SOCKET", raising=False)
-    assert lit._not_integrated(object()) == ""  # not a resilrun worker: nothing to say
+    assert lit._not_integrated(object(), "lightning.pytorch") == ""  # not a resilrun worker: nothing to say
 
 
 def test_the_first_training_of_a_generation_is_the_snapshotted_one_whichever_framework_runs_it(
