@@ -40,10 +40,10 @@ test: install test-tools
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
 	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark --durations=25
 
-# The quick subset: unit, contract and CLI tests, no launcher started (a minute or so on 2 cores).
+# The quick subset: unit, contract, socket and CLI tests, no launcher started (a minute or so on 2 cores).
 quick: install test-tools
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
-	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark tests/unit tests/contract tests/cli
+	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark tests/unit tests/contract tests/socket tests/cli
 
 lint: $(PY)
 	$(PY) -m ruff check resilrun tests examples benchmarks tools

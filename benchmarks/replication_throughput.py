@@ -123,6 +123,9 @@ class ReplicatorPath:
         self.replicator = Replicator(
             self.memory, SECRET, lambda: [address], timeout=timedelta(seconds=60), on_replicated=self._on_replicated
         )
+        # Wired as the agent's commit pipeline wires it: node memory's announcements, the commit gate.
+        self.memory.add_listener(self.replicator.on_commit)
+        self.memory.add_commit_gate(self.replicator.hold_commit)
         for slot in (0, 1):
             buffer = self.memory.allocate(0, slot, len(data))
             buffer.view()[:] = data

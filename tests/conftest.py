@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +46,17 @@ def free_port() -> int:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0, what: str = "the condition") -> None:
+    """Return once ``predicate()`` is true; fail the test if it is not within ``timeout`` seconds.
+
+    For what another thread or process does with no event to wait on: a deadline, never a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout} s")
+        time.sleep(0.01)
 
 
 # -- snapshots -------------------------------------------------------------------------------------

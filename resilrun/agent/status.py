@@ -27,16 +27,18 @@ from typing import TYPE_CHECKING, Any
 
 from resilrun.agent.liveness.heartbeat import StalenessJudge, read_heartbeats
 from resilrun.agent.observability.telemetry import AgentTelemetry
+from resilrun.agent.supervision.rounds import Membership
 from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.procs import WorkerState
 from resilrun.env import SNAPSHOT_AUTO
 from resilrun.errors import ResilrunError
 from resilrun.status import records as history
 from resilrun.tiers.memory import NodeMemoryTier
 
 if TYPE_CHECKING:
-    from resilrun.agent.supervision.supervisor import Supervisor
     from resilrun.agent.workers.procs import WorkerSnapshot
     from resilrun.config import Config
+    from resilrun.rendezvous.executor import RendezvousClient
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +55,9 @@ class RankState(Enum):
     @classmethod
     def of(cls, exit_code: int | None, silent_s: float | None, timeout_s: float, stepped: bool) -> RankState:
         """From what the agent knows of the worker: its exit, its heartbeat's age, whether it stepped."""
-        if exit_code is not None:
-            return cls.FINISHED if exit_code == 0 else cls.FAILED
+        state = WorkerState.of(exit_code)
+        if state.ended:
+            return cls.FINISHED if state is WorkerState.SUCCEEDED else cls.FAILED
         if silent_s is None:
             return cls.RUNNING if stepped else cls.STARTING
         return cls.RUNNING if silent_s <= timeout_s else cls.UNRESPONSIVE
@@ -70,29 +73,37 @@ class StatusPublisher:
 
     def __init__(
         self,
-        supervisor: Supervisor,
+        config: Config,
+        rdzv: RendezvousClient,
+        membership: Membership,
         control: WorkerControl,
         memory: NodeMemoryTier,
         telemetry: AgentTelemetry,
         *,
         replication: Callable[[], dict[int, dict[str, int | None]]] | None = None,
+        on_published: Callable[[dict[str, Any]], None] | None = None,
         interval_s: float,
     ) -> None:
-        self.supervisor = supervisor
+        """``membership``: where the node stands, as its supervisor moves it (read only here);
+        ``on_published``: given each document written (the metrics export serves the newest)."""
+        self.config = config
+        self.membership = membership
         self.control = control
         self.memory = memory
         self.telemetry = telemetry
         self.replication = replication
+        self.on_published = on_published
         self.interval_s = interval_s
-        self.backend = supervisor.rdzv.backend
-        self.run_id = supervisor.run_id
-        self.node_id = supervisor.rdzv.me.node_id
+        self.backend = rdzv.backend
+        self.run_id = rdzv.run_id
+        self.node_id = rdzv.me.node_id
+        self.addr = rdzv.me.addr
         self.outcome: str | None = None  # set once the agent left (succeeded, failed, stopped, error)
         self.started = time.monotonic()
         self.latest: dict[str, Any] | None = None
         self.bytes_written = 0
         self.writes = 0
-        self._judge = StalenessJudge(supervisor.config.heartbeat_timeout_s)
+        self._judge = StalenessJudge(config.heartbeat_timeout_s)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._failing = False
@@ -112,8 +123,7 @@ class StatusPublisher:
     # -- the document -------------------------------------------------------------------------------
     def build(self) -> dict[str, Any]:
         """This node's document (schema in docs/status.md); pure reads of the agent's state."""
-        sup = self.supervisor
-        membership = sup.membership
+        membership = self.membership
         current = membership.current
         state = membership.state
         node_rank = state.node_rank(self.node_id) if state is not None else None
@@ -130,7 +140,7 @@ class StatusPublisher:
             "node_id": self.node_id,
             "host": socket.gethostname(),
             "agent_pid": os.getpid(),
-            "addr": sup.rdzv.me.addr,
+            "addr": self.addr,
             "state": node_state,
             "node_rank": node_rank,
             "round": state.round if state is not None else None,
@@ -138,10 +148,10 @@ class StatusPublisher:
             "incarnation": self.incarnation,
             "written_at": round(time.time(), 3),
             "uptime_s": round(time.monotonic() - self.started, 3),
-            "heartbeat_interval_s": sup.config.heartbeat_interval_s,
+            "heartbeat_interval_s": self.config.heartbeat_interval_s,
             "ranks": ranks,
             "spares": {
-                "configured": sup.config.spares,
+                "configured": self.config.spares,
                 "alive": len(alive_spares),
                 "ready": len([s for s in alive_spares if s.pid in waiting]),
                 "pids": [s.pid for s in alive_spares],
@@ -162,7 +172,7 @@ class StatusPublisher:
         # The newest finished step (heartbeats carry it): with --snapshot-every > 1 commits are sparser.
         finished = self._finished([worker])
         step = max(-1 if finished is None else finished, int(progress.get("step", -1)))
-        state = RankState.of(code, silent, self.supervisor.config.heartbeat_timeout_s, "step" in progress)
+        state = RankState.of(code, silent, self.config.heartbeat_timeout_s, "step" in progress)
         return {
             "rank": rank,
             "local_rank": worker.local_rank,
@@ -184,7 +194,7 @@ class StatusPublisher:
         return max((s for s in (exact, beaten) if s is not None), default=None)
 
     def _snapshots(self) -> dict[str, Any]:
-        config = self.supervisor.config
+        config = self.config
         return snapshot_policy(config, self.telemetry.interval, persisting=bool(config.checkpoint_uri))
 
     def _tiers(self, ranks: list[int], done: int | None) -> dict[str, Any]:
@@ -217,7 +227,7 @@ class StatusPublisher:
                 "at_risk_steps": _at_risk(done, step),
                 "waited_s": round(held, 3),
             }
-        if self.supervisor.config.checkpoint_uri:
+        if self.config.checkpoint_uri:
             uploaded = [self.telemetry.uploaded.get(rank) for rank in ranks]
             step = None if not uploaded or None in uploaded else min(s for s in uploaded if s is not None)
             tiers["persistent"] = {
@@ -230,7 +240,7 @@ class StatusPublisher:
 
     def _peer_ages(self) -> dict[str, float | None]:
         """Heartbeat ages of the next ``_WATCHED`` nodes, judged on this agent's clock."""
-        state = self.supervisor.membership.state
+        state = self.membership.state
         if state is None or len(state.participants) < 2:
             return {}
         rank = state.node_rank(self.node_id)
@@ -250,6 +260,8 @@ class StatusPublisher:
         try:
             document = self.build()
             self.latest = document
+            if self.on_published is not None:
+                self.on_published(document)
             self.bytes_written += history.publish_node(self.backend, self.run_id, self.node_id, document)
             self.writes += 1
             self._failing = False

@@ -7,7 +7,6 @@ from any layer are rendered once, in ``main``, as a one-line message, a hint and
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
 
@@ -20,6 +19,7 @@ from resilrun.cli._errors import render
 from resilrun.cli._output import Output
 from resilrun.cli.export import export
 from resilrun.cli.inspect import inspect_checkpoint
+from resilrun.env import SHELL_COMPLETE_ENV, shell_completion_request
 from resilrun.errors import ExitCode
 
 __all__ = ["app", "main"]
@@ -67,11 +67,6 @@ def _with_default_command(argv: list[str]) -> list[str]:
     return ["run", *argv]
 
 
-# typer answers shell completion when this variable is set (its name: _<PROG>_COMPLETE); the
-# scripts in completions/ set it to complete_<shell>.
-_COMPLETE_VAR = "_RESILRUN_COMPLETE"
-
-
 def _complete_with_default_command(command: Any) -> None:
     """Answer a shell-completion request knowing that ``run`` is the default command.
 
@@ -80,7 +75,7 @@ def _complete_with_default_command(command: Any) -> None:
     and a first word that is an option is offered both the top-level options and ``run``'s. Anything
     else (``source_<shell>``, a normal run) is left to typer.
     """
-    instruction = os.environ.get(_COMPLETE_VAR, "")
+    instruction = shell_completion_request()
     if not instruction.startswith("complete_"):
         return
     from typer._click.shell_completion import get_completion_class  # typer's bundled click
@@ -88,7 +83,7 @@ def _complete_with_default_command(command: Any) -> None:
     shell_class = get_completion_class(instruction.removeprefix("complete_"))
     if shell_class is None:
         return  # typer reports the unknown shell
-    completer = shell_class(command, {}, "resilrun", _COMPLETE_VAR)
+    completer = shell_class(command, {}, "resilrun", SHELL_COMPLETE_ENV)
     complete_words = completer.get_completions
 
     def get_completions(args: list[str], incomplete: str) -> list[Any]:

@@ -93,16 +93,16 @@ def status(
     ] = None,
 ) -> None:
     """Show a running job: nodes, ranks, spares, snapshot progress, failures and recoveries."""
-    import os
-
+    from resilrun.env import agent_secrets
     from resilrun.job_secret import external_secret
     from resilrun.option_values import parse_rdzv_conf
     from resilrun.rendezvous.factory import etcd_security
 
     out = Output(json_mode=json_output)
     try:
-        secret = external_secret(job_secret_file, os.environ)
-        security = etcd_security(parse_rdzv_conf(rdzv_conf), os.environ)
+        secrets = agent_secrets()
+        secret = external_secret(job_secret_file, secrets)
+        security = etcd_security(parse_rdzv_conf(rdzv_conf), secrets)
         reader = _Reader(rdzv_backend.strip().lower(), rdzv_endpoint, rdzv_id, timeout, history, secret, security)
         if watch is None:
             _show(out, reader.read(), json_output, tty=sys.stdout.isatty())

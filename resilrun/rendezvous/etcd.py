@@ -125,7 +125,10 @@ class EtcdSecurity:
 
 
 class EtcdBackend(RendezvousBackend):
-    """See base class. Talks to an etcd v3 cluster through its JSON gateway (``etcd_http``)."""
+    """See base class. Talks to an etcd v3 cluster through its JSON gateway (``etcd_http``).
+
+    Its requests are also the ``etcd_push.GatewayRequests`` its watches and leased keys use.
+    """
 
     def __init__(
         self, endpoints: Sequence[tuple[str, int]], *, timeout: timedelta, security: EtcdSecurity | None = None
@@ -170,7 +173,7 @@ class EtcdBackend(RendezvousBackend):
 
     # -- the contract ---------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
-        kvs = self._post("/kv/range", {"key": _b64(key)}).get("kvs")
+        kvs = self.post("/kv/range", {"key": _b64(key)}).get("kvs")
         return _value(kvs[0]) if kvs else None
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -178,7 +181,7 @@ class EtcdBackend(RendezvousBackend):
         for start in range(0, len(keys), _MAX_TXN_OPS):
             chunk = keys[start : start + _MAX_TXN_OPS]
             ranges = [{"request_range": {"key": _b64(key)}} for key in chunk]
-            result = self._post("/kv/txn", {"compare": [], "success": ranges})
+            result = self.post("/kv/txn", {"compare": [], "success": ranges})
             for response in result.get("responses", []):
                 kvs = response.get("response_range", {}).get("kvs")
                 values.append(_value(kvs[0]) if kvs else None)
@@ -190,7 +193,7 @@ class EtcdBackend(RendezvousBackend):
         return values
 
     def set(self, key: str, value: bytes) -> None:
-        self._post("/kv/put", self._put(key, value))
+        self.post("/kv/put", self._put(key, value))
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
         if expected is None:
@@ -205,7 +208,7 @@ class EtcdBackend(RendezvousBackend):
 
     def add(self, key: str, amount: int) -> int:
         if amount == 0:
-            kvs = self._post("/kv/range", {"key": _b64(key)}).get("kvs")
+            kvs = self.post("/kv/range", {"key": _b64(key)}).get("kvs")
             return int(_value(kvs[0]) or b"0") if kvs else 0
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
@@ -289,14 +292,14 @@ class EtcdBackend(RendezvousBackend):
                 lease_id = int(raw)
                 if self._lease_ttl(lease_id) > 0:
                     break
-            granted = self._post("/lease/grant", {"TTL": str(ttl_s), "ID": "0"})
+            granted = self.post("/lease/grant", {"TTL": str(ttl_s), "ID": "0"})
             candidate = int(granted["ID"])
             self._lease_id = candidate
             if self.compare_set(key, raw, str(candidate).encode()):
                 lease_id = candidate
                 break
             self._lease_id = None
-            self._post("/kv/lease/revoke", {"ID": str(candidate)})
+            self.post("/kv/lease/revoke", {"ID": str(candidate)})
         self._lease_id = lease_id
         interval = max(ttl_s / 4, 1.0)
         self._keepalive = threading.Thread(
@@ -309,7 +312,7 @@ class EtcdBackend(RendezvousBackend):
         failing = False
         while not self._stop.wait(interval):
             try:
-                self._post("/lease/keepalive", {"ID": str(lease_id)})
+                self.post("/lease/keepalive", {"ID": str(lease_id)})
                 failing = False
             except StoreConnectionError as exc:
                 if not failing:
@@ -317,6 +320,8 @@ class EtcdBackend(RendezvousBackend):
                 failing = True
 
     # -- mechanism ------------------------------------------------------------------------------
+    # post, open_stream and endpoint_index are public: they are the ``etcd_push.GatewayRequests``
+    # that this backend's watches and leased keys run on.
     def _put(self, key: str, value: bytes) -> dict[str, Any]:
         put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
         if self._lease_id is not None:
@@ -329,9 +334,9 @@ class EtcdBackend(RendezvousBackend):
             "success": [{"request_put": self._put(key, value)}],
             "failure": [{"request_range": {"key": _b64(key)}}],
         }
-        return self._post("/kv/txn", body)
+        return self.post("/kv/txn", body)
 
-    def _open_stream(self, path: str, body: dict[str, Any]) -> tuple[GatewayStream, int]:
+    def open_stream(self, path: str, body: dict[str, Any]) -> tuple[GatewayStream, int]:
         """A streaming POST to the current endpoint (a watch), on a connection of its own for as
         long as it lasts: the stream (status 200) and the endpoint's index.
 
@@ -355,14 +360,15 @@ class EtcdBackend(RendezvousBackend):
             raise StoreConnectionError(f"etcd at {self.endpoints[index]} refused a watch: HTTP {stream.status}")
         return stream, index
 
-    def _endpoint_index(self) -> int:
+    def endpoint_index(self) -> int:
+        """The index of the endpoint that requests go to now (a watch re-opens when it moves)."""
         with self._lock:
             return self._current
 
     def _lease_ttl(self, lease_id: int) -> int:
-        return int(self._post("/kv/lease/timetolive", {"ID": str(lease_id)}).get("TTL", -1))
+        return int(self.post("/kv/lease/timetolive", {"ID": str(lease_id)}).get("TTL", -1))
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One gateway request (JSON in, JSON out), with failover and retries; with a user, under its
         token, authenticating first (and again once when etcd says the token is no longer valid)."""
         if self.security.user is None:
@@ -499,7 +505,7 @@ def open_etcd(endpoint: str, *, timeout: timedelta, security: EtcdSecurity | Non
     """
     backend = EtcdBackend(parse_endpoints(endpoint), timeout=timeout, security=security)
     try:
-        backend._post("/maintenance/status", {})
+        backend.post("/maintenance/status", {})
     except StoreConnectionError as exc:
         with contextlib.suppress(Exception):
             backend.close()

@@ -2,7 +2,9 @@
 
 Split from the backend's request path: a watch is a thread following one streaming request, a
 leased key a lease the caller renews; both use the backend's requests (failover, retries, auth)
-and nothing else of it.
+and nothing else of it. What they use is named by :class:`GatewayRequests`, so this module needs
+nothing of ``etcd.py`` and the imports run one way (the backend imports this module, never the
+reverse).
 """
 
 from __future__ import annotations
@@ -11,18 +13,44 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from resilrun.errors import StoreConnectionError
-
-if TYPE_CHECKING:
-    from resilrun.rendezvous.etcd import EtcdBackend
+from resilrun.rendezvous.etcd_http import GatewayStream
 
 logger = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 2.0  # the most close() waits for a watch's thread
 _BACKOFF_FIRST_S = 0.05
 _WATCH_BACKOFF_MAX_S = 2.0
+
+
+class GatewayRequests(Protocol):
+    """The backend's requests, as watches and leased keys use them (``EtcdBackend`` is one).
+
+    Failover, retries, deadlines and authentication stay the backend's: a watch only needs to know
+    which endpoint the requests go to now, to follow them when they move.
+    """
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One gateway request (JSON in, JSON out) under the backend's deadline.
+
+        Raises:
+            StoreConnectionError: no endpoint answered in time, or etcd refused the request.
+        """
+        ...
+
+    def open_stream(self, path: str, body: dict[str, Any]) -> tuple[GatewayStream, int]:
+        """A streaming request (a watch) on the current endpoint: the stream and that endpoint's index.
+
+        Raises:
+            StoreConnectionError: the endpoint refused or did not answer (the caller re-opens later).
+        """
+        ...
+
+    def endpoint_index(self) -> int:
+        """The index of the endpoint that requests go to now."""
+        ...
 
 
 def b64(data: str | bytes) -> str:
@@ -52,7 +80,7 @@ class KeyWatch:
     ``seen`` (None) and opened again where the requests go.
     """
 
-    def __init__(self, backend: EtcdBackend, key: str) -> None:
+    def __init__(self, backend: GatewayRequests, key: str) -> None:
         self._backend = backend
         self._key = key
         # (value, when it last changed) while the stream is current; the last value that was present
@@ -67,7 +95,7 @@ class KeyWatch:
 
     def seen(self) -> tuple[bytes | None, float] | None:
         seen = self._seen
-        if seen is not None and self._index != self._backend._endpoint_index():
+        if seen is not None and self._index != self._backend.endpoint_index():
             self._seen = None
             self._drop()  # wakes the thread, which opens the stream where the requests now go
             return None
@@ -93,14 +121,14 @@ class KeyWatch:
             backoff = min(backoff * 2, _WATCH_BACKOFF_MAX_S)
 
     def _follow(self) -> None:
-        result = self._backend._post("/kv/range", {"key": b64(self._key)})
+        result = self._backend.post("/kv/range", {"key": b64(self._key)})
         revision = int(result.get("header", {}).get("revision", 0))
         kvs = result.get("kvs")
         value = kv_value(kvs[0]) if kvs else None
         known = self._known  # kept across streams: a key gone before a re-open stays gone since then
         since = known[1] if known is not None and known[0] == value else time.monotonic()
         create = {"key": b64(self._key), "start_revision": str(revision + 1)}
-        self._response, self._index = self._backend._open_stream("/watch", {"create_request": create})
+        self._response, self._index = self._backend.open_stream("/watch", {"create_request": create})
         for line in self._response.lines():
             if self._stopping.is_set():
                 return
@@ -147,7 +175,7 @@ class WatchedKey:
 class LeasedKey:
     """A key held by a lease of its own (``EtcdBackend.lease_key``)."""
 
-    def __init__(self, backend: EtcdBackend, key: str, value: bytes, ttl_s: int) -> None:
+    def __init__(self, backend: GatewayRequests, key: str, value: bytes, ttl_s: int) -> None:
         self._backend = backend
         self._key = key
         self._value = value
@@ -157,16 +185,16 @@ class LeasedKey:
         self._grant()
 
     def _grant(self) -> None:
-        granted = self._backend._post("/lease/grant", {"TTL": str(self._ttl_requested), "ID": "0"})
+        granted = self._backend.post("/lease/grant", {"TTL": str(self._ttl_requested), "ID": "0"})
         self._lease_id = int(granted["ID"])
         self.ttl_s = int(granted.get("TTL", self._ttl_requested))  # etcd raises a TTL below its minimum
         put = {"key": b64(self._key), "value": b64(self._value), "lease": str(self._lease_id)}
-        self._backend._post("/kv/put", put)
+        self._backend.post("/kv/put", put)
 
     def refresh(self) -> None:
         """Renew the lease; one that expired meanwhile (this node was cut off or frozen for longer
         than the TTL, and its watchers heard it go) is granted anew and the key written again."""
-        answer = self._backend._post("/lease/keepalive", {"ID": str(self._lease_id)})
+        answer = self._backend.post("/lease/keepalive", {"ID": str(self._lease_id)})
         if int(answer.get("result", {}).get("TTL", 0)) <= 0:
             self._grant()
 

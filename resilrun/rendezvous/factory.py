@@ -8,7 +8,6 @@ store is an external, replicated service, and every agent attaches its writes to
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from resilrun import keys
 from resilrun.config import Config
+from resilrun.env import agent_secrets
 from resilrun.errors import ConfigError
 from resilrun.option_values import RdzvConf
 from resilrun.private_file import read_private
@@ -96,7 +96,7 @@ def open_backend(config: Config) -> OpenedBackend:
         etcd = open_etcd(
             config.rdzv_endpoint,
             timeout=timeout,
-            security=etcd_security(config.rdzv, os.environ, require_auth=config.require_auth),
+            security=etcd_security(config.rdzv, agent_secrets(), require_auth=config.require_auth),
         )
         etcd.attach_job_lease(keys.job_lease(config.rdzv_id))
         return OpenedBackend(etcd, f"etcd://{etcd.endpoint_list}", hosting=False)

@@ -1,8 +1,10 @@
-"""The worker library: what training scripts import (never imports the agent or the CLI).
+"""The worker library: what training scripts import (never imports the agent, the CLI, or the
+framework integrations built on it).
 
-Lazy on purpose: ``python -m resilrun.worker._bootstrap`` imports this package before the user's
-script runs, and must stay light (no torch) so that an import error in the script itself is
-still recorded in the error file.
+Lazy on purpose: the worker entry point (``python -m resilrun.worker_main``) imports from this
+package before the user's script runs (a hot spare waits in ``membership``), and the package must
+stay light (no torch) so that an import error in the script itself is still recorded in the error
+file.
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from typing import Any
+from typing import Any, TypeVar
 
 from resilrun import wire
-from resilrun.channel_protocol import DEFAULT_DEADLINE_S, Auth, Request
+from resilrun.channel_protocol import DEFAULT_DEADLINE_S, Auth, Refused, Reply, Request, parse_reply
+from resilrun.env import agent_token
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+
+R = TypeVar("R", bound=Reply)
 
 # The agent's refusals by class name: a restore tells "gone" (plan again) from "refused" (stop).
 _ERRORS: dict[str, type[CheckpointError]] = {
@@ -28,7 +31,7 @@ class AgentClient:
             CheckpointError: the agent is unreachable or refused the token.
         """
         self.path = path
-        self._posted: Request | None = None
+        self._posted: Request[Any] | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(DEFAULT_DEADLINE_S)
         try:
@@ -38,16 +41,17 @@ class AgentClient:
                 f"cannot reach the resilrun agent at {path}: {exc.strerror}",
                 hint="resilrun.init() must run under the resilrun launcher for snapshots",
             ) from exc
-        token = os.environ.get("RESILRUN_AGENT_TOKEN", "") if token is None else token
+        token = agent_token() if token is None else token
         try:
             self.call(Auth(token=token))
         except CheckpointError:
             self._sock.close()
             raise
 
-    def call(self, request: Request) -> tuple[dict[str, Any], list[int]]:
-        """Send one request and return ``(response, fds)`` (after the answer to any ``post``),
-        waiting for it up to the request's own deadline (``Request.deadline_s``).
+    def call(self, request: Request[R]) -> tuple[R, list[int]]:
+        """Send one request and return ``(reply, fds)`` (after the answer to any ``post``), the
+        reply of the request's own type, waiting for it up to the request's own deadline
+        (``Request.deadline_s``).
 
         Raises:
             CheckpointError: the agent refused the request (or the posted one), the channel broke,
@@ -57,7 +61,7 @@ class AgentClient:
         self._send(request)
         return self._receive(request)
 
-    def post(self, request: Request) -> None:
+    def post(self, request: Request[Any]) -> None:
         """Send a request without waiting for its answer; ``collect`` (or the next request) reads it.
 
         Why: a commit's round trip is ~1 ms of training time on a busy node, and nothing in the
@@ -67,7 +71,7 @@ class AgentClient:
         self._send(request)
         self._posted = request
 
-    def collect(self) -> dict[str, Any] | None:
+    def collect(self) -> Reply | None:
         """The answer to the posted request, if one is outstanding.
 
         Raises:
@@ -76,29 +80,29 @@ class AgentClient:
         posted, self._posted = self._posted, None
         if posted is None:
             return None
-        response, fds = self._receive(posted)
+        reply, fds = self._receive(posted)
         for fd in fds:
             os.close(fd)
-        return response
+        return reply
 
-    def _send(self, request: Request) -> None:
+    def _send(self, request: Request[Any]) -> None:
         try:
             wire.send(self._sock, request.to_message())
         except OSError as exc:
             raise CheckpointError(f"the agent channel failed during '{request.op}': {exc}") from exc
 
-    def _receive(self, request: Request) -> tuple[dict[str, Any], list[int]]:
+    def _receive(self, request: Request[R]) -> tuple[R, list[int]]:
         try:
             self._sock.settimeout(request.deadline_s)
-            response, fds = wire.receive(self._sock)
-        except (OSError, wire.ChannelError) as exc:
+            message, fds = wire.receive(self._sock)
+            reply = parse_reply(request, message)
+        except (OSError, wire.ChannelError, ValueError, TypeError) as exc:
             raise CheckpointError(f"the agent channel failed during '{request.op}': {exc}") from exc
-        if not response.get("ok"):
+        if isinstance(reply, Refused):
             for fd in fds:
                 os.close(fd)
-            kind = _ERRORS.get(str(response.get("code")), CheckpointError)
-            raise kind(str(response.get("error", "agent refused")), hint=response.get("hint"))
-        return response, fds
+            raise _ERRORS.get(str(reply.code), CheckpointError)(reply.error, hint=reply.hint)
+        return reply, fds
 
     def interrupt(self) -> None:
         """Make a request blocked in another thread fail now (a plain close would not wake it)."""

@@ -42,8 +42,8 @@ def plan(snapshotter: Snapshotter, gather: Gather) -> ReshardPlan | None:
         StateLostError: snapshots exist, but no step is held for every rank of its world.
     """
     inventory = snapshotter.inventory()
-    persisted = inventory.get("persisted") or [-1, -1]
-    mine = [int(persisted[0]), int(persisted[1])] + [int(v) for entry in inventory["entries"] for v in entry]
+    persisted = inventory.persisted or [-1, -1]
+    mine = [int(persisted[0]), int(persisted[1])] + [int(v) for entry in inventory.entries for v in entry]
     longest = max(row[0] for row in gather([len(mine)]))
     rows = gather(mine + [-1] * (longest - len(mine)))
     held: set[tuple[int, int, int]] = set()
@@ -134,6 +134,6 @@ def _open(
         views, _, release = snapshotter.open_rank(rank, step, world)
     else:
         views, moved, release = part
-        result.nbytes += int(moved.get("bytes", 0))
+        result.nbytes += moved.nbytes
     result.releases.append(release)
     return views

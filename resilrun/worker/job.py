@@ -302,12 +302,12 @@ class Job:
             tier = plan.sources[self._rank]
             error = None
             started = time.monotonic()
-            transfer: dict[str, Any] = {}
+            moved = 0
             try:
                 if tier is Tier.MEMORY:
                     snapshotter.borrow(plan.step)
                 else:
-                    transfer = snapshotter.fetch(plan.step, "peer" if tier is Tier.PEER else "persistent")
+                    moved = snapshotter.fetch(plan.step, "peer" if tier is Tier.PEER else "persistent").nbytes
             except CheckpointError as exc:
                 error = exc
             # 1: restored; 0: plan again; -1: refused for good (a persisted step failing its checks
@@ -339,7 +339,7 @@ class Job:
                     "state_restored",
                     step=plan.step,
                     tier=_TIER_KEYS[tier],
-                    bytes=int(transfer.get("bytes") or loaded),
+                    bytes=moved or loaded,
                     seconds=round(time.monotonic() - started, 6),
                 )
                 return plan.step
@@ -398,8 +398,8 @@ class Job:
         When any rank's newest snapshot was written at another world size, all plan a resharded
         restore instead (worker/_resize.py)."""
         info = snapshotter.restore_info(self._world_size)
-        mine = _pad(info["memory"], MEMORY_STEPS) + _pad(info["peer"], PEER_STEPS) + _pad([info["persisted"]], 1)
-        gathered = _all_gather_ints([*mine, int(bool(info.get("resized")))], self._world_size, self._device)
+        mine = _pad(info.memory, MEMORY_STEPS) + _pad(info.peer, PEER_STEPS) + _pad([info.persisted], 1)
+        gathered = _all_gather_ints([*mine, int(info.resized)], self._world_size, self._device)
         if any(row[-1] for row in gathered):
             return _resize.plan(snapshotter, lambda ints: _all_gather_ints(ints, self._world_size, self._device))
         gathered = [row[:-1] for row in gathered]

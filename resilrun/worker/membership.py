@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from resilrun.channel_protocol import AwaitAssignment, AwaitGeneration, Beat, HelloApi
-from resilrun.env import apply_assignment, ensure_rendezvous_defaults, read_worker_variables
+from resilrun.env import agent_socket_path, apply_assignment, ensure_rendezvous_defaults, read_worker_variables
 from resilrun.worker import _ddp_sync, _torch_compat
 from resilrun.worker._abort import GenerationWatchdog, SetupGuard, opened_since, peer_hosts, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient
@@ -60,7 +60,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         # script was started some other way with a spare's environment.
         raise RuntimeError(
             "resilrun.init() was called in a hot spare that has no rank yet; spares wait in resilrun's "
-            "worker bootstrap (python -m resilrun.worker._bootstrap SCRIPT), which --no-python skips"
+            "worker bootstrap (python -m resilrun.worker_main SCRIPT), which --no-python skips"
         )
     client = AgentClient(variables.agent_socket) if variables.agent_socket else None
     use_cuda = torch.cuda.is_available() and (backend in (None, "nccl"))
@@ -153,8 +153,8 @@ def _start_watchdog(
     client = AgentClient(agent_socket)
 
     def wait_for_next() -> bool:
-        response, _ = client.call(AwaitGeneration(pid=os.getpid(), round=round, timeout_s=_SPARE_POLL_S))
-        return bool(response.get("env"))
+        reply, _ = client.call(AwaitGeneration(pid=os.getpid(), round=round, timeout_s=_SPARE_POLL_S))
+        return bool(reply.env)
 
     watchdog = GenerationWatchdog(wait_for_next, _abort_for(before, group_sockets), client.interrupt, client.close)
     watchdog.start()
@@ -165,8 +165,8 @@ def _start_setup_guard(agent_socket: str, round: int, before: dict[int, int]) ->
     client = AgentClient(agent_socket)
 
     def wait_for_next() -> bool:
-        response, _ = client.call(AwaitGeneration(pid=os.getpid(), round=round, timeout_s=_SPARE_POLL_S))
-        return bool(response.get("env"))
+        reply, _ = client.call(AwaitGeneration(pid=os.getpid(), round=round, timeout_s=_SPARE_POLL_S))
+        return bool(reply.env)
 
     guard = SetupGuard(wait_for_next, client.interrupt, before, release=client.close)
     guard.start()
@@ -204,15 +204,15 @@ def stand_by() -> None:
         CheckpointError: the agent is gone (the spare then exits; a new agent starts new spares).
     """
     global _TOOK_PART
-    socket_path = os.environ.get("RESILRUN_AGENT_SOCKET", "")
+    socket_path = agent_socket_path() or ""
     _prewarm()
     client = AgentClient(socket_path)
     try:
         while True:
-            response, _ = client.call(AwaitAssignment(pid=os.getpid(), timeout_s=_SPARE_POLL_S))
-            if response.get("env"):
+            reply, _ = client.call(AwaitAssignment(pid=os.getpid(), timeout_s=_SPARE_POLL_S))
+            if reply.env:
                 _TOOK_PART = True
-                apply_assignment(response["env"])
+                apply_assignment(reply.env)
                 return
     finally:
         client.close()

@@ -13,7 +13,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,14 +21,19 @@ from resilrun.channel_protocol import (
     Alloc,
     Attach,
     Commit,
+    Committed,
     Fetch,
     GatherRanges,
+    Holdings,
     Inventory,
     Lend,
+    Moved,
     Peek,
+    Reply,
     Report,
     Request,
     RestoreInfo,
+    TierSteps,
 )
 from resilrun.errors import CheckpointError
 from resilrun.snapshot.dedup import Borrowed, borrowed_ranges, plan_owners, shared_ranges
@@ -38,6 +43,8 @@ from resilrun.snapshot.selection import Selection
 from resilrun.snapshot.shm import SeqCounters, SharedBuffer
 from resilrun.worker import _torch_compat
 from resilrun.worker._channel import AgentClient
+
+R = TypeVar("R", bound=Reply)
 
 
 def dtype_code(tensor: torch.Tensor) -> str:
@@ -70,35 +77,36 @@ class Snapshotter:
 
     def attach(self) -> None:
         """(Re)map this rank's buffers as the agent holds them now (after a fetch from another tier)."""
-        response, fds = self._request(Attach(rank=self.rank))
+        attached, fds = self._request(Attach(rank=self.rank))
         for buffer in [*self.slots, getattr(self, "ctl", None)]:
             if buffer is not None:
                 buffer.close()
         self.ctl = SharedBuffer.attach(fds[0])
         self.seq = SeqCounters(self.ctl)
-        self.slots = [None] * int(response["slots"])
-        for slot, fd in zip(response["present"], fds[1:], strict=True):
+        self.slots = [None] * attached.slots
+        for slot, fd in zip(attached.present, fds[1:], strict=True):
             self.slots[int(slot)] = SharedBuffer.attach(fd)
         # slot -> (step, values) of what is committed there
         self.held: dict[int, tuple[int, Any]] = {
-            int(slot): (int(info["step"]), info["values"]) for slot, info in response["committed"].items()
+            int(slot): (int(info["step"]), info["values"]) for slot, info in attached.committed.items()
         }
-        self._next = int(response.get("next", 0))
+        self._next = attached.next
 
-    def restore_info(self, world_size: int) -> dict[str, Any]:
-        """Steps each tier holds for this rank: {"memory": [...], "peer": [...], "persisted": s|None}."""
-        response, _ = self._request(RestoreInfo(rank=self.rank, world_size=world_size))
-        return response
+    def restore_info(self, world_size: int) -> TierSteps:
+        """Steps each tier holds for this rank, newest first, and whether the newest snapshots
+        were written at another world size."""
+        steps, _ = self._request(RestoreInfo(rank=self.rank, world_size=world_size))
+        return steps
 
-    def fetch(self, step: int, tier: str) -> dict[str, Any]:
+    def fetch(self, step: int, tier: str) -> Moved:
         """Have the agent bring ``step`` from ``tier`` into node memory, then remap.
 
         Returns:
-            The agent's account of the transfer: ``{"bytes": int, "seconds": float}``.
+            The agent's account of the transfer (bytes moved, seconds).
         """
-        response, _ = self._request(Fetch(rank=self.rank, step=step, tier=tier))
+        moved, _ = self._request(Fetch(rank=self.rank, step=step, tier=tier))
         self.attach()
-        return response
+        return moved
 
     def borrow(self, step: int) -> None:
         """Map the other local ranks' slots that hold the bytes this rank's ``step`` borrowed.
@@ -106,10 +114,10 @@ class Snapshotter:
         Raises:
             CheckpointError: a part of the step is gone (the restore plans again).
         """
-        response, fds = self._request(Lend(rank=self.rank, step=step))
+        lent, fds = self._request(Lend(rank=self.rank, step=step))
         self.unborrow()
-        buffers = {int(owner): SharedBuffer.attach(fd) for owner, fd in zip(response["owners"], fds, strict=True)}
-        self._lent = (step, tuple((int(o), int(b), int(e)) for o, b, e in response["borrowed"]), buffers)
+        buffers = {int(owner): SharedBuffer.attach(fd) for owner, fd in zip(lent.owners, fds, strict=True)}
+        self._lent = (step, tuple((int(o), int(b), int(e)) for o, b, e in lent.borrowed), buffers)
 
     def unborrow(self) -> None:
         """Unmap what ``borrow`` mapped (once nothing refers to the loaded views any more)."""
@@ -140,11 +148,11 @@ class Snapshotter:
         return _views(buffer, borrowed, owners, step), self.held[slot][1]
 
     # -- another rank's snapshot (a restore at another world size) -------------------------------
-    def inventory(self) -> dict[str, Any]:
+    def inventory(self) -> Holdings:
         """Every snapshot the node and its peers hold, as [rank, step, world size], and the newest
         persisted [step, world size] (see ``snapshot.restore.plan_reshard``)."""
-        response, _ = self._request(Inventory())
-        return response
+        holdings, _ = self._request(Inventory())
+        return holdings
 
     def peek(self, rank: int, step: int, world_size: int) -> tuple[Any, bool]:
         """The values of ``rank``'s snapshot of ``step`` (written at ``world_size``) and whether
@@ -153,12 +161,12 @@ class Snapshotter:
         Raises:
             CheckpointError: no tier has it any more.
         """
-        response, _ = self._request(Peek(rank=rank, step=step, world_size=world_size))
-        return response["values"], bool(response["memory"])
+        peeked, _ = self._request(Peek(rank=rank, step=step, world_size=world_size))
+        return peeked.values, peeked.memory
 
     def open_part(
         self, rank: int, step: int, world_size: int, select: Selection
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Callable[[], None]] | None:
+    ) -> tuple[dict[str, torch.Tensor], Moved, Callable[[], None]] | None:
         """Views of the tensors ``select`` names in ``rank``'s snapshot of ``step``, of which the
         agent brought in only those bytes (from a peer or storage), what it moved, and a callable
         that unmaps them; None when node memory holds the whole snapshot (``open_rank`` it). A
@@ -167,7 +175,7 @@ class Snapshotter:
         Raises:
             CheckpointError: no tier has it any more.
         """
-        response, fds = self._request(
+        moved, fds = self._request(
             GatherRanges(rank=rank, step=step, world_size=world_size, select=select.to_message())
         )
         if not fds:
@@ -179,7 +187,7 @@ class Snapshotter:
             buffer.close()
             raise
         wanted = {name: view for name, view in views.items() if name in select.rows or select.rest}
-        return wanted, response, buffer.close
+        return wanted, moved, buffer.close
 
     def open_rank(self, rank: int, step: int, world_size: int) -> tuple[dict[str, torch.Tensor], Any, Any]:
         """Views of ``rank``'s snapshot of ``step`` (written at ``world_size``) in node memory, its
@@ -188,8 +196,8 @@ class Snapshotter:
         Raises:
             CheckpointError: the snapshot is not complete in node memory.
         """
-        response, fds = self._request(Attach(rank=rank))
-        committed = response["committed"]
+        attached, fds = self._request(Attach(rank=rank))
+        committed = attached.committed
         slot = next(
             (
                 int(key)
@@ -200,7 +208,7 @@ class Snapshotter:
         )
         mapped: list[SharedBuffer] = []
         try:
-            present = [int(i) for i in response["present"]]
+            present = [int(i) for i in attached.present]
             for index, fd in enumerate(fds):
                 if index > 0 and present[index - 1] == slot:
                     mapped.append(SharedBuffer.attach(fd))
@@ -209,9 +217,9 @@ class Snapshotter:
             if slot is None or not mapped:
                 raise CheckpointError(f"step {step} of rank {rank} (world size {world_size}) is not in node memory")
             lent, owner_fds = self._request(Lend(rank=rank, step=step))
-            owners = {int(o): SharedBuffer.attach(fd) for o, fd in zip(lent["owners"], owner_fds, strict=True)}
+            owners = {int(o): SharedBuffer.attach(fd) for o, fd in zip(lent.owners, owner_fds, strict=True)}
             mapped.extend(owners.values())
-            borrowed = tuple((int(o), int(b), int(e)) for o, b, e in lent["borrowed"])
+            borrowed = tuple((int(o), int(b), int(e)) for o, b, e in lent.borrowed)
             views = _views(mapped[0], borrowed, owners, step)
         except BaseException:
             for buffer in mapped:
@@ -310,13 +318,12 @@ class Snapshotter:
         self._settle()
 
     def _settle(self) -> None:
-        response = self.client.collect()
-        if response is not None:
-            self._whole = bool(response.get("whole"))
-            if "next" in response:
-                self._next = int(response["next"])
+        reply = self.client.collect()
+        if isinstance(reply, Committed):
+            self._whole = reply.whole
+            self._next = reply.next
 
-    def _request(self, request: Request) -> tuple[dict[str, Any], list[int]]:
+    def _request(self, request: Request[R]) -> tuple[R, list[int]]:
         self._settle()
         return self.client.call(request)
 
@@ -391,9 +398,9 @@ class Snapshotter:
             # else the agent could not hold the ring's extra slot and shrank the ring: choose again
 
     def _allocate(self, slot: int, nbytes: int) -> SharedBuffer | None:
-        response, fds = self._request(Alloc(rank=self.rank, slot=slot, nbytes=nbytes))
+        allocated, fds = self._request(Alloc(rank=self.rank, slot=slot, nbytes=nbytes))
         if not fds:
-            self._shrink(int(response["slots"]))
+            self._shrink(int(allocated.slots or 0))
             return None
         old = self.slots[slot]
         self.slots[slot] = SharedBuffer.attach(fds[0])

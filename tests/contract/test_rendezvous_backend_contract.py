@@ -199,7 +199,9 @@ def test_get_many_sees_a_key_written_by_another_client(connect: Any, key: str) -
 @pytest.mark.parametrize("kind", ["memory", "c10d"])
 def test_close_is_safe_to_call(kind: str, request: pytest.FixtureRequest) -> None:
     if kind == "memory":
-        MemoryBackend().close()
+        memory = MemoryBackend()
+        memory.close()
+        memory.close()  # twice: a second close is a no-op, not an error
         return
     from resilrun.rendezvous.c10d import C10dBackend, connect_store
 
@@ -207,6 +209,10 @@ def test_close_is_safe_to_call(kind: str, request: pytest.FixtureRequest) -> Non
     hosted: HostedStore = request.getfixturevalue("hosted_store")
     own = C10dBackend(connect_store("127.0.0.1", hosted.port, timedelta(seconds=5)), "own")
     own.close()
+    own.close()
+    key = f"close-{uuid.uuid4().hex[:8]}"
+    hosted.client.set(key, b"still served")  # and the store the other clients share still answers
+    assert hosted.client.get(key) == b"still served"
 
 
 # -- the c10d store's lifecycle ---------------------------------------------------------------------

@@ -351,7 +351,7 @@ def worker_stacks(*launches: Launch, settle_s: float = 2.0) -> str:
     for launch in launches:
         for pid in alive(launch.remember_descendants()):
             with contextlib.suppress(psutil.Error, ProcessLookupError):
-                if "resilrun.worker._bootstrap" in " ".join(psutil.Process(pid).cmdline()):
+                if "resilrun.worker_main" in " ".join(psutil.Process(pid).cmdline()):
                     os.kill(pid, signal.SIGABRT)
                     aborted.append(pid)
     time.sleep(settle_s)

@@ -180,7 +180,7 @@ def test_a_killed_agent_is_marked_lost_and_a_spare_node_takes_its_place(launcher
     assert all(r["state"] == "running" for r in doc["ranks"])  # the job goes on (the launcher fixture ends it)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)  # about 20 s alone on 2 cores
 def test_a_restart_is_recorded_with_its_timeline(launcher, tmp_path: Path) -> None:
     # Given one node, 2 workers, no spare, one restart allowed; rank 1 is SIGKILLed at step 8, and
     # again in the new process that took its place in-process: no progress, so the job restarts
@@ -196,7 +196,7 @@ def test_a_restart_is_recorded_with_its_timeline(launcher, tmp_path: Path) -> No
     endpoint = next(e["endpoint"] for e in read_events(events) if e["event"] == "agent_started")
     port = int(endpoint.rsplit(":", 1)[1])
     # Then status shows the torchrun-style restart with its timeline, and the job resumed from memory
-    doc = poll(port, lambda d: any(h["kind"] == "restart" and h["complete"] for h in d["history"]), 200,
+    doc = poll(port, lambda d: any(h["kind"] == "restart" and h["complete"] for h in d["history"]), 90,
                "the restart to complete in status")  # fmt: skip
     recovery, entry = doc["history"]
     assert recovery["kind"] == "recovery" and recovery["round"] == 1 and recovery["failed_ranks"] == [1]
@@ -207,7 +207,7 @@ def test_a_restart_is_recorded_with_its_timeline(launcher, tmp_path: Path) -> No
     assert doc["job"]["restarts"] == 1 and doc["job"]["state"] == "running"
     kinds = [e["event"] for e in read_events(events)]
     assert "restart" in kinds and "recovered" in kinds
-    assert run.popen.poll() is None or run.popen.returncode == 0
+    assert run.popen.poll() is None  # ~140 steps of 0.2 s are left: the job trains on after its restart
 
 
 @pytest.mark.timeout(300)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from resilrun.worker._bootstrap import _may_be_a_broken_collective
+from resilrun.worker_main import _may_be_a_broken_collective
 
 
 def test_what_a_broken_collective_raises_waits_for_the_agents_verdict() -> None:
@@ -39,7 +39,7 @@ def test_error_files_of_two_ranks_failing_in_one_second_order_them(tmp_path, mon
     import time
 
     from resilrun.agent.workers.failures import collect_failure, root_cause
-    from resilrun.worker._bootstrap import write_error_file
+    from resilrun.worker_main import write_error_file
 
     failures = []
     for rank in (1, 0):  # rank 1 fails first, rank 0 (its peer) right after
@@ -51,3 +51,25 @@ def test_error_files_of_two_ranks_failing_in_one_second_order_them(tmp_path, mon
                                         observed_at=0.0, error_file=path))  # fmt: skip
     cause = root_cause(sorted(failures, key=lambda f: f.global_rank))
     assert cause is not None and cause.global_rank == 1
+
+
+def test_the_worker_library_imports_nothing_of_the_layers_above_it() -> None:
+    # worker/ is built on by integrations/ and driven by the entry point: an import back up would
+    # make importing the worker library load a framework integration (or the entry point) too.
+    import ast
+    from pathlib import Path
+
+    import resilrun.worker
+
+    above = ("resilrun.integrations", "resilrun.worker_main", "resilrun.agent", "resilrun.cli")
+    found = []
+    for path in Path(resilrun.worker.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):  # ``from resilrun import integrations`` too
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            found += [f"{path.name}: {name}" for name in names if name.startswith(above)]
+    assert found == []

@@ -6,6 +6,7 @@ import threading
 import time
 
 from resilrun.agent.workers.control import WorkerControl
+from tests.conftest import wait_until
 
 
 def test_the_first_step_allowance_runs_from_the_generation_start_until_a_step_is_committed() -> None:
@@ -42,9 +43,7 @@ def test_a_spare_waits_for_its_assignment_and_a_survivor_for_its_generation() ->
     threads = [threading.Thread(target=spare), threading.Thread(target=survivor)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 5
-    while control.waiting_spares() != [7] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: control.waiting_spares() == [7])
     control.assign(7, {"RANK": "1"})
     control.publish_generation(1, {8: {"RANK": "0"}})
     for thread in threads:
@@ -67,9 +66,7 @@ def _wait_in_thread(control: WorkerControl, pid: int, round: int, raised: bool) 
 def test_a_worker_that_raised_waits_until_the_supervisor_dismisses_it() -> None:
     control = WorkerControl()
     thread, answer = _wait_in_thread(control, 11, 0, raised=True)
-    deadline = time.monotonic() + 5
-    while 11 not in control.raised_workers() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: 11 in control.raised_workers())
     assert control.raised_workers()[11][0] == 0
     # When the supervisor finds no failure before it: the worker is told "no" at once
     control.dismiss(11)
@@ -81,9 +78,7 @@ def test_a_worker_that_raised_waits_until_the_supervisor_dismisses_it() -> None:
 def test_a_worker_that_raised_gets_the_generation_when_a_peer_failed_first() -> None:
     control = WorkerControl()
     thread, answer = _wait_in_thread(control, 12, 3, raised=True)
-    deadline = time.monotonic() + 5
-    while 12 not in control.raised_workers() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: 12 in control.raised_workers())
     control.publish_generation(4, {12: {"RANK": "0"}})
     thread.join(5)
     assert answer == [{"RANK": "0"}]
@@ -114,9 +109,7 @@ def test_a_dismissal_reaches_the_scripts_wait_not_the_watchdogs_wait_on_the_same
     # Given a worker whose script raised and waits, while its watchdog thread waits on the same pid
     control = WorkerControl()
     thread, answer = _wait_in_thread(control, 13, 0, raised=True)
-    deadline = time.monotonic() + 5
-    while 13 not in control.raised_workers() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: 13 in control.raised_workers())
     control.dismiss(13)
     # Then the watchdog's wait neither returns on it nor consumes it (it runs to its own timeout),
     started = time.monotonic()

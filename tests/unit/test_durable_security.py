@@ -230,11 +230,11 @@ def test_deleting_the_newest_complete_markers_is_reported_as_a_rollback(caplog: 
     found: list[tuple[int | None, int]] = []
     try:
         tiers = NodeTiers(memory, storage, on_rollback=lambda now, before: found.append((now, before)))
-        assert tiers.restore_info(0, 1)["persisted"] == 7
+        assert tiers.restore_info(0, 1).persisted == 7
         assert found == []
         storage.delete(m.complete_key(7))  # someone rolls the bucket back to step 3
         with caplog.at_level(logging.WARNING, logger="resilrun.agent.state.tiers"):
-            assert tiers.restore_info(0, 1)["persisted"] == 3
+            assert tiers.restore_info(0, 1).persisted == 3
             tiers.restore_info(0, 1)  # (said once)
         assert found == [(3, 7)]
         assert sum("rolled back" in r.getMessage() for r in caplog.records) == 1

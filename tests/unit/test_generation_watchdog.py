@@ -6,10 +6,10 @@ import socket
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
+from resilrun.channel_protocol import NewEnv
 from resilrun.errors import CheckpointError
 from resilrun.worker import _abort, _torch_compat
 from resilrun.worker import membership as job
@@ -35,11 +35,11 @@ class _Agent:
         self.closed = False
         _Agent.instances.append(self)
 
-    def call(self, request: object) -> tuple[dict[str, Any], list[int]]:
+    def call(self, request: object) -> tuple[NewEnv, list[int]]:
         while not self.release.wait(0.01):
             if self.interrupted.is_set():
                 raise CheckpointError("the agent channel failed during 'await_generation': shut down")
-        return {"ok": True, "env": {"RANK": "0"}}, []
+        return NewEnv(env={"RANK": "0"}), []
 
     def interrupt(self) -> None:
         self.interrupted.set()

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from resilrun.agent import _job_secret
+from resilrun.agent.node import _job_secret as _secret_of
 from resilrun.config import Config
+from resilrun.env import agent_secrets
 from resilrun.errors import ConfigError
 from resilrun.job_secret import SECRET_ENV, external_secret, random_secret
 
@@ -64,6 +65,11 @@ def test_the_file_wins_over_the_environment_and_nothing_given_is_none(tmp_path: 
     assert external_secret(str(_file(tmp_path)), {SECRET_ENV: "x" * 20}) == external_secret(None, {SECRET_ENV: TEXT})
     assert external_secret(None, {}) is None
     assert external_secret(None, {SECRET_ENV: ""}) is None
+
+
+def _job_secret(config: Config, max_nodes: int) -> bytes | None:
+    """The agent's choice, from the secret outside the store as the agent reads it."""
+    return _secret_of(config, max_nodes, external_secret(config.job_secret_file, agent_secrets()))
 
 
 def _config(*, nnodes: str, require_auth: bool = False, secret_file: str | None = None) -> Config:

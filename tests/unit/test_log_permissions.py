@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from resilrun.agent import _log_root
+from resilrun.agent.node import _log_root
 from resilrun.agent.observability.events import EVENTS_FILE, EventLog
 from resilrun.agent.workers.procs import WorkerSpec, spawn
 from resilrun.config import Config
 from resilrun.errors import ConfigError, ExitCode
 from resilrun.option_values import Std
-from resilrun.worker._bootstrap import write_error_file
+from resilrun.worker_main import write_error_file
 
 
 def _mode(path: Path) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,13 @@ from resilrun.storage import MemoryStorage
 from resilrun.tiers import durable
 from resilrun.tiers.memory import NodeMemoryTier
 from tests.conftest import make_snapshot
+
+
+def fed_by(memory: NodeMemoryTier, storage: Any, **kwargs: Any) -> Persister:
+    """A persister fed by node memory's announcements, as the agent's commit pipeline wires it."""
+    persister = Persister(memory, storage, **kwargs)
+    memory.add_listener(persister.on_commit)
+    return persister
 
 
 class _ShortSizes(MemoryStorage):
@@ -38,7 +46,7 @@ def test_a_step_is_committed_only_when_storage_holds_it_and_a_mismatch_is_an_err
 ) -> None:
     caplog.set_level(logging.INFO, logger="resilrun")
     memory, storage = NodeMemoryTier("persister-test"), storage_type()
-    persister = Persister(memory, storage, every=1, keep_last=2, count_persisted=lambda step: 1, world_size=lambda: 1)
+    persister = fed_by(memory, storage, every=1, keep_last=2, count_persisted=lambda step: 1, world_size=lambda: 1)
     try:
         _commit(memory, 0)
         deadline = time.monotonic() + 10
@@ -69,7 +77,7 @@ def test_a_copy_torn_behind_a_stable_counter_is_not_uploaded_and_the_next_step_i
             buffer.view()[-64:] = b"\xee" * 64
 
     memory.add_listener(tear)
-    persister = Persister(memory, storage, every=1, keep_last=5, count_persisted=lambda step: 1, world_size=lambda: 1)
+    persister = fed_by(memory, storage, every=1, keep_last=5, count_persisted=lambda step: 1, world_size=lambda: 1)
     try:
         _commit(memory, 1)
         _commit(memory, 2)
@@ -90,7 +98,7 @@ def test_a_node_the_fence_refuses_neither_uploads_nor_counts_and_one_refused_mid
         return 1
 
     fence = answers.__next__
-    persister = Persister(
+    persister = fed_by(
         memory, storage, every=1, keep_last=5, count_persisted=count, world_size=lambda: 1, may_write=fence
     )
     try:
@@ -113,7 +121,7 @@ def test_a_step_restored_from_storage_is_not_uploaded_again_but_the_next_one_is(
     durable.commit_step(storage, 0, 1)
     before = {key: storage.get(key) for key in storage.list("step_")}
     memory = NodeMemoryTier("persister-restored")
-    persister = Persister(memory, storage, every=1, keep_last=5, count_persisted=lambda step: 1, world_size=lambda: 1)
+    persister = fed_by(memory, storage, every=1, keep_last=5, count_persisted=lambda step: 1, world_size=lambda: 1)
     try:
         # When the step is restored from storage into node memory, and the worker then trains step 1
         NodeTiers(memory, storage).fetch(0, 0, "persistent")

@@ -38,7 +38,7 @@ def _spec(tmp_path: Path, rank: int, code: str = _SLEEPER) -> procs.WorkerSpec:
 
 
 def _membership(current: Round | None) -> Membership:
-    membership = Membership()
+    membership = Membership("n0")
     if current is not None:
         membership.run(current, NodePhase.ACTIVE)
     return membership
@@ -61,23 +61,27 @@ def _publisher(current: Round | None) -> StatusPublisher:
         newest_step=lambda pids: None,
     )
     memory = SimpleNamespace(describe=lambda rank: {"committed": {}}, finished=lambda ranks: None)
-    supervisor = SimpleNamespace(
-        rdzv=SimpleNamespace(backend=MemoryBackend(), me=SimpleNamespace(node_id="n0", addr="127.0.0.1")),
-        run_id="job",
-        config=SimpleNamespace(
-            heartbeat_timeout_s=30.0,
-            heartbeat_interval_s=1.0,
-            spares=1,
-            checkpoint_uri=None,
-            snapshot_every=1,
-            max_overhead_pct=3.0,
-            replicas=1,
-            replicate_every=1,
-            persist_every=100,
-        ),
-        membership=_membership(current),
+    rdzv = SimpleNamespace(backend=MemoryBackend(), run_id="job", me=SimpleNamespace(node_id="n0", addr="127.0.0.1"))
+    config = SimpleNamespace(
+        heartbeat_timeout_s=30.0,
+        heartbeat_interval_s=1.0,
+        spares=1,
+        checkpoint_uri=None,
+        snapshot_every=1,
+        max_overhead_pct=3.0,
+        replicas=1,
+        replicate_every=1,
+        persist_every=100,
     )
-    return StatusPublisher(supervisor, control, memory, telemetry, interval_s=3600.0)  # type: ignore[arg-type]
+    return StatusPublisher(
+        config,  # type: ignore[arg-type]
+        rdzv,  # type: ignore[arg-type]
+        _membership(current),
+        control,  # type: ignore[arg-type]
+        memory,  # type: ignore[arg-type]
+        telemetry,  # type: ignore[arg-type]
+        interval_s=3600.0,
+    )
 
 
 def _in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from resilrun.agent.workers import procs
 from resilrun.option_values import Std
+from tests.conftest import wait_until
 
 
 def _spawn(tmp_path: Path, code: str, rank: int = 0) -> procs.WorkerProcess:
@@ -39,9 +40,7 @@ def test_an_exit_wakes_the_wait_at_once_and_its_pidfd_is_closed(tmp_path: Path) 
         procs.wait_any_exit([quick, slow], timeout_s=20.0)
         woke_after = time.monotonic() - started
         assert woke_after < 5.0  # the quick one's exit, not the 20 s timeout
-        deadline = time.monotonic() + 5.0
-        while quick.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: quick.poll() is not None)
         assert quick.poll() == 0 and slow.poll() is None
         assert quick.exit_fd() is None  # closed once the exit was seen
         # With only the sleeper left, the wait lasts its timeout (the exited one does not re-wake it).

@@ -44,9 +44,10 @@ def state(round: int, **changes: Any) -> RdzvState:
 
 def test_the_base_telemetry_accepts_every_hook_and_records_nothing() -> None:
     hooks = Telemetry()
-    hooks.round_started(state(0), 0, [])
-    hooks.committed(0, 1, 10, 0.1)
-    hooks.exit("succeeded")
+    assert hooks.round_started(state(0), 0, []) is None
+    assert hooks.committed(0, 1, 10, 0.1) is None
+    assert hooks.exit("succeeded") is None
+    assert vars(hooks) == {}  # nothing kept
 
 
 def test_events_are_json_lines_with_the_envelope_and_unknown_kinds_are_refused(tmp_path: Path) -> None:

@@ -127,7 +127,8 @@ def _gauge(name: str, help_text: str, value: float | None) -> GaugeMetricFamily:
 class AgentMetrics:
     """The node's metrics and, once :meth:`serve` ran, the HTTP endpoint that exposes them."""
 
-    def __init__(self, snapshot: Snapshot) -> None:
+    def __init__(self) -> None:
+        self._status: dict[str, Any] | None = None  # the newest status document (on_status)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.failures = Counter(f"{_PREFIX}_failures", "Worker failures this agent detected.", registry=r)
@@ -167,11 +168,15 @@ class AgentMetrics:
             registry=r,
         )  # fmt: skip
         self.generation = Gauge(f"{_PREFIX}_generation", "Rendezvous round (generation) this node runs.", registry=r)
-        r.register(StatusCollector(snapshot))
+        r.register(StatusCollector(lambda: self._status))
         self._server: Any = None
         self.address: tuple[str, int] | None = None
 
     # -- updates --------------------------------------------------------------------------------------
+    def on_status(self, document: dict[str, Any]) -> None:
+        """The node's newest status document, which the point-in-time gauges are read from at scrape."""
+        self._status = document
+
     def on_commit(self, rank: int, step: int, nbytes: int, copy_s: float | None, step_s: float | None) -> None:
         self.steps.labels(rank=str(rank)).inc()
         self.snapshot_bytes.labels(tier="memory").inc(nbytes)

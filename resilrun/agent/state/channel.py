@@ -37,11 +37,11 @@ from typing import Any
 from resilrun import channel_protocol as proto
 from resilrun import wire
 from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.state.commits import CommitPipeline
 from resilrun.agent.state.tiers import NodeTiers
 from resilrun.agent.workers.control import WorkerControl
 from resilrun.channel_protocol import Request
 from resilrun.errors import ResilrunError
-from resilrun.snapshot.dedup import parse_borrowed, parse_shared
 from resilrun.snapshot.selection import Selection
 from resilrun.tiers.memory import NodeMemoryTier
 
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 # A handler's answer: the reply and the descriptors handed with it.
-Reply = tuple[dict[str, Any], list[int]]
+Answer = tuple[proto.Reply, list[int]]
 
 
 class HandedFd(int):
@@ -67,13 +67,22 @@ class AgentChannel:
     """Accepts worker connections and answers their requests, one thread per worker."""
 
     def __init__(
-        self, memory: NodeMemoryTier, tiers: NodeTiers, control: WorkerControl, telemetry: Telemetry | None = None
+        self,
+        memory: NodeMemoryTier,
+        tiers: NodeTiers,
+        control: WorkerControl,
+        telemetry: Telemetry | None = None,
+        *,
+        commits: CommitPipeline | None = None,
     ) -> None:
-        """``telemetry``: where commits and the workers' recovery milestones are reported (none: nowhere)."""
+        """``telemetry``: where commits and the workers' recovery milestones are reported (none:
+        nowhere); ``commits``: what a commit goes through (none: recorded and counted only, no
+        replicas or persistence)."""
         self.memory = memory
         self.tiers = tiers
         self.control = control
         self.telemetry = telemetry if telemetry is not None else Telemetry()
+        self.commits = commits if commits is not None else CommitPipeline(memory, control, self.telemetry)
         self.token = secrets.token_hex(32)
         self._handlers = self._dispatch_table()
         self._refusals: set[str] = set()
@@ -119,7 +128,7 @@ class AgentChannel:
         if not hmac.compare_digest(token.encode(), self.token.encode()):
             return self._refuse(conn, "a wrong agent token")
         try:
-            wire.send(conn, {"ok": True})
+            wire.send(conn, proto.Ack().to_message())
         except OSError:
             return False
         return True
@@ -129,7 +138,7 @@ class AgentChannel:
             self._refusals.add(why)
             logger.warning("refused a worker-channel connection: %s", why)
         with contextlib.suppress(OSError):
-            wire.send(conn, {"ok": False, "error": f"refused: {why}"})
+            wire.send(conn, proto.Refused(f"refused: {why}").to_message())
         return False
 
     def _serve(self, conn: socket.socket) -> None:
@@ -141,15 +150,15 @@ class AgentChannel:
                     request, _ = wire.receive(conn)
                 except (wire.ChannelError, OSError):
                     return
+                answer: proto.Reply | proto.Refused
                 try:
-                    response, fds = self.handle(proto.parse_request(request))
+                    answer, fds = self.handle(proto.parse_request(request))
                 except ResilrunError as exc:
-                    response = {"ok": False, "error": exc.message, "hint": exc.hint, "code": type(exc).__name__}
-                    fds = []
+                    answer, fds = proto.Refused(exc.message, exc.hint, type(exc).__name__), []
                 except (KeyError, TypeError, ValueError) as exc:
-                    response, fds = {"ok": False, "error": f"bad request: {exc}"}, []
+                    answer, fds = proto.Refused(f"bad request: {exc}"), []
                 try:
-                    wire.send(conn, response, fds)
+                    wire.send(conn, answer.to_message(), fds)
                 except OSError:
                     return
                 finally:
@@ -157,11 +166,11 @@ class AgentChannel:
                         if isinstance(fd, HandedFd):
                             os.close(fd)
 
-    def handle(self, request: Request) -> Reply:
-        """One request -> (response, fds to pass), by the handler its type names."""
+    def handle(self, request: Request[Any]) -> Answer:
+        """One request -> (its reply, fds to pass), by the handler its type names."""
         return self._handlers[type(request)](request)
 
-    def _dispatch_table(self) -> dict[type[Request], Callable[[Any], Reply]]:
+    def _dispatch_table(self) -> dict[type[Request[Any]], Callable[[Any], Answer]]:
         return {
             proto.Attach: self._attach,
             proto.Alloc: self._alloc,
@@ -181,93 +190,70 @@ class AgentChannel:
         }
 
     # -- the handlers: each a request of its type -> (reply, descriptors handed with it) -----------
-    def _attach(self, request: proto.Attach) -> Reply:
+    def _attach(self, request: proto.Attach) -> Answer:
         memory = self.memory.rank(request.rank)
         present = [i for i, buffer in enumerate(memory.slots) if buffer is not None]
         fds = [memory.ctl.fd] + [memory.slots[i].fd for i in present]  # type: ignore[union-attr]
-        return {"ok": True, "slots": len(memory.slots), "present": present, **self.memory.describe(request.rank)}, fds
+        held = self.memory.describe(request.rank)
+        return proto.Attached(len(memory.slots), present, held["committed"], held["next"]), fds
 
-    def _alloc(self, request: proto.Alloc) -> Reply:
+    def _alloc(self, request: proto.Alloc) -> Answer:
         buffer = self.memory.allocate(request.rank, request.slot, request.nbytes)
         if buffer is None:  # no room for the ring's extra slot: the worker uses the smaller ring
-            return {"ok": True, "slots": len(self.memory.rank(request.rank).slots)}, []
-        return {"ok": True}, [buffer.fd]
+            return proto.Allocated(slots=len(self.memory.rank(request.rank).slots)), []
+        return proto.Allocated(), [buffer.fd]
 
-    def _commit(self, request: proto.Commit) -> Reply:
-        if request.pid is not None:
-            self.control.report_step(request.pid, request.step)
-        rank, step, nbytes = request.rank, request.step, request.nbytes
-        whole = self.memory.commit(
-            rank,
-            step,
-            request.slot,
-            nbytes,
-            request.values,
-            parse_borrowed(request.borrowed, rank, nbytes),
-            request.layout,
-            parse_shared(request.shared, rank, nbytes),
-            request.round,
-            previous=request.previous,
-            replicate=request.replicate,
-        )
-        # The answer waits for the replicas to catch up (the commit gate: tiers/memory.py pass_gates,
-        # held by tiers/peer/replicator.py): the worker reads it only before its next snapshot, so
-        # this costs training time only when they lag.
-        self.memory.pass_gates(rank, step)
-        copied = nbytes if request.copied is None else request.copied  # less when the snapshot borrows
-        self.telemetry.committed(rank, step, copied, request.copy_s)
-        return {"ok": True, "whole": whole, "next": self.memory.next_slot(rank)}, []
+    def _commit(self, request: proto.Commit) -> Answer:
+        return self.commits.commit(request), []
 
-    def _report(self, request: proto.Report) -> Reply:
+    def _report(self, request: proto.Report) -> Answer:
         # A worker's recovery milestone (state restored, collectives rebuilt, first step done).
         report = {**request.detail, "event": request.event, "rank": request.rank, "pid": request.pid}
         self.telemetry.worker_report(request.pid, report)
-        return {"ok": True}, []
+        return proto.Ack(), []
 
-    def _beat(self, request: proto.Beat) -> Reply:
+    def _beat(self, request: proto.Beat) -> Answer:
         self.control.beat(request.pid)
         if request.step >= 0:
             self.control.report_step(request.pid, request.step)
-        return {"ok": True}, []
+        return proto.Ack(), []
 
-    def _finished(self, request: proto.Finished) -> Reply:
+    def _finished(self, request: proto.Finished) -> Answer:
         self.control.finished(request.pid)
-        return {"ok": True}, []
+        return proto.Ack(), []
 
-    def _hello_api(self, request: proto.HelloApi) -> Reply:
+    def _hello_api(self, request: proto.HelloApi) -> Answer:
         self.control.register_api(request.pid)
-        return {"ok": True}, []
+        return proto.Ack(), []
 
-    def _await_assignment(self, request: proto.AwaitAssignment) -> Reply:
-        return {"ok": True, "env": self.control.await_assignment(request.pid, request.timeout_s)}, []
+    def _await_assignment(self, request: proto.AwaitAssignment) -> Answer:
+        return proto.NewEnv(self.control.await_assignment(request.pid, request.timeout_s)), []
 
-    def _await_generation(self, request: proto.AwaitGeneration) -> Reply:
+    def _await_generation(self, request: proto.AwaitGeneration) -> Answer:
         env = self.control.await_generation(request.pid, request.round, request.timeout_s, request.raised)
-        return {"ok": True, "env": env}, []
+        return proto.NewEnv(env), []
 
-    def _restore_info(self, request: proto.RestoreInfo) -> Reply:
-        return {"ok": True, **self.tiers.restore_info(request.rank, request.world_size)}, []
+    def _restore_info(self, request: proto.RestoreInfo) -> Answer:
+        return self.tiers.restore_info(request.rank, request.world_size), []
 
-    def _inventory(self, request: proto.Inventory) -> Reply:
-        return {"ok": True, **self.tiers.inventory()}, []
+    def _inventory(self, request: proto.Inventory) -> Answer:
+        return self.tiers.inventory(), []
 
-    def _fetch(self, request: proto.Fetch) -> Reply:
-        return {"ok": True, **self.tiers.fetch(request.rank, request.step, request.tier)}, []
+    def _fetch(self, request: proto.Fetch) -> Answer:
+        return self.tiers.fetch(request.rank, request.step, request.tier), []
 
-    def _peek(self, request: proto.Peek) -> Reply:
-        return {"ok": True, **self.tiers.peek(request.rank, request.step, request.world_size)}, []
+    def _peek(self, request: proto.Peek) -> Answer:
+        return self.tiers.peek(request.rank, request.step, request.world_size), []
 
-    def _lend(self, request: proto.Lend) -> Reply:
+    def _lend(self, request: proto.Lend) -> Answer:
         borrowed, buffers = self.tiers.lend(request.rank, request.step)
         owners = sorted(buffers)
-        return {"ok": True, "borrowed": [list(r) for r in borrowed], "owners": owners}, [
-            buffers[owner].fd for owner in owners
-        ]
+        return proto.Lent([list(r) for r in borrowed], owners), [buffers[owner].fd for owner in owners]
 
-    def _gather_ranges(self, request: proto.GatherRanges) -> Reply:
+    def _gather_ranges(self, request: proto.GatherRanges) -> Answer:
         select = Selection.from_message(request.select)
-        info, fd = self.tiers.gather_ranges(request.rank, request.step, request.world_size, select)
-        return {"ok": True, **info}, [] if fd is None else [HandedFd(fd)]
+        moved, fd = self.tiers.gather_ranges(request.rank, request.step, request.world_size, select)
+        return moved, [] if fd is None else [HandedFd(fd)]
 
     def close(self) -> None:
         self._closed.set()

@@ -73,10 +73,11 @@ class Persister:
         self._closed = False
         self.persisted_step: int | None = None  # newest step this agent saw complete
         self._thread = threading.Thread(target=self._run, name="resilrun-persister", daemon=True)
-        memory.add_listener(self._on_commit)
         self._thread.start()
 
-    def _on_commit(self, rank: int, committed: Committed) -> None:
+    def on_commit(self, rank: int, committed: Committed) -> None:
+        """Node memory's announcement of a complete snapshot (the commit pipeline registers it):
+        copied out now if its step is due, uploaded on this persister's thread."""
         if not committed.crosses(self.every) or committed.origin == "persistent":
             return  # (a step restored from storage is there already)
         snapshot = self.memory.read(rank, committed.step)  # the worker waits for this copy only

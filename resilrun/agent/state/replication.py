@@ -10,14 +10,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 from resilrun import keys
+from resilrun.agent.state.sources import Fetched, Into
 from resilrun.agent.workers.fault_hooks import REPLICATION_DELAY_ENV, delay_s
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError, ResilrunError
 from resilrun.rendezvous.api import RendezvousBackend
+from resilrun.snapshot.layout import parse_header
+from resilrun.snapshot.restore import world_of
 from resilrun.snapshot.selection import Selection
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator, fetch, held, inventory
@@ -40,7 +43,10 @@ def job_secret(backend: RendezvousBackend, run_id: str) -> bytes:
 
 
 class PeerTier:
-    """This node's replica server and replicator, and lookups across the other nodes."""
+    """This node's replica server and replicator, and the peer tier of a restore (a
+    ``RestoreSource``: what the other nodes hold, fetched from them)."""
+
+    name = "peer"
 
     def __init__(
         self,
@@ -80,7 +86,8 @@ class PeerTier:
     def address(self) -> str:
         return self.server.address
 
-    def held_steps(self, rank: int) -> list[int]:
+    # -- a restore source (sources.RestoreSource): the other nodes' replicas and memory ----------
+    def held(self, rank: int) -> list[int]:
         """Steps some other node of the round holds for ``rank`` (replica or its own memory)."""
         steps: set[int] = set()
         for address in self._peers():
@@ -93,7 +100,7 @@ class PeerTier:
                 steps.update(holding.get(kind, {}).get(rank, []))
         return sorted(steps, reverse=True)
 
-    def inventory(self) -> list[tuple[int, int, int]]:
+    def inventory(self) -> set[tuple[int, int, int]]:
         """Every (rank, step, world size) the other nodes of the round hold."""
         entries: set[tuple[int, int, int]] = set()
         for address in self._peers():
@@ -101,25 +108,44 @@ class PeerTier:
                 entries.update(inventory(address, self.secret))
             except ResilrunError as exc:
                 logger.debug("peer %s unreachable for a restore: %s", address, exc.message)
-        return sorted(entries)
+        return entries
 
     def fetch(
         self,
         rank: int,
         step: int,
+        deadline: float,
+        *,
+        world_size: int | None = None,
         select: Selection | None = None,
-        into: Callable[[int], memoryview] | None = None,
-    ) -> tuple[Any, Any] | None:
+        into: Into | None = None,
+    ) -> Fetched | None:
         """``rank``'s snapshot of ``step`` (or the bytes ``select`` names, into ``into``'s buffer)
         from the first peer that has an intact copy, this node's own replicas first: a node of a
-        job that shrank can hold the replica of the lost rank its new rank reads."""
+        job that shrank can hold the replica of the lost rank its new rank reads. Every peer tried
+        shares the one deadline, so a dead peer costs its share, not a transfer's worth each."""
         for address in [self.server.address, *self._peers()]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.warning("no peer gave step %d of rank %d before the restore's deadline", step, rank)
+                return None
             try:
-                return fetch(address, self.secret, rank, step, timedelta(seconds=120), select=select, into=into)
+                data, values = fetch(
+                    address, self.secret, rank, step, timedelta(seconds=left), select=select, into=into
+                )
             except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
                 logger.warning("peer %s cannot give step %d of rank %d: %s", address, step, rank, exc.message)
+                continue
             except ResilrunError as exc:
                 logger.warning("peer %s unreachable: %s", address, exc.message)
+                continue
+            if world_size is not None and world_of(values) != world_size:
+                return None
+            if select is None:
+                return Fetched(data, values, len(data))
+            view = memoryview(data)
+            moved = sum(end - begin for begin, end in select.ranges(parse_header(view, len(view))))
+            return Fetched(data, values, moved)
         return None
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from resilrun.agent.workers.procs import WorkerState
 from resilrun.rendezvous.protocol import RdzvState
 
 
@@ -59,9 +60,10 @@ def decide(view: AgentView) -> Action:
         return Action.FOLLOW_RECOVERY if view.can_follow_recovery else Action.REJOIN
     if view.lost_nodes:
         return Action.NODE_LOST
-    if any(code not in (None, 0) for code in view.exit_codes):
+    states = [WorkerState.of(code) for code in view.exit_codes]
+    if any(state.ended and state is not WorkerState.SUCCEEDED for state in states):
         return Action.RESTART_JOB
-    if view.exit_codes and all(code == 0 for code in view.exit_codes):
+    if states and all(state is WorkerState.SUCCEEDED for state in states):
         return Action.FINISH
     if view.state.complete and view.state.waiting:
         return Action.OPEN_ROUND

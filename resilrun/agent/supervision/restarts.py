@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from resilrun.agent.observability.telemetry import Telemetry
 from resilrun.agent.supervision.rounds import Round, RoundEnd
 from resilrun.agent.workers.failures import FailureLedger, ProcessFailure, collect_failure, format_report, root_cause
-from resilrun.agent.workers.procs import Processes, WorkerProcess
+from resilrun.agent.workers.procs import Processes, WorkerProcess, WorkerState
 from resilrun.agent.workers.specs import NodeSetup
 from resilrun.config import Config
-from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE
 from resilrun.errors import RendezvousClosedError, StateLostError, StateRefusedError, WorkerGroupFailed
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import RdzvState
@@ -141,13 +140,13 @@ class Restarts:
         if not failures and state.failure:
             failures = [ProcessFailure.from_dict(state.failure)]
         cause = root_cause(failures)
-        if cause is not None and cause.exit_code == STATE_REFUSED_EXIT_CODE:
+        if cause is not None and cause.state is WorkerState.STATE_REFUSED:
             return StateRefusedError(
                 f"the job's state was refused: {cause.message.splitlines()[0] if cause.message else '?'}",
                 hint="check the step with resilrun inspect-checkpoint --verify (and the job's --job-secret-file); "
                 "to resume from the step before, move the refused step's folder away",
             )
-        if cause is not None and cause.exit_code == STATE_LOST_EXIT_CODE:
+        if cause is not None and cause.state is WorkerState.STATE_LOST:
             return StateLostError(
                 f"the job's state is lost: {cause.message.splitlines()[0] if cause.message else '?'}",
                 hint="a lost node and every node holding its replicas went together; use --replicas 2 or a "

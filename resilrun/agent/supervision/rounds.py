@@ -57,7 +57,8 @@ class Membership:
     thread; each field is one reference, so a reader (status, replication) sees a whole value.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
         self.state: RdzvState | None = None
         self.current: Round | None = None
         self.phase = NodePhase.JOINING
@@ -68,6 +69,36 @@ class Membership:
     def run(self, round_: Round, phase: NodePhase) -> None:
         self.current = round_
         self.phase = phase
+
+    # -- what the replication threads read ------------------------------------------------------
+    def replica_targets(self, replicas: int) -> list[str]:
+        """Replica servers of the next ``replicas`` nodes in node-rank order (a ring)."""
+        state = self.state
+        if state is None or replicas < 1:
+            return []
+        rank = state.node_rank(self.node_id)
+        nodes = state.participants
+        if rank is None or len(nodes) < 2:
+            return []
+        count = min(replicas, len(nodes) - 1)
+        return [a for a in (nodes[(rank + i) % len(nodes)].peer_addr for i in range(1, count + 1)) if a]
+
+    def peer_addresses(self) -> list[str]:
+        """Replica servers of every other node of the generation this node follows."""
+        state = self.state
+        if state is None:
+            return []
+        return [p.peer_addr for p in state.participants if p.node_id != self.node_id and p.peer_addr]
+
+    def generation(self) -> int:
+        """The newest generation (round) this node follows (-1 before the first)."""
+        state = self.state
+        return state.round if state is not None else -1
+
+    def world_size(self) -> int:
+        """World size of the current round (0 before the first)."""
+        state = self.state
+        return sum(p.local_world_size for p in state.participants) if state is not None else 0
 
 
 @dataclass(frozen=True, slots=True)

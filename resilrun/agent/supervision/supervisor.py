@@ -59,10 +59,13 @@ class Supervisor:
         telemetry: Telemetry | None = None,
         processes: Processes | None = None,
         liveness: PeerLiveness | None = None,
+        membership: Membership | None = None,
     ) -> None:
         """``telemetry``: events, status history and metrics (none: nothing recorded);
         ``processes``: real worker processes unless a test gives fakes; ``liveness``: confirms a
-        node's silence on its peer channel before it counts as lost (node_loss.py). The clock is
+        node's silence on its peer channel before it counts as lost (node_loss.py);
+        ``membership``: the node's place in the job, which this loop moves and the replication
+        and status threads read (a fresh one when nothing else reads it). The clock is
         ``rdzv.clock``."""
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.control = control
@@ -71,7 +74,7 @@ class Supervisor:
         self.rdzv = rdzv
         self.signals = signals
         self.run_id = rdzv.run_id
-        self.membership = Membership()
+        self.membership = membership if membership is not None else Membership(rdzv.me.node_id)
         self._processes = processes if processes is not None else Processes()
         clock = rdzv.clock
         self._clock = clock
@@ -260,31 +263,3 @@ class Supervisor:
             if action is Action.OPEN_ROUND:
                 logger.info("a node is waiting to join: opening round %d", state.round + 1)
                 self.rdzv.next_round(state.round, failure=None, max_restarts=self.config.max_restarts)
-
-    def replica_targets(self) -> list[str]:
-        """Replica servers of the next ``--replicas`` nodes in node-rank order (a ring)."""
-        state = self.last_state
-        if state is None or self.config.replicas < 1:
-            return []
-        rank = state.node_rank(self.rdzv.me.node_id)
-        nodes = state.participants
-        if rank is None or len(nodes) < 2:
-            return []
-        count = min(self.config.replicas, len(nodes) - 1)
-        return [a for a in (nodes[(rank + i) % len(nodes)].peer_addr for i in range(1, count + 1)) if a]
-
-    def peer_addresses(self) -> list[str]:
-        state = self.last_state
-        if state is None:
-            return []
-        return [p.peer_addr for p in state.participants if p.node_id != self.rdzv.me.node_id and p.peer_addr]
-
-    def generation(self) -> int:
-        """The newest generation (round) this node follows (-1 before the first)."""
-        state = self.last_state
-        return state.round if state is not None else -1
-
-    def world_size(self) -> int:
-        """World size of the current round (0 before the first)."""
-        state = self.last_state
-        return sum(p.local_world_size for p in state.participants) if state is not None else 0

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from resilrun import keys
+from resilrun.agent.workers.procs import WorkerState
 from resilrun.rendezvous.api import RendezvousBackend, read_numbered
 
 
@@ -32,6 +33,11 @@ class ProcessFailure:
     message: str
     traceback: str | None = None
     error_file: str | None = None
+
+    @property
+    def state(self) -> WorkerState:
+        """What the exit means (``procs.WorkerState``): a failure, or the state lost or refused."""
+        return WorkerState.of(self.exit_code)
 
     @property
     def signal_name(self) -> str | None:

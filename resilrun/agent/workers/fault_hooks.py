@@ -5,8 +5,8 @@ a value that is not a number of seconds is refused, never ignored."""
 from __future__ import annotations
 
 import logging
-import os
 
+from resilrun.env import fault_hook_setting
 from resilrun.errors import ResilrunError
 
 logger = logging.getLogger(__name__)
@@ -19,7 +19,7 @@ PERSIST_DELAY_ENV = "RESILRUN_FAULT_PERSIST_DELAY_S"
 
 def delay_s(name: str, what: str) -> float:
     """The hook ``name``'s delay (0: unset); ``what`` is said in the warning that it is on."""
-    raw = os.environ.get(name, "").strip()
+    raw = fault_hook_setting(name)
     if not raw:
         return 0.0
     try:

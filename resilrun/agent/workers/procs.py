@@ -24,10 +24,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import Enum
 from functools import cache
 from pathlib import Path
 from typing import IO
 
+from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE
 from resilrun.errors import ConfigError
 from resilrun.option_values import Std
 from resilrun.private_file import open_private_output
@@ -106,6 +108,42 @@ class _Tee(threading.Thread):
             self.file.close()
 
 
+class WorkerState(Enum):
+    """Where a worker process is, as the agent judges it from its exit (the one place an exit
+    code is read for its meaning).
+
+    A worker is RUNNING from its spawn until its exit is seen; then exactly one of the others,
+    for good (a process never runs again: a restart or a spare is another process):
+
+    - SUCCEEDED: exit 0, the script finished;
+    - STATE_LOST: the worker's restore found no tier holding a step for every rank (the bootstrap's
+      ``STATE_LOST_EXIT_CODE``): the job stops rather than start over from step 0;
+    - STATE_REFUSED: a persisted step failed its checks or MACs (``STATE_REFUSED_EXIT_CODE``): the
+      job stops rather than train on another step quietly;
+    - FAILED: any other code, or a signal (negative): a failure the job recovers from.
+    """
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STATE_LOST = "state_lost"
+    STATE_REFUSED = "state_refused"
+
+    @classmethod
+    def of(cls, exit_code: int | None) -> WorkerState:
+        if exit_code is None:
+            return cls.RUNNING
+        if exit_code == 0:
+            return cls.SUCCEEDED
+        return {STATE_LOST_EXIT_CODE: cls.STATE_LOST, STATE_REFUSED_EXIT_CODE: cls.STATE_REFUSED}.get(
+            exit_code, cls.FAILED
+        )
+
+    @property
+    def ended(self) -> bool:
+        return self is not WorkerState.RUNNING
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
     """What another thread may know of a worker: copied under its lock, so the fields agree."""
@@ -116,6 +154,10 @@ class WorkerSnapshot:
     started_at: float
     exit_code: int | None  # None: running (as far as the exit can be seen without reaping it)
     exit_observed_at: float | None  # when the owner reaped the exit (None: not yet)
+
+    @property
+    def state(self) -> WorkerState:
+        return WorkerState.of(self.exit_code)
 
 
 class WorkerProcess:

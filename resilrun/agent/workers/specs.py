@@ -40,7 +40,7 @@ def command(config: Config) -> tuple[str, ...]:
     if config.no_python:
         return (config.script, *config.script_args)
     module = ("-m",) if config.module else ()
-    return (python_exec(), "-u", "-m", "resilrun.worker._bootstrap", *module, config.script, *config.script_args)
+    return (python_exec(), "-u", "-m", "resilrun.worker_main", *module, config.script, *config.script_args)
 
 
 def _streams(config: Config, local_rank: int) -> tuple[Std, Std]:

@@ -107,11 +107,12 @@ class Replicator:
         timeout: timedelta = DEFAULT_TIMEOUT,
         refresh: timedelta = timedelta(seconds=1),
         on_replicated: Callable[[int, int, int, float], None] | None = None,
-        hold_commits: bool = True,
         push_delay_s: float = 0.0,
         every: int = 1,
     ) -> None:
-        """Start replicating; commits before this call are not replicated until their rank commits again.
+        """Start replicating what ``on_commit`` is given (node memory's announcements, wired by
+        whoever composes them: the agent's commit pipeline); ``hold_commit`` is the commit gate
+        that bounds the replicas' lag (see the module), for the same owner to install.
 
         Args:
             targets: peer addresses (``host:port``), asked every ``refresh``; the lead's "next k nodes".
@@ -120,7 +121,6 @@ class Replicator:
                 (see ``ReplicaServer``); None sends "unknown".
             timeout: per push, on top of the transfer's allowance at 50 MB/s.
             on_replicated: ``(rank, step, bytes, seconds)`` after each confirmed push (metrics).
-            hold_commits: install the commit gate that bounds the replicas' lag (see the module).
             push_delay_s: a fault hook for tests: each push waits this long before its bytes.
             every: replicate the first snapshot at or past each multiple of this many steps
                 (``--replicate-every``; ``Committed.crosses``), the same steps on every node; a
@@ -146,13 +146,11 @@ class Replicator:
         self._held_s: dict[int, float] = {}  # rank -> seconds its commits waited at the gate
         self._every = max(1, every)
         self._skipped: dict[int, int] = {}  # rank -> its newest step left out by ``every``
-        memory.add_listener(self._on_commit)
-        if hold_commits:
-            memory.add_commit_gate(self._hold_commit)
         self._manager = threading.Thread(target=self._manage, name="resilrun-replicator", daemon=True)
         self._manager.start()
 
-    def _on_commit(self, rank: int, committed: Committed) -> None:
+    def on_commit(self, rank: int, committed: Committed) -> None:
+        """Node memory's announcement of a complete snapshot (the commit pipeline registers it)."""
         # On the worker's commit, before its ack: the slot's counter is stable now and stays so until
         # the worker writes this slot again, so it identifies these bytes. O(1), no I/O, brief lock.
         if self._closed:
@@ -172,7 +170,7 @@ class Replicator:
             self._latest[rank] = _Source(rank, committed, seq, generation)
             self._cond.notify_all()
 
-    def _hold_commit(self, rank: int, step: int) -> float:
+    def hold_commit(self, rank: int, step: int) -> float:
         """The commit gate: wait until ``rank``'s ``step`` is on every target that keeps up.
 
         Returns the seconds waited. Not waited for: a target failing (until a push to it succeeds),

@@ -70,8 +70,8 @@ class _Copies(Telemetry):
 @pytest.fixture
 def agent() -> Iterator[tuple[NodeMemoryTier, dict[str, str], _Copies]]:
     memory = NodeMemoryTier("dedup-contract")
-    channel = AgentChannel(memory, NodeTiers(memory, None), WorkerControl())
-    channel.telemetry = _Copies()
+    copies = _Copies()
+    channel = AgentChannel(memory, NodeTiers(memory, None), WorkerControl(), copies)
     env = {
         "WORLD_SIZE": "2",
         "LOCAL_WORLD_SIZE": "2",
@@ -80,7 +80,7 @@ def agent() -> Iterator[tuple[NodeMemoryTier, dict[str, str], _Copies]]:
         **channel_env(channel),
     }
     try:
-        yield memory, env, channel.telemetry
+        yield memory, env, copies
     finally:
         channel.close()
         memory.close()

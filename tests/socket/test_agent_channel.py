@@ -19,7 +19,7 @@ import torch
 
 from resilrun import channel_protocol as proto
 from resilrun import wire
-from resilrun.agent.state.channel import TOKEN_ENV, AgentChannel, channel_env
+from resilrun.agent.state.channel import AUTH_TIMEOUT_S, TOKEN_ENV, AgentChannel, channel_env
 from resilrun.agent.state.tiers import NodeTiers
 from resilrun.agent.workers.control import WorkerControl
 from resilrun.errors import CheckpointError
@@ -30,7 +30,7 @@ from resilrun.storage import LocalStorage
 from resilrun.tiers import durable
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.worker._channel import AgentClient
-from tests.conftest import make_snapshot
+from tests.conftest import make_snapshot, wait_until
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_a_client_with_the_agents_token_is_served(channel: AgentChannel) -> None
     client = AgentClient(channel.path, token=channel.token)
     try:
         response, fds = client.call(proto.Attach(rank=0))
-        assert response["ok"] is True and len(fds) == 1  # the rank's control page
+        assert isinstance(response, proto.Attached) and len(fds) == 1  # the rank's control page
         for fd in fds:
             os.close(fd)
     finally:
@@ -103,8 +103,11 @@ def test_a_silent_connection_does_not_block_other_workers(channel: AgentChannel)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
         idle.connect(channel.path)
         client = AgentClient(channel.path, token=channel.token)
-        client.call(proto.Beat(pid=1))
+        started = time.monotonic()
+        client.call(proto.Beat(pid=1, step=3))
         client.close()
+    assert time.monotonic() - started < AUTH_TIMEOUT_S / 2  # answered, not after the idle one timed out
+    assert channel.control.newest_step([1]) == 3  # and the beat reached the agent
 
 
 def test_the_socket_directory_is_private(channel: AgentChannel) -> None:
@@ -184,23 +187,20 @@ def test_a_worker_resuming_at_another_world_size_gets_only_the_rows_it_asked_for
         select = Selection({"model/w": (1000, 1100)})
         response, fds = client.call(proto.GatherRanges(rank=1, step=6, world_size=2, select=select.to_message()))
         # Then it gets them, in a sparse memfd the agent no longer holds open, nothing else read
-        assert peeked["values"] == {"world_size": 2, "rank": 1} and peeked["memory"] is False
-        assert response["tier"] == "persistent" and len(fds) == 1
+        assert peeked.values == {"world_size": 2, "rank": 1} and peeked.memory is False
+        assert response.tier == "persistent" and len(fds) == 1
         buffer = SharedBuffer.attach(fds[0], populate=False)
         layout = parse_header(buffer.view(), buffer.nbytes)
         entry = next(e for e in layout.entries if e.name == "model/w")
         rows = buffer.tensor[layout.data_start + entry.begin : layout.data_start + entry.end].view(torch.float32)
         assert torch.equal(rows.view(2048, 1024)[1000:1100], weight[1000:1100])
         assert os.fstat(buffer.fd).st_blocks * 512 <= 3 * (1 << 20) < len(data) // 2
-        assert response["bytes"] <= 3 * (1 << 20)
+        assert response.nbytes <= 3 * (1 << 20)
         del rows
         buffer.close()
         # Neither the agent nor the worker keeps one. The agent closes its copy once the message
         # carrying it is sent, so the reply can arrive a moment before that close: wait for it.
-        deadline = time.monotonic() + 10.0
-        while _memfds() != before and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _memfds() == before
+        wait_until(lambda: _memfds() == before, timeout=10.0, what="the agent's copy closed")
         # And a rank no tier holds is a clear error, not a hang
         with pytest.raises(CheckpointError, match="no tier holds step 6 of rank 5"):
             client.call(proto.GatherRanges(rank=5, step=6, world_size=6, select=select.to_message()))

@@ -1,23 +1,27 @@
-"""Worker entry point: runs the user's script exactly as ``python -u script.py`` would.
+"""The entry point of every Python worker process: runs the user's script exactly as ``python -u
+script.py`` would.
 
-Why a bootstrap at all:
+Why here, above ``worker/`` and ``integrations/``: it installs the framework integrations (built on
+``worker/``) and drives ``worker/``'s membership, so it sits above both, and ``worker/`` imports
+nothing of ``integrations/``.
+
+Why an entry point (the worker bootstrap) at all:
 - it records an uncaught exception into ``TORCHELASTIC_ERROR_FILE`` (what torchrun's ``@record``
   does, without asking the user to decorate anything), so the agent's root-cause report carries
   the worker's own traceback;
 - it is how a survivor recovers in-process: when the script (one that joined through
   ``resilrun.init()``) fails because a peer died, the bootstrap asks the agent whether the job
   moved to a new generation; if so it adopts the new environment and runs the script again in
-  this same process (torch and the user's imports stay loaded; state comes back from node memory).
-
-It imports nothing heavy itself: torch is imported by the user's script.
-
+  this same process (torch and the user's imports stay loaded; state comes back from node memory);
 - it is where a hot spare waits (``RESILRUN_SPARE=1``): torch and the script's imports are loaded
   and the first-DDP cost paid, but no line of the script runs until the agent has given the spare
   a rank, so the script sees the complete torchrun environment of the rank it replaces, exactly
   like a worker started with it (scripts read ``RANK`` before anything else; a plain torchrun
   script must never run as a world of one beside the real job).
 
-Usage: ``python -u -m resilrun.worker._bootstrap [-m] TARGET [ARGS...]``
+It imports nothing heavy itself: torch is imported by the user's script.
+
+Usage: ``python -u -m resilrun.worker_main [-m] TARGET [ARGS...]``
 """
 
 from __future__ import annotations
@@ -35,14 +39,23 @@ import sys
 import time
 import traceback
 
-from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE
+from resilrun.env import (
+    STATE_LOST_EXIT_CODE,
+    STATE_REFUSED_EXIT_CODE,
+    agent_socket_path,
+    apply_assignment,
+    current_round,
+    error_file,
+    is_spare,
+    recovery_wait_s,
+)
 from resilrun.errors import StateLostError, StateRefusedError
 
 
 def write_error_file(exc: BaseException) -> None:
     """Write torchrun's error-file format, unless the script already wrote one (it knows better)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
+    path = error_file()
+    if path is None or os.path.exists(path):
         return
     record = {
         "message": {
@@ -180,28 +193,25 @@ def _next_generation(exc: BaseException) -> dict[str, str] | None:
     is already published (then it is part of a recovery already under way).
     """
     membership = sys.modules.get("resilrun.worker.membership")
-    socket_path = os.environ.get("RESILRUN_AGENT_SOCKET")
+    socket_path = agent_socket_path()
     if membership is None or not membership.is_active() or not socket_path or isinstance(exc, KeyboardInterrupt):
         return None
     raised = _may_be_a_broken_collective(exc)
-    wait_s = float(os.environ.get("RESILRUN_RECOVERY_WAIT_S", "10")) if raised else 0.0
+    wait_s = recovery_wait_s() if raised else 0.0
     from resilrun.channel_protocol import AwaitGeneration
     from resilrun.worker._channel import AgentClient
 
     try:
         client = AgentClient(socket_path)
         try:
-            request = AwaitGeneration(
-                pid=os.getpid(), round=int(os.environ.get("RESILRUN_ROUND", "0")), timeout_s=wait_s, raised=raised
-            )
-            response, _ = client.call(request)
+            request = AwaitGeneration(pid=os.getpid(), round=current_round(), timeout_s=wait_s, raised=raised)
+            reply, _ = client.call(request)
         finally:
             client.close()
     except Exception as exc2:  # noqa: BLE001 - no agent, no recovery: the original error stands
         sys.stderr.write(f"resilrun: could not ask the agent about recovery: {exc2}\n")
         return None
-    env = response.get("env")
-    return env if isinstance(env, dict) else None
+    return reply.env
 
 
 def _exit_now(code: int) -> None:
@@ -223,7 +233,7 @@ def _exit_now(code: int) -> None:
 
 def _tell_agent_finished() -> None:
     """Interpreter teardown (process groups, CUDA) can take seconds without a heartbeat: say so."""
-    socket_path = os.environ.get("RESILRUN_AGENT_SOCKET")
+    socket_path = agent_socket_path()
     if not socket_path or "resilrun.worker.membership" not in sys.modules:
         return
     from resilrun.channel_protocol import Finished
@@ -248,7 +258,7 @@ def main(argv: list[str]) -> None:
     from resilrun import integrations
 
     integrations.install_import_hooks()  # before a spare preloads the script's imports, too
-    if os.environ.get("RESILRUN_SPARE") == "1":
+    if is_spare():
         try:
             _stand_by(target, as_module)
         except BaseException as exc:
@@ -285,7 +295,7 @@ def main(argv: list[str]) -> None:
             f"after: {summary}\n"
         )
         sys.modules["resilrun.worker.membership"].reset_for_reentry()
-        os.environ.update(env)
+        apply_assignment(env)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             # The old generation's model and optimizer must leave the GPU before the script

@@ -12,16 +12,13 @@ Real sockets on loopback; the flood is held open while the probes and pushes run
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-import torch
 
 from resilrun.agent.liveness.heartbeat import StalenessJudge
 from resilrun.agent.supervision.node_loss import NodeWatch, PeerLiveness
@@ -30,11 +27,11 @@ from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer import ReplicaServer, ReplicaStore, ReplicationError, alive, push
 from resilrun.tiers.peer import server as peer_server
 from resilrun.tiers.peer.wire import MAGIC, NONCE_BYTES, Announce, Deadline, client_handshake, snapshot_bounds
-from tests.conftest import make_snapshot
+from tests.conftest import wait_until
+from tests.socket.peer.harness import NODE_ID, SECRET, snapshot
 
 pytestmark = pytest.mark.timeout(30)
 
-SECRET = os.urandom(32)
 FLOOD = 80  # more than the 64 connection slots the server had before the pre-auth stage
 HELLO = len(MAGIC) + NONCE_BYTES
 
@@ -45,22 +42,6 @@ class FakeClock:
 
     def monotonic(self) -> float:
         return self.now
-
-
-@pytest.fixture
-def replicas() -> Iterator[ReplicaStore]:
-    store = ReplicaStore("flood-test")
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def server(replicas: ReplicaStore) -> Iterator[ReplicaServer]:
-    memory = NodeMemoryTier(f"t{uuid.uuid4().hex[:8]}")
-    replica_server = ReplicaServer(SECRET, replicas, memory, node_id="node-a", io_timeout=timedelta(seconds=5))
-    yield replica_server
-    replica_server.close()
-    memory.close()
 
 
 def settled(sock: socket.socket) -> None:
@@ -91,29 +72,24 @@ def idle_flood(server: ReplicaServer, count: int, source: str = "127.0.0.1") -> 
             sock.close()
 
 
-def snapshot(seed: int) -> bytes:
-    generator = torch.Generator().manual_seed(seed)
-    return make_snapshot({"weight": torch.randn(1024, generator=generator)})
-
-
 def test_an_idle_flood_without_the_secret_neither_gets_a_live_node_judged_lost_nor_stops_pushes(
-    server: ReplicaServer, replicas: ReplicaStore
+    server: ReplicaServer, store: ReplicaStore
 ) -> None:
     # Given a node whose heartbeat counter stood still past the timeout (held by a party at the store)
-    state = RdzvState(participants=(NodeInfo("node-a", "127.0.0.1", 1, peer_addr=server.address, hostname="h-a"),))
+    state = RdzvState(participants=(NodeInfo(NODE_ID, "127.0.0.1", 1, peer_addr=server.address, hostname="h-a"),))
     clock = FakeClock()
     judge = StalenessJudge(5.0, clock)
-    judge.observe("node-a", 7)
+    judge.observe(NODE_ID, 7)
     clock.now += 6.0
     watch = NodeWatch(None, None, None, None, None, PeerLiveness(SECRET, 1.0))  # type: ignore[arg-type]
     started = time.monotonic()
     # When more idle connections than the server ever had slots are held open against it
     with idle_flood(server, FLOOD):
         # Then the node proves it is alive, and an authenticated peer's push still lands
-        assert watch.confirm_lost((state,), ["node-a"], judge) == ()
+        assert watch.confirm_lost((state,), [NODE_ID], judge) == ()
         push(server.address, SECRET, 0, 1, None, snapshot(1), {"step": 1}, timeout=timedelta(seconds=5))
-        assert replicas.steps(0) == [1]
-        assert all(alive(server.address, SECRET, timedelta(seconds=1)) == "node-a" for _ in range(5))
+        assert store.steps(0) == [1]
+        assert all(alive(server.address, SECRET, timedelta(seconds=1)) == NODE_ID for _ in range(5))
     assert time.monotonic() - started < 10
 
 
@@ -128,11 +104,9 @@ def test_a_flood_is_bounded_in_threads_and_its_oldest_connections_are_dropped_fi
         closed = [is_closed(sock) for sock in flood]
         assert all(closed[: 2 * peer_server.MAX_PENDING])
         assert not any(closed[-peer_server.MAX_PENDING // 2 :])
-        end = time.monotonic() + 5  # the dropped connections' threads end at their next recv
-        while threading.active_count() - before > peer_server.MAX_PENDING and time.monotonic() < end:
-            time.sleep(0.01)
-        assert threading.active_count() - before <= peer_server.MAX_PENDING
-        assert alive(server.address, SECRET, timedelta(seconds=1)) == "node-a"
+        # the dropped connections' threads end at their next recv
+        wait_until(lambda: threading.active_count() - before <= peer_server.MAX_PENDING, what="threads bounded")
+        assert alive(server.address, SECRET, timedelta(seconds=1)) == NODE_ID
 
 
 def test_a_flood_from_one_address_does_not_drop_a_slow_handshake_from_another(
@@ -150,7 +124,7 @@ def test_a_flood_from_one_address_does_not_drop_a_slow_handshake_from_another(
             # Then the honest peer's handshake still completes, and its request is served
             session = client_handshake(honest, SECRET, Deadline.total(5))
             session.send({"op": "alive"}, Deadline.total(5))
-            assert session.recv(Deadline.total(5)) == {"ok": True, "node": "node-a"}
+            assert session.recv(Deadline.total(5)) == {"ok": True, "node": NODE_ID}
 
 
 def is_closed(sock: socket.socket) -> bool:
@@ -168,9 +142,8 @@ def is_closed(sock: socket.socket) -> bool:
         return False
 
 
-def test_alive_is_answered_even_when_every_service_slot_is_busy(replicas: ReplicaStore) -> None:
-    memory = NodeMemoryTier(f"t{uuid.uuid4().hex[:8]}")
-    server = ReplicaServer(SECRET, replicas, memory, node_id="node-a", max_connections=1)
+def test_alive_is_answered_even_when_every_service_slot_is_busy(store: ReplicaStore, memory: NodeMemoryTier) -> None:
+    server = ReplicaServer(SECRET, store, memory, node_id=NODE_ID, max_connections=1)
     try:
         data = snapshot(2)
         announce = Announce(0, 2, None, len(data), None, snapshot_bounds(memoryview(data)))
@@ -182,7 +155,6 @@ def test_alive_is_answered_even_when_every_service_slot_is_busy(replicas: Replic
             # Then another push is told the server is busy, and ALIVE is still answered
             with pytest.raises(ReplicationError, match="busy"):
                 push(server.address, SECRET, 1, 2, None, data, None, timeout=timedelta(seconds=5))
-            assert alive(server.address, SECRET, timedelta(seconds=1)) == "node-a"
+            assert alive(server.address, SECRET, timedelta(seconds=1)) == NODE_ID
     finally:
         server.close()
-        memory.close()

@@ -15,15 +15,27 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
 
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator
-from tests.conftest import free_port, make_snapshot
+from tests.conftest import free_port, make_snapshot, wait_until
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def fed_by(memory: NodeMemoryTier, *args: Any, hold_commits: bool = True, **kwargs: Any) -> Replicator:
+    """A replicator fed by node memory's announcements and holding its commits, as the agent's
+    commit pipeline (agent/state/commits.py) wires it; ``hold_commits=False``: without the gate."""
+    replicator = Replicator(memory, *args, **kwargs)
+    memory.add_listener(replicator.on_commit)
+    if hold_commits:
+        memory.add_commit_gate(replicator.hold_commit)
+    return replicator
+
 
 SECRET = b"replicator-test-secret-0123456789"
 TIMEOUT = timedelta(seconds=2)
@@ -34,12 +46,17 @@ def snapshot(seed: int, numel: int = 2048) -> bytes:
     return make_snapshot({"w": torch.full((numel,), float(seed)), "step": torch.tensor([seed])})
 
 
-def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.01)
+def eventually(condition: Callable[[], object]) -> None:
+    wait_until(condition, timeout=10.0)
+
+
+def handled(replicator: Replicator, rank: int) -> int:
+    """How many of ``rank``'s commits every current target has dealt with: replicated, or looked at
+    and passed over (a slot overwritten first). ``status()`` shows only confirmed steps, so this
+    reads the Replicator's private per-target record; 0 while there is no target."""
+    with replicator._cond:
+        targets = list(replicator._targets.values())
+        return min((t.done.get(rank, 0) for t in targets), default=0)
 
 
 def lags(replicator: Replicator) -> dict[int, dict[str, object]]:
@@ -123,7 +140,7 @@ def test_only_the_newest_of_several_quick_commits_is_replicated(
 ) -> None:
     peer = make_peer()
     targets = Switch(peer.server.address)
-    replicator = Replicator(memory, SECRET, targets, world_size=lambda: 2, timeout=TIMEOUT, refresh=REFRESH)
+    replicator = fed_by(memory, SECRET, targets, world_size=lambda: 2, timeout=TIMEOUT, refresh=REFRESH)
     replicators.append(replicator)
 
     for step in range(1, 6):  # the replicator is behind (no target yet) while these commit
@@ -142,7 +159,7 @@ def test_every_local_rank_reaches_every_target(
     memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
 ) -> None:
     peers = [make_peer(), make_peer()]
-    replicator = Replicator(memory, SECRET, lambda: [p.server.address for p in peers], timeout=TIMEOUT, refresh=REFRESH)
+    replicator = fed_by(memory, SECRET, lambda: [p.server.address for p in peers], timeout=TIMEOUT, refresh=REFRESH)
     replicators.append(replicator)
 
     for step in (1, 2, 3):
@@ -164,7 +181,7 @@ def test_a_dead_target_makes_replicas_lag_without_slowing_commits(
 ) -> None:
     live = make_peer()
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
-    replicator = Replicator(memory, SECRET, lambda: [dead, live.server.address], timeout=TIMEOUT, refresh=REFRESH)
+    replicator = fed_by(memory, SECRET, lambda: [dead, live.server.address], timeout=TIMEOUT, refresh=REFRESH)
     replicators.append(replicator)
 
     with caplog.at_level(logging.WARNING, logger="resilrun.tiers.peer.replicator"):
@@ -185,23 +202,22 @@ def test_lag_grows_while_a_peer_is_down_and_closes_on_a_new_peer(
 ) -> None:
     first = make_peer()
     address = [first.server.address]
-    replicator = Replicator(memory, SECRET, lambda: address, timeout=TIMEOUT, refresh=REFRESH)
+    replicator = fed_by(memory, SECRET, lambda: address, timeout=TIMEOUT, refresh=REFRESH)
     replicators.append(replicator)
-    commit(memory, 0, 1, snapshot(1))
-    commit(memory, 0, 2, snapshot(2))
-    eventually(lambda: replicator.status()[0]["replicated"] == 2)
+    for step in (1, 2):  # each on the peer before the next commits: it holds both
+        commit(memory, 0, step, snapshot(step))
+        eventually(lambda step=step: replicator.status()[0]["replicated"] == step)
 
     first.server.close()  # the peer's agent dies; it stays a target until the membership changes
-    commit(memory, 0, 3, snapshot(3))
+    commit(memory, 0, 3, snapshot(3))  # its commit gate waits until the push of 3 failed
     commit(memory, 0, 4, snapshot(4))
-    time.sleep(0.2)
     assert lags(replicator) == {0: {"committed": 4, "replicated": 2, "lag_steps": 2}}
 
     second = make_peer()
     address[:] = [second.server.address]  # the lead hands the next node's address instead
     eventually(lambda: lags(replicator)[0] == {"committed": 4, "replicated": 4, "lag_steps": 0})
     assert second.store.steps(0) == [4]
-    assert first.store.steps(0) == [2, 1] or first.store.steps(0) == [2]
+    assert first.store.steps(0) == [2, 1]
 
 
 def test_a_peer_slower_than_the_steps_still_gets_complete_replicas(
@@ -211,7 +227,7 @@ def test_a_peer_slower_than_the_steps_still_gets_complete_replicas(
     # replicator falls back to a private copy per push; the peer still gets whole, verified steps.
     peer = make_peer()
     relay = SlowRelay(peer.server.port, bytes_per_second=80_000_000)
-    replicator = Replicator(memory, SECRET, lambda: [relay.address], timeout=TIMEOUT, refresh=REFRESH)
+    replicator = fed_by(memory, SECRET, lambda: [relay.address], timeout=TIMEOUT, refresh=REFRESH)
     replicators.append(replicator)
     numel = 2 * 1024 * 1024  # 8 MiB: ~100 ms through the relay, more than the socket buffers hold
     try:
@@ -290,7 +306,7 @@ def test_a_slot_being_overwritten_is_never_replicated_as_the_committed_step(
 ) -> None:
     peer = make_peer()
     targets = Switch(peer.server.address)
-    replicator = Replicator(memory, SECRET, targets, timeout=TIMEOUT, refresh=REFRESH)
+    replicator = fed_by(memory, SECRET, targets, timeout=TIMEOUT, refresh=REFRESH)
     replicators.append(replicator)
     commit(memory, 0, 1, snapshot(1))  # slot 1
     # The worker has started writing step 3 into step 1's slot (it committed nothing yet): torn.
@@ -298,15 +314,16 @@ def test_a_slot_being_overwritten_is_never_replicated_as_the_committed_step(
     seq.begin(1)
     memory.rank(0).slots[1].view()[:64] = b"\xee" * 64  # type: ignore[union-attr]
     targets.on.set()
-    time.sleep(0.3)
+    eventually(lambda: handled(replicator, 0) == 1)  # the target looked at step 1's commit
 
     assert peer.store.held() == {}
     assert replicator.status()[0]["replicated"] is None
 
     seq.end(1)  # then a worker finishes step 3 into the same slot: the same counter parity, new bytes
     write_slot(memory, 0, 1, snapshot(3))
-    time.sleep(0.1)
-    assert peer.store.held() == {}  # still step 1's commit: its counter no longer matches, never sent
+    # Nothing is committed, so nothing is sent: step 1's commit was dealt with, and its counter no
+    # longer matches the slot anyway
+    assert peer.store.held() == {}
 
     memory.commit(0, 3, 1, len(snapshot(3)), {"step": 3})
     eventually(lambda: replicator.status()[0]["replicated"] == 3)
@@ -333,7 +350,7 @@ def test_a_blackholed_peer_never_blocks_commits_and_close_cuts_it_off(
     thread.start()
     try:
         address = f"127.0.0.1:{listener.getsockname()[1]}"
-        replicator = Replicator(memory, SECRET, lambda: [address], timeout=timedelta(seconds=20))
+        replicator = fed_by(memory, SECRET, lambda: [address], timeout=timedelta(seconds=20))
         commit_seconds = [commit(memory, 0, step, snapshot(step)) for step in range(1, 11)]
         eventually(lambda: len(accepted) >= 1)
 
@@ -360,18 +377,19 @@ def test_a_push_that_connects_while_close_runs_is_cut_off_too(
 
     listener = socket.create_server(("127.0.0.1", 0))
     real_push_view = peer_module.push_view
-    closing = threading.Event()
+    closing, taken = threading.Event(), threading.Event()
 
     def push_after_close_began(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a pass-through
+        taken.set()
         closing.wait(10)
         return real_push_view(*args, **kwargs)
 
     monkeypatch.setattr(peer_module, "push_view", push_after_close_began)
     try:
         address = f"127.0.0.1:{listener.getsockname()[1]}"
-        replicator = Replicator(memory, SECRET, lambda: [address], timeout=timedelta(seconds=20))
+        replicator = fed_by(memory, SECRET, lambda: [address], timeout=timedelta(seconds=20))
         commit(memory, 0, 1, snapshot(1))
-        time.sleep(0.2)  # the push is taken and waiting in push_after_close_began
+        assert taken.wait(10)  # the push is taken and waiting in push_after_close_began
         started = time.monotonic()
         threading.Timer(0.05, closing.set).start()  # during close()'s join
         replicator.close(timeout=timedelta(seconds=5))
@@ -393,7 +411,7 @@ def test_a_broken_targets_callable_keeps_the_current_targets(
             raise RuntimeError("rendezvous unreachable")
         return [peer.server.address]
 
-    replicator = Replicator(memory, SECRET, targets, timeout=TIMEOUT, refresh=REFRESH)
+    replicator = fed_by(memory, SECRET, targets, timeout=TIMEOUT, refresh=REFRESH)
     replicators.append(replicator)
     eventually(lambda: len(calls) > 3)
     commit(memory, 0, 1, snapshot(1))
@@ -423,7 +441,7 @@ def test_a_torn_slot_whose_counter_reads_stable_is_never_replicated(
     # Given rank 0's step 1 and rank 1's step 1 committed (slot 1 each)
     peer = make_peer()
     targets = Switch(peer.server.address)
-    replicator = Replicator(memory, SECRET, targets, timeout=TIMEOUT, refresh=REFRESH)
+    replicator = fed_by(memory, SECRET, targets, timeout=TIMEOUT, refresh=REFRESH)
     replicators.append(replicator)
     commit(memory, 0, 1, snapshot(1))
     commit(memory, 1, 1, snapshot(1))
@@ -448,7 +466,7 @@ def test_the_gate_holds_a_commit_until_its_step_is_on_the_peer_so_replicas_lag_o
 ) -> None:
     # Given a peer whose pushes take longer than the worker's steps
     peer = make_peer()
-    replicator = Replicator(
+    replicator = fed_by(
         memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH, push_delay_s=0.1
     )
     replicators.append(replicator)
@@ -488,7 +506,7 @@ def test_only_the_snapshots_chosen_for_replicas_are_pushed_and_the_others_pass_t
 ) -> None:
     # Given pushes slower than the worker's steps
     peer = make_peer()
-    replicator = Replicator(
+    replicator = fed_by(
         memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH, push_delay_s=0.1, every=every
     )
     replicators.append(replicator)
@@ -512,7 +530,7 @@ def test_the_gate_does_not_wait_for_a_peer_that_refuses_connections(
     memory: NodeMemoryTier, replicators: list[Replicator]
 ) -> None:
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
-    replicator = Replicator(memory, SECRET, lambda: [dead], timeout=TIMEOUT, refresh=REFRESH)
+    replicator = fed_by(memory, SECRET, lambda: [dead], timeout=TIMEOUT, refresh=REFRESH)
     replicators.append(replicator)
     eventually(lambda: dead in replicator._targets)
     waits = []
@@ -532,7 +550,7 @@ def replicating_to_a_silent_peer(
     listener = socket.create_server(("127.0.0.1", 0))
     try:
         address = f"127.0.0.1:{listener.getsockname()[1]}"
-        replicator = Replicator(memory, SECRET, lambda: [address], refresh=REFRESH, **options)  # type: ignore[arg-type]
+        replicator = fed_by(memory, SECRET, lambda: [address], refresh=REFRESH, **options)  # type: ignore[arg-type]
         replicators.append(replicator)
         eventually(lambda: address in replicator._targets)
         yield replicator

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from resilrun import wire
 from resilrun.agent.state.channel import AgentChannel
 from resilrun.agent.state.tiers import NodeTiers
 from resilrun.agent.workers.control import WorkerControl
-from resilrun.errors import CheckpointError
+from resilrun.errors import CheckpointError, CheckpointNotFoundError
 from resilrun.snapshot.selection import Selection
 from resilrun.storage import LocalStorage
 from resilrun.tiers import durable
@@ -64,28 +66,28 @@ def test_every_operation_is_answered_over_a_real_socket(agent: AgentChannel, mon
     try:
         # the worker's own life: the API, its beats, its milestones, its end
         for request in (proto.HelloApi(pid=pid), proto.Beat(pid=pid, step=1), proto.Finished(pid=pid)):
-            assert client.call(request)[0] == {"ok": True}
+            assert client.call(request)[0] == proto.Ack()
         client.call(proto.Report(pid=pid, rank=0, event="first_step", detail={"round": 0, "at": 0.0}))
         # what a restore asks: which tier holds what, borrowed bytes, a fetch, another rank's part
         info, _ = client.call(proto.RestoreInfo(rank=0, world_size=1))
-        assert 1 in info["memory"]
+        assert 1 in info.memory
         lent, fds = client.call(proto.Lend(rank=0, step=1))
-        assert lent["owners"] == [] and fds == []
+        assert lent.owners == [] and fds == []
         inventory, _ = client.call(proto.Inventory())
-        assert inventory["persisted"] == [6, 2] and [0, 1, 1] in inventory["entries"]
+        assert inventory.persisted == [6, 2] and [0, 1, 1] in inventory.entries
         fetched, _ = client.call(proto.Fetch(rank=1, step=6, tier="persistent"))
-        assert fetched["bytes"] > 0
+        assert fetched.nbytes > 0 and fetched.tier == "persistent"
         peeked, _ = client.call(proto.Peek(rank=1, step=6, world_size=2))
-        assert peeked["values"] == {"world_size": 2, "rank": 1}
+        assert peeked.values == {"world_size": 2, "rank": 1}
         gathered, fds = client.call(
             proto.GatherRanges(rank=0, step=6, world_size=2, select=Selection({"model/w": (2, 4)}).to_message())
         )
         _close(fds)
-        assert gathered["ok"]
+        assert gathered.tier == "persistent" and len(fds) == 1
         # a spare waiting for a rank, a survivor waiting for the next generation
         threading.Timer(0.1, agent.control.assign, (pid, {"RANK": "3"})).start()
-        assert client.call(proto.AwaitAssignment(pid=pid, timeout_s=5))[0]["env"] == {"RANK": "3"}
-        assert client.call(proto.AwaitGeneration(pid=pid, round=0, timeout_s=0.1))[0]["env"] is None
+        assert client.call(proto.AwaitAssignment(pid=pid, timeout_s=5))[0].env == {"RANK": "3"}
+        assert client.call(proto.AwaitGeneration(pid=pid, round=0, timeout_s=0.1))[0].env is None
     finally:
         client.close()
         snapshotter.close()
@@ -106,7 +108,7 @@ def test_a_request_of_another_version_an_unknown_op_or_a_field_of_the_wrong_type
             wire.send(client._sock, message)
             reply, fds = wire.receive(client._sock)
             assert fds == [] and reply["ok"] is False and why in reply["error"], reply
-        assert client.call(proto.Beat(pid=1))[0] == {"ok": True}  # and the connection still serves
+        assert client.call(proto.Beat(pid=1))[0] == proto.Ack()  # and the connection still serves
     finally:
         client.close()
 
@@ -122,7 +124,7 @@ def test_a_long_poll_as_long_as_the_plain_timeout_ends_in_the_agents_empty_answe
     Now a long poll's socket waits its own deadline plus a margin."""
     monkeypatch.setattr(proto, "DEFAULT_DEADLINE_S", 0.2)
     client = AgentClient(agent.path, agent.token)
-    request: proto.Request = (
+    request: proto.Request[proto.NewEnv] = (
         proto.AwaitAssignment(pid=11, timeout_s=0.2)
         if op == "await_assignment"
         else proto.AwaitGeneration(pid=11, round=0, timeout_s=0.2)
@@ -131,7 +133,7 @@ def test_a_long_poll_as_long_as_the_plain_timeout_ends_in_the_agents_empty_answe
     answers: list[Any] = []
     try:
         for _ in range(10):
-            answers.append(client.call(request)[0]["env"])
+            answers.append(client.call(request)[0].env)
     finally:
         client.close()
     assert answers == [None] * 10
@@ -158,3 +160,57 @@ def test_every_request_round_trips_through_its_message() -> None:
         assert proto.parse_request(request.to_message()) == request
     commit = proto.Commit(rank=1, step=2, slot=0, nbytes=10, values={"a": [1]}, borrowed=[[0, 1, 2]], replicate=True)
     assert proto.parse_request(commit.to_message()) == commit
+
+
+def test_every_reply_round_trips_and_is_the_type_its_request_names() -> None:
+    for cls in proto.REQUESTS.values():
+        (parameter,) = typing.get_args(cls.__orig_bases__[0])  # type: ignore[attr-defined]
+        assert cls.reply is parameter, cls  # what the client parses is what the type checker was told
+        reply = cls.reply()
+        assert proto.parse_reply(cls(), reply.to_message()) == reply
+    moved = proto.Moved(nbytes=5, seconds=0.25, tier="peer")
+    assert proto.parse_reply(proto.Fetch(), moved.to_message()) == moved
+    refused = proto.parse_reply(proto.Fetch(), proto.Refused("gone", code="CheckpointNotFoundError").to_message())
+    assert refused == proto.Refused("gone", code="CheckpointNotFoundError")
+    with pytest.raises(ValueError, match="nbytes must be a int"):
+        proto.parse_reply(proto.Fetch(), {"ok": True, "nbytes": [1]})
+
+
+class _SlowPeers:
+    """A peer tier whose every fetch takes until the restore's deadline and finds nothing (peers
+    that are all unreachable, each timing out)."""
+
+    name = "peer"
+
+    def held(self, rank: int) -> list[int]:
+        return [9]
+
+    def inventory(self) -> set[tuple[int, int, int]]:
+        return set()
+
+    def fetch(self, rank: int, step: int, deadline: float, **_: Any) -> None:
+        time.sleep(max(0.0, deadline - time.monotonic()))
+
+
+def test_a_transfer_that_outlasts_its_deadline_is_the_agents_not_found_not_the_workers_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44: the agent gave a peer fetch 120 s per peer while the worker waited 60 s for any
+    answer: with dead peers the worker's "timed out" came first and its restore could not tell
+    "gone, plan again" from a broken agent. Now a transfer has one deadline for every source
+    tried, and the worker waits it plus a margin (here both scaled down)."""
+    monkeypatch.setattr(proto, "TRANSFER_S", 0.3)
+    monkeypatch.setattr(proto, "MARGIN_S", 0.5)
+    monkeypatch.setattr("resilrun.agent.state.tiers.TRANSFER_S", 0.3)
+    memory = NodeMemoryTier("channel-transfer")
+    channel = AgentChannel(memory, NodeTiers(memory, None, _SlowPeers()), WorkerControl())
+    client = AgentClient(channel.path, channel.token)
+    try:
+        started = time.monotonic()
+        with pytest.raises(CheckpointNotFoundError, match="no peer copy of step 9"):
+            client.call(proto.Fetch(rank=0, step=9, tier="peer"))
+        assert time.monotonic() - started < proto.Fetch().deadline_s
+    finally:
+        client.close()
+        channel.close()
+        memory.close()

@@ -12,7 +12,7 @@ import pytest
 from resilrun.errors import ConfigError, ExitCode, StoreConnectionError
 from resilrun.option_values import parse_endpoints
 from resilrun.rendezvous.etcd import EtcdBackend, _b64, open_etcd
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 
 def _key() -> str:
@@ -87,10 +87,7 @@ def test_job_keys_are_attached_to_one_shared_lease_and_vanish_after_it(etcd_serv
         two.close()
     # When no agent refreshes it any more, etcd deletes the job's keys after the TTL
     reader = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=5))
-    deadline = time.monotonic() + 15
-    while reader.get(key) is not None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert reader.get(key) is None
+    wait_until(lambda: reader.get(key) is None, timeout=15, what="the job's keys deleted")
     assert reader.get(lease_key) is None
     # And a later job with the same key gets a fresh lease
     assert reader.attach_job_lease(lease_key, ttl_s=2) != lease
@@ -103,15 +100,6 @@ def _counter(watch: Any) -> int | None:
     return None if seen is None else int(seen[0] or b"0")
 
 
-def _until(predicate: Any, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_a_watched_counter_follows_every_change_without_a_request_per_check(etcd_server: Any) -> None:
     # Given a counter already at 2 and an agent watching it
     key = _key()
@@ -119,22 +107,22 @@ def test_a_watched_counter_follows_every_change_without_a_request_per_check(etcd
     reader = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=5))
     writer.add(key, 2)
     posts = 0
-    post = reader._post
+    post = reader.post
 
     def counted(path: str, body: dict[str, Any]) -> dict[str, Any]:
         nonlocal posts
         posts += 1
         return post(path, body)
 
-    reader._post = counted  # type: ignore[method-assign]
+    reader.post = counted  # type: ignore[method-assign]
     try:
         watch = reader.watch_key(key)
         assert watch is not None
         # Then it reads 2 once the stream is open, and each later change another agent makes
-        assert _until(lambda: _counter(watch) == 2)
+        wait_until(lambda: _counter(watch) == 2, timeout=10)
         for expected in (3, 4, 9):
             writer.add(key, expected - writer.add(key, 0))
-            assert _until(lambda expected=expected: _counter(watch) == expected), (_counter(watch), expected)
+            wait_until(lambda expected=expected: _counter(watch) == expected, timeout=10, what=f"counter {expected}")
         # with one request in all (the range it started from), however often it is checked
         for _ in range(200):
             assert _counter(watch) == 9
@@ -153,12 +141,13 @@ def test_an_idle_watch_is_reopened_and_misses_no_change(etcd_server: Any, monkey
     try:
         backend.add(key, 1)
         watch = backend.watch_key(key)
-        assert watch is not None and _until(lambda: _counter(watch) == 1)
+        assert watch is not None
+        wait_until(lambda: _counter(watch) == 1, timeout=10)
         time.sleep(1.0)  # a few re-opens
         # Then changes made across them are followed
         for expected in (2, 3):
             backend.add(key, 1)
-            assert _until(lambda expected=expected: _counter(watch) == expected)
+            wait_until(lambda expected=expected: _counter(watch) == expected, timeout=10)
     finally:
         backend.close()
 
@@ -174,10 +163,11 @@ def test_a_watch_whose_etcd_is_gone_claims_no_value(tmp_path: Any) -> None:
         key = _key()
         backend.add(key, 5)
         watch = backend.watch_key(key)
-        assert watch is not None and _until(lambda: _counter(watch) == 5)
+        assert watch is not None
+        wait_until(lambda: _counter(watch) == 5, timeout=10)
         # When etcd stops, the watch no longer claims a value: its readers poll, and hear the failure
         cluster.stop()
-        assert _until(lambda: _counter(watch) is None)
+        wait_until(lambda: _counter(watch) is None, timeout=10)
         time.sleep(0.5)
         assert _counter(watch) is None
     finally:
@@ -194,16 +184,17 @@ def test_a_watch_left_on_a_member_the_requests_moved_away_from_is_reopened_where
         key = _key()
         backend.add(key, 1)
         watch = backend.watch_key(key)
-        assert watch is not None and _until(lambda: _counter(watch) == 1)
+        assert watch is not None
+        wait_until(lambda: _counter(watch) == 1, timeout=10)
         # When the backend's requests fail over to the second endpoint
         with backend._lock:
             backend._current = 1
         # Then the watch claims nothing (its readers poll) until it follows from there
         assert _counter(watch) is None
-        assert _until(lambda: _counter(watch) == 1)
+        wait_until(lambda: _counter(watch) == 1, timeout=10)
         assert watch._watch._index == 1  # type: ignore[attr-defined]
         backend.add(key, 1)
-        assert _until(lambda: _counter(watch) == 2)
+        wait_until(lambda: _counter(watch) == 2, timeout=10)
     finally:
         backend.close()
 
@@ -220,22 +211,22 @@ def test_a_leased_key_lives_while_renewed_goes_after_its_ttl_and_comes_back_when
         assert leased is not None and leased.ttl_s >= 1
         presence = watcher.watch_presence(key)
         assert presence is not None
-        assert _until(lambda: (presence.seen() or (None,))[0] == b"ttl")
+        wait_until(lambda: (presence.seen() or (None,))[0] == b"ttl", timeout=10)
         # While it is renewed it stays, with no write to the store (its revision does not move)
-        revision = int(owner._post("/kv/range", {"key": _b64(key)})["kvs"][0]["mod_revision"])
+        revision = int(owner.post("/kv/range", {"key": _b64(key)})["kvs"][0]["mod_revision"])
         for _ in range(int(3 * leased.ttl_s / 0.5)):
             leased.refresh()
             time.sleep(0.5)
-        kv = owner._post("/kv/range", {"key": _b64(key)})["kvs"][0]
+        kv = owner.post("/kv/range", {"key": _b64(key)})["kvs"][0]
         assert int(kv["mod_revision"]) == revision
         # When renewals stop, it is gone after its TTL, and the watcher hears it, with its last value
         stopped = time.monotonic()
-        assert _until(lambda: (presence.seen() or (b"",))[0] is None, timeout_s=leased.ttl_s + 3)
+        wait_until(lambda: (presence.seen() or (b"",))[0] is None, timeout=leased.ttl_s + 3)
         seen = presence.seen()
         assert seen is not None and seen[1] - stopped >= leased.ttl_s - 0.6 and presence.last_present == b"ttl"
         # and a renewal after that (a node back from a cut) puts it back
         leased.refresh()
-        assert _until(lambda: (presence.seen() or (None,))[0] == b"ttl")
+        wait_until(lambda: (presence.seen() or (None,))[0] == b"ttl", timeout=10)
     finally:
         owner.close()
         watcher.close()
@@ -279,7 +270,7 @@ def test_proxy_variables_in_the_environment_do_not_route_etcd_traffic(
         leased.refresh()
         presence = backend.watch_presence(key + "/alive")
         assert presence is not None
-        assert _until(lambda: presence.seen() is not None)
+        wait_until(lambda: presence.seen() is not None, timeout=10)
         # Then every request went straight to etcd
         assert accepted == []
     finally:
