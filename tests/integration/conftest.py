@@ -118,19 +118,29 @@ def assert_nothing_left(launch: Launch, grace_s: float = 10.0) -> None:
 def events(*launches: Launch, kind: str | None = None, **match: object) -> list[dict]:
     """The records of the agents' events.jsonl (docs/status.md), oldest first, optionally only those
     of one ``kind`` whose fields equal ``match``: what a recovery did, asserted without log wording."""
+    return recorded("".join(launch.stderr() for launch in launches), kind, **match)
+
+
+def recorded(stderr: str, kind: str | None = None, **match: object) -> list[dict]:
+    """``events``, from the launcher's stderr text (what ``train_unmodified`` returns): the agents
+    say where their logs are ("logs in DIR"), and the events file is there."""
     records = []
-    for launch in launches:
-        for root in dict.fromkeys(re.findall(r"logs in (\S+)", launch.stderr())):
-            path = Path(root) / "events.jsonl"
-            if path.exists():
-                records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for root in dict.fromkeys(re.findall(r"logs in (\S+)", stderr)):
+        path = Path(root) / "events.jsonl"
+        if path.exists():
+            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     records.sort(key=lambda r: r["wall"])
     return [r for r in records if (kind is None or r["event"] == kind) and all(r.get(k) == v for k, v in match.items())]
 
 
 def resumed(*launches: Launch) -> dict[int, tuple[int, str]]:
     """rank -> (step, tier) its state was last restored from (``state_transferred`` events)."""
-    return {r["rank"]: (r["step"], r["tier"]) for r in events(*launches, kind="state_transferred")}
+    return resumed_from("".join(launch.stderr() for launch in launches))
+
+
+def resumed_from(stderr: str) -> dict[int, tuple[int, str]]:
+    """``resumed``, from the launcher's stderr text."""
+    return {r["rank"]: (r["step"], r["tier"]) for r in recorded(stderr, "state_transferred")}
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - any callable

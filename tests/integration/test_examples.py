@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import resumed_from
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +128,7 @@ def test_three_call_example_resumes_after_a_kill_bitwise_equal(
     )
     # Then every rank resumed from the last finished step and the parameters equal the clean run's
     for rank in (0, 1):
-        assert f"rank {rank} resumed from step {fault_step - 1} (node memory)" in run.stderr()
+        assert resumed_from(run.stderr())[rank] == (fault_step - 1, "memory")
     assert faulty == clean
 
 

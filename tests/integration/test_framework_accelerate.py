@@ -18,7 +18,9 @@ import torch
 from tests.integration.conftest import (
     assert_a_spare_node_replaces_a_lost_one,
     launch_unmodified,
+    recorded,
     require_modules,
+    resumed_from,
     train_unmodified,
     weights,
 )
@@ -45,10 +47,10 @@ def test_a_rank_killed_as_an_epoch_ends_resumes_bitwise_and_the_scripts_own_chec
     extra = ("--epochs", "3", "--save-state")
     err = _train(launcher, tmp_path / "faulty", "kill:rank=0,step=16", *extra)
     # Then the spare took rank 0 and both ranks resumed at step 15: no restart, no step redone
-    assert "hot spare takes over" in err
-    assert "restarting the job" not in err
-    assert "rank 0 resumed from step 15 (node memory)" in err
-    assert "rank 1 resumed from step 15 (node memory)" in err
+    assert recorded(err, "spare_promoted")
+    assert recorded(err, "restart") == []
+    assert resumed_from(err)[0] == (15, "memory")
+    assert resumed_from(err)[1] == (15, "memory")
     # and the weights are bitwise the failure-free run's (same shuffle in the next epoch, same dropout)
     _train(launcher, tmp_path / "clean", "", *extra)
     assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
@@ -77,15 +79,15 @@ def test_a_script_that_resumes_from_its_own_checkpoints_keeps_doing_so(launcher,
     extra = ("--epochs", "3", "--save-state", "--resume")
     # When a rank dies before the script has saved anything: resilrun's snapshot is all there is
     err = _train(launcher, tmp_path / "early", "kill:rank=1,step=3", *extra)
-    assert "rank 0 resumed from step 2 (node memory)" in err
+    assert resumed_from(err)[0] == (2, "memory")
     _train(launcher, tmp_path / "clean", "", *extra)
     assert weights(tmp_path / "early") == weights(tmp_path / "clean")
     # When a rank dies after the script saved its first epoch: the script resumes from its own
     # checkpoint (its epoch counter follows it), and resilrun restores nothing on top of it
     late = launch_unmodified(launcher, SCRIPT, tmp_path / "late", "kill:rank=1,step=11", *extra)
     err = late.stderr()
-    assert "hot spare takes over" in err
-    assert "restarting the job" not in err
+    assert recorded(err, "spare_promoted")
+    assert recorded(err, "restart") == []
     assert "resumed from step" not in err
     assert "the script loads its own checkpoint (accelerator.load_state); this run is not snapshotted" in err
     assert "resumed from epoch_0" in late.stdout()
@@ -96,8 +98,8 @@ def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(l
     # step 6 (the second epoch's third step: its shuffle and its workers' seeds matter)
     extra = ("--epochs", "3", "--grad-accum", "2", "--workers", "2")
     err = _train(launcher, tmp_path / "faulty", "kill:rank=0,step=6", *extra)
-    assert "rank 1 resumed from step 5 (node memory)" in err
-    assert "restarting the job" not in err
+    assert resumed_from(err)[1] == (5, "memory")
+    assert recorded(err, "restart") == []
     # Then the resumed run fed the same batches: the weights are bitwise the failure-free run's
     _train(launcher, tmp_path / "clean", "", *extra)
     assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
@@ -110,8 +112,8 @@ def test_with_a_snapshot_every_3_steps_the_loop_redoes_the_steps_since_the_newes
     flags = ("--snapshot-every", "3")
     err = train_unmodified(launcher, SCRIPT, tmp_path / "faulty", "kill:rank=1,step=11", "--epochs", "3", flags=flags)
     # Then both ranks resumed from step 8 (9 and 10 redone, mid-epoch: the replay skips 1 batch, not 3)
-    assert "rank 0 resumed from step 8 (node memory)" in err
-    assert "restarting the job" not in err
+    assert resumed_from(err)[0] == (8, "memory")
+    assert recorded(err, "restart") == []
     _train(launcher, tmp_path / "clean", "", "--epochs", "3")
     assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
 
@@ -122,8 +124,8 @@ def test_a_stateful_dataloader_with_workers_resumes_where_it_stood(launcher, tmp
     # first iterator at prepare) with 2 worker processes, and rank 1 killed in the second epoch
     extra = ("--epochs", "3", "--stateful", "--workers", "2")
     err = _train(launcher, tmp_path / "faulty", "kill:rank=1,step=11", *extra)
-    assert "rank 0 resumed from step 10 (node memory)" in err
-    assert "restarting the job" not in err
+    assert resumed_from(err)[0] == (10, "memory")
+    assert recorded(err, "restart") == []
     # Then the resumed epoch had its own shuffle (not the first epoch's, made at prepare): bitwise equal
     _train(launcher, tmp_path / "clean", "", *extra)
     assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")

@@ -15,7 +15,9 @@ import pytest
 
 from tests.integration.conftest import (
     assert_a_spare_node_replaces_a_lost_one,
+    recorded,
     require_modules,
+    resumed_from,
     train_unmodified,
     weights,
 )
@@ -40,10 +42,10 @@ def test_a_lightning_script_recovers_in_process_bitwise_equal_in_its_second_epoc
     extra = ("--steps", "20", "--samples", "64")
     err = _train(launcher, tmp_path / "faulty", "kill:rank=1,step=11", *extra)
     # Then the spare took rank 1 and every rank resumed at step 10's end: no restart, no step redone
-    assert "hot spare takes over" in err
-    assert "restarting the job" not in err
-    assert "rank 0 resumed from step 10 (node memory)" in err
-    assert "rank 1 resumed from step 10 (node memory)" in err
+    assert recorded(err, "spare_promoted")
+    assert recorded(err, "restart") == []
+    assert resumed_from(err)[0] == (10, "memory")
+    assert resumed_from(err)[1] == (10, "memory")
     # and the saved weights are bitwise the failure-free run's (same shuffle, dropout and schedule)
     _train(launcher, tmp_path / "clean", "", *extra)
     assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
@@ -54,8 +56,8 @@ def test_a_rank_killed_as_the_next_epoch_starts_resumes_bitwise(launcher, tmp_pa
     # last batch, so the resumed epoch is replayed to its end and the next one made afresh
     extra = ("--steps", "16", "--samples", "64")
     err = _train(launcher, tmp_path / "faulty", "kill:rank=1,step=8", *extra)
-    assert "rank 0 resumed from step 7 (node memory)" in err
-    assert "restarting the job" not in err
+    assert resumed_from(err)[0] == (7, "memory")
+    assert recorded(err, "restart") == []
     # Then the second epoch's iterator saw the random state step 7 left (its shuffle, its dropout)
     _train(launcher, tmp_path / "clean", "", *extra)
     assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
@@ -65,8 +67,8 @@ def test_gradient_accumulation_and_dataloader_workers_resume_at_the_same_batch(l
     # Given 2 micro-batches per optimizer step, 2 DataLoader worker processes, and rank 0 killed at step 6
     extra = ("--steps", "12", "--samples", "64", "--grad-accum", "2", "--workers", "2")
     err = _train(launcher, tmp_path / "faulty", "kill:rank=0,step=6", *extra)
-    assert "rank 1 resumed from step 5 (node memory)" in err
-    assert "restarting the job" not in err
+    assert resumed_from(err)[1] == (5, "memory")
+    assert recorded(err, "restart") == []
     # Then the resumed run fed the same batches: the weights are bitwise the failure-free run's
     _train(launcher, tmp_path / "clean", "", *extra)
     assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")
@@ -78,8 +80,8 @@ def test_a_stateful_dataloader_with_workers_resumes_where_it_stood(launcher, tmp
     # 2 worker processes, and rank 1 killed mid-way through the second epoch
     extra = ("--steps", "16", "--samples", "64", "--stateful", "--workers", "2")
     err = _train(launcher, tmp_path / "faulty", "kill:rank=1,step=11", *extra)
-    assert "rank 0 resumed from step 10 (node memory)" in err
-    assert "restarting the job" not in err
+    assert resumed_from(err)[0] == (10, "memory")
+    assert recorded(err, "restart") == []
     # Then the loader's own state put it at the same batch (not skipped twice): bitwise equal
     _train(launcher, tmp_path / "clean", "", *extra)
     assert weights(tmp_path / "faulty") == weights(tmp_path / "clean")

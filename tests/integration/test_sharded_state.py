@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import resumed_from
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +70,7 @@ def test_sharded_state_tracked_directly_recovers_in_process_bitwise(
     kinds = [e["event"] for e in _events(tmp_path, "faulty")]
     assert "spare_promoted" in kinds and "restart" not in kinds
     for rank in range(nproc):
-        assert f"rank {rank} resumed from step 4 (node memory)" in run.stderr()
+        assert resumed_from(run.stderr())[rank] == (4, "memory")
     # and the parameters equal the failure-free run's, bit for bit
     assert faulty == clean
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.conftest import assert_nothing_left, clean_checksum, wait_for
+from tests.integration.conftest import assert_nothing_left, clean_checksum, recorded, resumed_from, wait_for
 from tests.integration.test_tier1_restore import EXAMPLE
 
 pytestmark = pytest.mark.integration
@@ -39,10 +39,10 @@ def test_a_script_that_reads_rank_first_is_recovered_by_a_spare(launcher, tmp_pa
     # When rank 1 is SIGKILLed at step 8
     faulty, err = run_job("faulty", "kill:rank=1,step=8")
     # Then the spare took rank 1 with its environment and nobody restarted
-    assert "hot spare takes over" in err
+    assert recorded(err, "spare_promoted")
     assert "not started as a distributed worker" not in err
-    assert "restarting the job" not in err
-    assert "rank 1 resumed from step 7 (node memory)" in err
+    assert recorded(err, "restart") == []
+    assert resumed_from(err)[1] == (7, "memory")
     # and the result is the failure-free run's
     clean, _ = run_job("clean", "")
     assert faulty == clean
@@ -96,7 +96,7 @@ def test_a_spare_that_dies_while_waiting_is_reported_and_replaced(launcher, tmp_
     assert run.wait(180) == 0, run.stderr()[-3000:]
     assert_nothing_left(run)
     err = run.stderr()
-    assert "hot spare takes over" in err
+    assert recorded(err, "spare_promoted")
     assert "no warm spare" not in err
     assert target.read_text() == _clean_checksum_args(launcher, tmp_path, LONG)
     # and the exit is counted in the events file
@@ -129,7 +129,7 @@ def test_a_ranks_own_communication_error_is_the_failure_not_a_peers(launcher, tm
     # Then the agent decides it is rank 1's own failure at once, a spare takes rank 1, rank 0
     # recovers in its process, and the job ends as a failure-free run does, in about its time
     assert "rank 1 raised with no failure before it anywhere in the job" in err
-    assert "hot spare takes over" in err
+    assert recorded(err, "spare_promoted")
     assert "rank 0 recovering in-process" in err
     assert faulty == clean
     assert seconds < clean_seconds + 15, (seconds, clean_seconds)

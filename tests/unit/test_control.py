@@ -10,13 +10,13 @@ from tests.conftest import wait_until
 
 
 def test_the_first_step_allowance_runs_from_the_generation_start_until_a_step_is_committed() -> None:
-    control = WorkerControl()
+    now = [100.0]  # (binary-exact steps: the allowance is compared exactly)
+    control = WorkerControl(monotonic=lambda: now[0])
     control.begin_generation([10, 11])
     control.register_api(10)
-    time.sleep(0.02)
+    now[0] += 0.25
     # Only workers on the resilrun API are judged (a plain torchrun script reports no steps)
-    pending = control.first_step_pending_for(10)
-    assert pending is not None and pending >= 0.02
+    assert control.first_step_pending_for(10) == 0.25
     assert control.first_step_pending_for(11) is None
     control.report_step(10, 0)
     assert control.first_step_pending_for(10) is None

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 
 class WorkerControl:
     """Thread-safe; the channel's per-connection threads wait, the supervisor publishes."""
 
-    def __init__(self) -> None:
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
+        """``monotonic``: the clock the ages and allowances (beats, steps, first step, a raised
+        worker's wait) are read on; the waits themselves are bounded on the real one."""
+        self._now = monotonic
         self._cond = threading.Condition()
         self._round = -1
         self._generation_env: dict[int, dict[str, str]] = {}  # pid -> env of the newest generation
@@ -72,7 +76,7 @@ class WorkerControl:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             if raised:
-                self._raised[pid] = (after_round, time.monotonic())
+                self._raised[pid] = (after_round, self._now())
                 self._cond.notify_all()
             try:
                 while self._round <= after_round or pid not in self._generation_env:
@@ -102,7 +106,7 @@ class WorkerControl:
 
     def beat(self, pid: int) -> None:
         with self._cond:
-            self._beats[pid] = time.monotonic()
+            self._beats[pid] = self._now()
 
     def finished(self, pid: int) -> None:
         """The worker's script returned: from here on it only tears down, which may take a while."""
@@ -114,13 +118,13 @@ class WorkerControl:
         importing, or its script already finished)."""
         with self._cond:
             last = None if pid in self._finished else self._beats.get(pid)
-        return None if last is None else time.monotonic() - last
+        return None if last is None else self._now() - last
 
     def stalled_for(self, pid: int) -> float | None:
         """Seconds since the worker's committed step last changed (None before its first commit)."""
         with self._cond:
             seen = None if pid in self._finished else self._progress.get(pid)
-        return None if seen is None else time.monotonic() - seen[1]
+        return None if seen is None else self._now() - seen[1]
 
     def first_step_pending_for(self, pid: int) -> float | None:
         """Seconds since the worker was given its rank in this generation, while it has committed no
@@ -128,13 +132,13 @@ class WorkerControl:
         with self._cond:
             pending = pid in self._api_pids and pid not in self._progress and pid not in self._finished
             started = self._started.get(pid) if pending else None
-        return None if started is None else time.monotonic() - started
+        return None if started is None else self._now() - started
 
     def report_step(self, pid: int, step: int) -> None:
         with self._cond:
             previous = self._progress.get(pid)
             if previous is None or previous[0] != step:
-                self._progress[pid] = (step, time.monotonic())
+                self._progress[pid] = (step, self._now())
 
     # -- supervisor side ----------------------------------------------------------------------
     def waiting_spares(self) -> list[int]:
@@ -159,7 +163,7 @@ class WorkerControl:
     def begin_generation(self, pids: list[int]) -> None:
         """These workers start a generation (spawned, given a rank, or recovering in-process): the
         first-step allowance applies to them until they commit a step in it."""
-        now = time.monotonic()
+        now = self._now()
         with self._cond:
             for pid in pids:
                 self._started[pid] = now
