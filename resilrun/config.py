@@ -41,29 +41,43 @@ class Config:
     """Everything one node's agent needs to launch and supervise its share of the job."""
 
     # Rendezvous
-    nnodes: str = field(default="1:1", metadata=option_meta("--nnodes", R, "Number of nodes: N or MIN:MAX."))
+    nnodes: str = field(
+        default="1:1", metadata=option_meta("--nnodes", R, "Number of nodes: N or MIN:MAX.", value="N|MIN:MAX")
+    )
     nproc_per_node: str = field(
-        default="1", metadata=option_meta("--nproc-per-node", P, "Workers per node: N, auto, cpu or gpu.")
+        default="1",
+        metadata=option_meta("--nproc-per-node", P, "Workers per node: N, auto, cpu or gpu.", value="N|auto|cpu|gpu"),
     )
     node_rank: int | None = field(
         default=None,
-        metadata=option_meta("--node-rank", R, "This node's rank (default: assigned at rendezvous).", show_envvar=True),
+        metadata=option_meta(
+            "--node-rank", R, "This node's rank (default: assigned at rendezvous).", show_envvar=True, value="INTEGER"
+        ),
     )
-    rdzv_backend: str = field(default="c10d", metadata=option_meta("--rdzv-backend", R, "c10d, etcd or static."))
+    rdzv_backend: str = field(
+        default="c10d", metadata=option_meta("--rdzv-backend", R, "c10d, etcd or static.", value="c10d|etcd|static")
+    )
     rdzv_endpoint: str = field(
         default="",
-        metadata=option_meta("--rdzv-endpoint", R, "Rendezvous host[:port]; etcd: host:2379[,host:2379...]."),
+        metadata=option_meta(
+            "--rdzv-endpoint", R, "Rendezvous host[:port]; etcd: host:2379[,host:2379...].", value="HOST[:PORT][,...]"
+        ),
     )
-    rdzv_id: str = field(default="none", metadata=option_meta("--rdzv-id", R, "Job id shared by all nodes."))
-    rdzv_conf: str = field(default="", metadata=option_meta("--rdzv-conf", R, "Extra rendezvous settings k=v,..."))
+    rdzv_id: str = field(
+        default="none", metadata=option_meta("--rdzv-id", R, "Job id shared by all nodes.", value="TEXT")
+    )
+    rdzv_conf: str = field(
+        default="", metadata=option_meta("--rdzv-conf", R, "Extra rendezvous settings k=v,...", value="KEY=VALUE,...")
+    )
     standalone: bool = field(
         default=False, metadata=option_meta("--standalone", R, "One node, embedded store on a free port.")
     )
     master_addr: str = field(
-        default="127.0.0.1", metadata=option_meta("--master-addr", R, "Store host for --rdzv-backend static.")
+        default="127.0.0.1",
+        metadata=option_meta("--master-addr", R, "Store host for --rdzv-backend static.", value="HOST"),
     )
     master_port: int = field(
-        default=29500, metadata=option_meta("--master-port", R, "Store port for --rdzv-backend static.")
+        default=29500, metadata=option_meta("--master-port", R, "Store port for --rdzv-backend static.", value="PORT")
     )
     local_addr: str | None = field(
         default=None,
@@ -72,14 +86,15 @@ class Config:
             R,
             "Address this node advertises (default: the FQDN; where it means loopback in a multi-host job, "
             "the address that routes to the endpoint).",
+            value="HOST",
         ),
     )
     # Processes
     max_restarts: int = field(
-        default=0, metadata=option_meta("--max-restarts", P, "Whole-job restarts before giving up.")
+        default=0, metadata=option_meta("--max-restarts", P, "Whole-job restarts before giving up.", value="INTEGER")
     )
     monitor_interval_s: float = field(
-        default=0.1, metadata=option_meta("--monitor-interval", P, "Seconds between worker polls.")
+        default=0.1, metadata=option_meta("--monitor-interval", P, "Seconds between worker polls.", value="SECONDS")
     )
     module: bool = field(
         default=False, metadata=option_meta("--module", P, "Run SCRIPT as a module (python -m).", short=("-m",))
@@ -87,53 +102,85 @@ class Config:
     no_python: bool = field(
         default=False, metadata=option_meta("--no-python", P, "Execute SCRIPT directly, not with python.")
     )
-    role: str = field(default="default", metadata=option_meta("--role", P, "Role name of the workers (ROLE_NAME)."))
-    start_method: str = field(
-        default="spawn", metadata=option_meta("--start-method", P, "Accepted for torchrun compatibility.")
+    role: str = field(
+        default="default", metadata=option_meta("--role", P, "Role name of the workers (ROLE_NAME).", value="TEXT")
     )
-    log_dir: str | None = field(default=None, metadata=option_meta("--log-dir", P, "Base directory of per-rank logs."))
+    start_method: str = field(
+        default="spawn",
+        metadata=option_meta(
+            "--start-method", P, "Accepted for torchrun compatibility.", value="spawn|fork|forkserver"
+        ),
+    )
+    log_dir: str | None = field(
+        default=None, metadata=option_meta("--log-dir", P, "Base directory of per-rank logs.", value="DIR")
+    )
     redirects: str = field(
-        default="0", metadata=option_meta("--redirects", P, "Streams to files only: 0-3 or 0:1,1:3.", short=("-r",))
+        default="0",
+        metadata=option_meta(
+            "--redirects", P, "Streams to files only: 0-3 or 0:1,1:3.", short=("-r",), value="0-3|RANK:0-3,..."
+        ),
     )
     tee: str = field(
-        default="0", metadata=option_meta("--tee", P, "Streams to files and console: 0-3 or 0:1,1:3.", short=("-t",))
+        default="0",
+        metadata=option_meta(
+            "--tee", P, "Streams to files and console: 0-3 or 0:1,1:3.", short=("-t",), value="0-3|RANK:0-3,..."
+        ),
     )
     local_ranks_filter: str = field(
-        default="", metadata=option_meta("--local-ranks-filter", P, "Local ranks shown on the console, e.g. 0,1.")
+        default="",
+        metadata=option_meta("--local-ranks-filter", P, "Local ranks shown on the console, e.g. 0,1.", value="RANKS"),
     )
     spares: int = field(
         default=0,
-        metadata=option_meta("--spares", H, "Hot spare worker processes per node (in-process recovery).", pet=False),
+        metadata=option_meta(
+            "--spares", H, "Hot spare worker processes per node (in-process recovery).", pet=False, value="INTEGER"
+        ),
     )
     heartbeat_interval_s: float = field(
-        default=1.0, metadata=option_meta("--heartbeat-interval", H, "Seconds between agent heartbeats.", pet=False)
+        default=1.0,
+        metadata=option_meta(
+            "--heartbeat-interval", H, "Seconds between agent heartbeats.", pet=False, value="SECONDS"
+        ),
     )
     # A few seconds, not minutes: a lost node costs the whole job this long before it reacts.
     heartbeat_timeout_s: float = field(
         default=5.0,
-        metadata=option_meta("--heartbeat-timeout", H, "Seconds without heartbeat before a node is lost.", pet=False),
+        metadata=option_meta(
+            "--heartbeat-timeout", H, "Seconds without heartbeat before a node is lost.", pet=False, value="SECONDS"
+        ),
     )
     # Minutes, not seconds: a long evaluation or a slow first compile is not a hang.
     hang_timeout_s: float = field(
         default=300.0,
-        metadata=option_meta("--hang-timeout", H, "Seconds without a committed step before a hang.", pet=False),
+        metadata=option_meta(
+            "--hang-timeout", H, "Seconds without a committed step before a hang.", pet=False, value="SECONDS"
+        ),
     )
     # Separate from --hang-timeout: imports, compilation and a restore make the first step of a
     # worker (and of every recovered generation) far slower than the steady state.
     first_step_timeout_s: float = field(
         default=1800.0,
         metadata=option_meta(
-            "--first-step-timeout", H, "Seconds a worker may take to its first committed step.", pet=False
+            "--first-step-timeout",
+            H,
+            "Seconds a worker may take to its first committed step.",
+            pet=False,
+            value="SECONDS",
         ),
     )
     shutdown_timeout_s: float = field(
-        default=30.0, metadata=option_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.")
+        default=30.0,
+        metadata=option_meta("--shutdown-timeout", H, "Seconds from SIGTERM to SIGKILL of workers.", value="SECONDS"),
     )
     # 300 s as torchrun's exit_barrier_timeout: nodes finish minutes apart when the last ones save.
     exit_barrier_timeout_s: float = field(
         default=300.0,
         metadata=option_meta(
-            "--exit-barrier-timeout", H, "Seconds finished nodes wait for the others' workers.", pet=False
+            "--exit-barrier-timeout",
+            H,
+            "Seconds finished nodes wait for the others' workers.",
+            pet=False,
+            value="SECONDS",
         ),
     )
     # Checkpoints (resilrun's own: RESILRUN_* only)
@@ -149,6 +196,7 @@ class Config:
             "--max-overhead allows.",
             pet=False,
             parse=parse_every,
+            value="N|auto",
         ),
     )
     max_overhead_pct: float = field(
@@ -159,10 +207,14 @@ class Config:
             "With --snapshot-every auto: the share of step time snapshots may take, %.",
             pet=False,
             parse=parse_percent,
+            value="PERCENT",
         ),
     )
     replicas: int = field(
-        default=1, metadata=option_meta("--replicas", C, "Peer nodes holding a copy of each snapshot.", pet=False)
+        default=1,
+        metadata=option_meta(
+            "--replicas", C, "Peer nodes holding a copy of each snapshot.", pet=False, value="INTEGER"
+        ),
     )
     # Every snapshot by default. Replication traffic shares the memory bus with training; a node
     # loss redoes the steps since the newest replicated snapshot, a worker failure only those since
@@ -176,17 +228,26 @@ class Config:
             "k-th snapshot, k chosen with the interval under --max-overhead.",
             pet=False,
             parse=parse_every,
+            value="N|auto",
         ),
     )
     checkpoint_uri: str | None = field(
         default=None,
-        metadata=option_meta("--checkpoint-uri", C, "Persistent tier: s3://bucket/prefix or a directory.", pet=False),
+        metadata=option_meta(
+            "--checkpoint-uri",
+            C,
+            "Persistent tier: s3://bucket/prefix or a directory.",
+            pet=False,
+            value="s3://BUCKET/PREFIX|DIR",
+        ),
     )
     persist_every: int = field(
-        default=100, metadata=option_meta("--persist-every", C, "Persist a snapshot every N steps.", pet=False)
+        default=100,
+        metadata=option_meta("--persist-every", C, "Persist a snapshot every N steps.", pet=False, value="STEPS"),
     )
     keep_last: int = field(
-        default=3, metadata=option_meta("--keep-last", C, "Complete persisted steps to keep.", pet=False)
+        default=3,
+        metadata=option_meta("--keep-last", C, "Complete persisted steps to keep.", pet=False, value="INTEGER"),
     )
     # Off only for scripts that make DDP's parameters differ between ranks behind its back.
     no_snapshot_dedup: bool = field(
@@ -204,22 +265,26 @@ class Config:
         ),
     )
     s3_endpoint_url: str | None = field(
-        default=None, metadata=option_meta("--s3-endpoint-url", C, "Endpoint of an S3-compatible store.", pet=False)
+        default=None,
+        metadata=option_meta("--s3-endpoint-url", C, "Endpoint of an S3-compatible store.", pet=False, value="URL"),
     )
     s3_expected_owner: str | None = field(
-        default=None, metadata=option_meta("--s3-expected-owner", C, "Account id that must own the bucket.", pet=False)
+        default=None,
+        metadata=option_meta(
+            "--s3-expected-owner", C, "Account id that must own the bucket.", pet=False, value="ACCOUNT"
+        ),
     )
     # Observability (resilrun's own). Off by default: an open port is a choice, not a side effect.
     metrics_port: int | None = field(
         default=None,
         metadata=option_meta(
-            "--metrics-port", OBS, "Serve Prometheus metrics on this port (0: a free one).", pet=False
+            "--metrics-port", OBS, "Serve Prometheus metrics on this port (0: a free one).", pet=False, value="PORT"
         ),
     )
     # Loopback: the endpoint is unauthenticated and shows the job's shape and progress.
     metrics_addr: str = field(
         default="127.0.0.1",
-        metadata=option_meta("--metrics-addr", OBS, "Address the metrics endpoint binds.", pet=False),
+        metadata=option_meta("--metrics-addr", OBS, "Address the metrics endpoint binds.", pet=False, value="HOST"),
     )
     # Security (resilrun's own). The secret itself never goes on a command line: a file, or the
     # environment (RESILRUN_JOB_SECRET, read by the agent; see job_secret.py).
@@ -230,6 +295,7 @@ class Config:
             SEC,
             "File (mode 0600) holding the job secret every node shares; it is then never kept in the store.",
             pet=False,
+            value="PATH",
         ),
     )
     require_auth: bool = field(

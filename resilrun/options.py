@@ -28,13 +28,16 @@ def option_meta(
     *,
     pet: bool = True,
     short: tuple[str, ...] = (),
+    value: str | None = None,
     parse: Callable[[str, str], Any] | None = None,
     show_envvar: bool = False,
 ) -> dict[str, Any]:
     """Everything the CLI needs of a field besides its name, type and default (the one definition
-    of a ``run`` option: cli/run.py builds the command from these). ``parse(flag, text)`` converts
-    the text given on the command line or in the environment; None: by the field's type
-    (``cli_value``). ``short``: one-letter spellings; ``show_envvar``: ``--help`` names the variables."""
+        of a ``run`` option: cli/run.py builds the command from these). ``parse(flag, text)`` converts
+        the text given on the command line or in the environment; None: by the field's type
+        (``cli_value``). ``value``: what the option takes, as ``--help`` and the man page show it
+    (None: a flag that takes no value). ``short``: one-letter spellings; ``show_envvar``: ``--help``
+    names the variables."""
     name = flag.lstrip("-").replace("-", "_").upper()
     envs = [f"RESILRUN_{name}"] + ([f"PET_{name}"] if pet else [])
     return {
@@ -42,7 +45,7 @@ def option_meta(
         "env": envs,
         "panel": panel,
         "help": help,
-        "value": _VALUES.get(flag),
+        "value": value,
         "short": short,
         "parse": parse,
         "show_envvar": show_envvar,
@@ -119,45 +122,3 @@ def cli_default(spec: dataclasses.Field[Any]) -> Any:
     if isinstance(default, float):
         return f"{default:g}"
     return str(default)
-
-
-# What each option takes, as ``--help`` and the man page show it (flags that take no value: none).
-_VALUES = {
-    "--nnodes": "N|MIN:MAX",
-    "--nproc-per-node": "N|auto|cpu|gpu",
-    "--node-rank": "INTEGER",
-    "--rdzv-backend": "c10d|etcd|static",
-    "--rdzv-endpoint": "HOST[:PORT][,...]",
-    "--rdzv-id": "TEXT",
-    "--rdzv-conf": "KEY=VALUE,...",
-    "--master-addr": "HOST",
-    "--master-port": "PORT",
-    "--local-addr": "HOST",
-    "--max-restarts": "INTEGER",
-    "--monitor-interval": "SECONDS",
-    "--role": "TEXT",
-    "--start-method": "spawn|fork|forkserver",
-    "--log-dir": "DIR",
-    "--redirects": "0-3|RANK:0-3,...",
-    "--tee": "0-3|RANK:0-3,...",
-    "--local-ranks-filter": "RANKS",
-    "--spares": "INTEGER",
-    "--heartbeat-interval": "SECONDS",
-    "--heartbeat-timeout": "SECONDS",
-    "--hang-timeout": "SECONDS",
-    "--first-step-timeout": "SECONDS",
-    "--shutdown-timeout": "SECONDS",
-    "--exit-barrier-timeout": "SECONDS",
-    "--replicas": "INTEGER",
-    "--snapshot-every": "N|auto",
-    "--max-overhead": "PERCENT",
-    "--replicate-every": "N|auto",
-    "--checkpoint-uri": "s3://BUCKET/PREFIX|DIR",
-    "--persist-every": "STEPS",
-    "--keep-last": "INTEGER",
-    "--s3-endpoint-url": "URL",
-    "--s3-expected-owner": "ACCOUNT",
-    "--metrics-port": "PORT",
-    "--metrics-addr": "HOST",
-    "--job-secret-file": "PATH",
-}

@@ -560,3 +560,14 @@ def test_no_snapshot_dedup_reaches_every_worker(tmp_path: Path, flag: bool, expe
     state = RdzvState(round=1, complete=True, participants=(NodeInfo("n0", "127.0.0.1", 2),))
     specs = worker_specs(config, setup, "run", state, 0, "127.0.0.1:29500")
     assert [read_worker_variables(spec.env).dedup for spec in specs] == [expected, expected]
+
+
+def test_every_option_that_takes_a_value_says_what_it_takes_on_its_own_field() -> None:
+    # A run option is defined once, on its Config field: what --help and the man page show as its
+    # value comes from there too, so a new option cannot be added without it.
+    for spec in CONFIG_FIELDS:
+        flag, value = spec.metadata["flag"], spec.metadata["value"]
+        if isinstance(spec.default, bool):
+            assert value is None, flag
+        else:
+            assert isinstance(value, str) and value, flag
