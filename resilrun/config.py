@@ -241,6 +241,29 @@ class Config:
             value="s3://BUCKET/PREFIX|DIR",
         ),
     )
+    # Issue 45: an unmodified script's own checkpoints (torch.save, DCP, ...) kept in node memory, on
+    # peers and in storage, and put back before its workers start (agent/state/captured.py).
+    capture_dir: str | None = field(
+        default=None,
+        metadata=option_meta(
+            "--capture-dir",
+            C,
+            "Folder where the script writes its own checkpoints: files are kept on peers and in the "
+            "persistent tier, and put back before workers start (e.g. on a host that replaces a lost one).",
+            pet=False,
+            value="DIR",
+        ),
+    )
+    capture_pattern: str = field(
+        default="*",
+        metadata=option_meta(
+            "--capture-pattern",
+            C,
+            "Only files of --capture-dir whose path (relative to it) matches this glob, e.g. 'snapshot.pt'.",
+            pet=False,
+            value="GLOB",
+        ),
+    )
     persist_every: int = field(
         default=100,
         metadata=option_meta("--persist-every", C, "Persist a snapshot every N steps.", pet=False, value="STEPS"),
@@ -387,6 +410,7 @@ class Config:
             "log_dir",
             "local_addr",
             "checkpoint_uri",
+            "capture_dir",
             "s3_endpoint_url",
             "s3_expected_owner",
             "metrics_port",
@@ -531,6 +555,12 @@ class Config:
                 parse_s3_uri(self.checkpoint_uri)
         elif self.s3_endpoint_url or self.s3_expected_owner:
             raise ConfigError("--s3-endpoint-url and --s3-expected-owner need --checkpoint-uri s3://...")
+        if self.capture_dir is not None and not self.capture_dir.strip():
+            raise ConfigError("--capture-dir is empty", hint="give the folder the script writes its checkpoints to")
+        if not self.capture_pattern.strip():
+            raise ConfigError(
+                "--capture-pattern is empty", hint="give a glob such as 'snapshot.pt' or '*' (every file)"
+            )
 
     def _validate_script(self) -> None:
         if not self.script:

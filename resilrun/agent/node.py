@@ -31,6 +31,7 @@ from resilrun.agent.liveness.fence import WriteFence
 from resilrun.agent.liveness.heartbeat import HeartbeatSender
 from resilrun.agent.observability.events import EVENTS_FILE, EventLog
 from resilrun.agent.observability.telemetry import AgentTelemetry
+from resilrun.agent.state.captured import CapturedFolder
 from resilrun.agent.state.channel import AgentChannel, channel_env
 from resilrun.agent.state.commits import CommitPipeline
 from resilrun.agent.state.persister import Persister
@@ -59,6 +60,7 @@ from resilrun.rendezvous.protocol import NodeInfo
 from resilrun.rendezvous.sealed import SealedBackend, store_key
 from resilrun.storage.api import Storage
 from resilrun.tiers.authentic import durable_key
+from resilrun.tiers.captured.catalog import Catalog, MemoryBudget
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer.wire import PeerKey
 from resilrun.tiers.slots import REPLICATED_SLOTS, SLOTS
@@ -75,6 +77,9 @@ logger = logging.getLogger(__name__)
 # died mid-update); on etcd the document itself is pushed to each agent by watch, and neither the poll
 # nor this re-read happens. See rendezvous/executor.py and docs/benchmarks.md ("Control plane at scale").
 _STATE_REFRESH_S = 10.0
+
+# Captured files are not kept in node memory when fewer bytes than this would be left.
+_CAPTURE_HEADROOM_BYTES = 256 * 1024 * 1024
 
 # What the first agent seals at keys.secret_check (any constant: only its MAC matters).
 _SECRET_CHECK = b"resilrun job secret check"
@@ -160,6 +165,7 @@ class Node:
         persister: Persister | None,
         publisher: StatusPublisher,
         nproc: int,
+        captured: CapturedFolder | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -177,6 +183,7 @@ class Node:
         self.persister = persister
         self.publisher = publisher
         self.nproc = nproc
+        self.captured = captured
 
     def run(self) -> RunResult:
         """Run this node's share of the job to its end, then close every part (in the order their
@@ -224,6 +231,8 @@ class Node:
         self.events.close()
         if self.persister is not None:  # while heartbeats still flow: the write fence's lease needs them
             self.persister.close()
+        if self.captured is not None:  # (the same: its uploads ask the write fence)
+            self.captured.close(workers_failed=result.outcome is not Outcome.SUCCEEDED)
         self.heartbeat.close()
         if self.peers is not None:
             self.peers.close()
@@ -304,6 +313,7 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
         metrics = _metrics(config)
         telemetry = AgentTelemetry(events, backend, config.rdzv_id, metrics, finished=memory.finished)
         peer_key = PeerKey(secret, encrypt=config.peer_encryption)
+        catalog = _catalog() if config.capture_dir else None
         peers = None
         if replicated:
             peers = PeerTier(
@@ -318,6 +328,7 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
                 generation=membership.generation,
                 on_replicated=telemetry.replicated,
                 every=config.replicate_every,
+                captured=catalog,
             )
             opened_so_far.callback(peers.close)
         me = NodeInfo(
@@ -362,6 +373,7 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
             persisted_before=lambda: telemetry.persisted_step,
             on_rollback=lambda now, before: events.record("persistent_rollback", newest=now, known=before),
         )
+        fence = WriteFence(lambda: heartbeat.confirmed_at, rdzv.state, node_id, config.heartbeat_timeout_s, rdzv.clock)
         persister = None
         if storage is not None:
             persister = Persister(
@@ -371,14 +383,29 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
                 keep_last=config.keep_last,
                 count_persisted=lambda step: backend.add(keys.persist_count(config.rdzv_id, step), 1),
                 world_size=membership.world_size,
-                may_write=WriteFence(
-                    lambda: heartbeat.confirmed_at, rdzv.state, node_id, config.heartbeat_timeout_s, rdzv.clock
-                ).allows,
+                may_write=fence.allows,
                 on_persisted=telemetry.persisted,
                 upload_delay_s=delay_s(PERSIST_DELAY_ENV, "every upload to the persistent tier"),
                 mac_key=mac_key,
             )
             opened_so_far.callback(persister.close)
+        captured = None
+        if catalog is not None and config.capture_dir:
+            captured = CapturedFolder(
+                Path(os.path.abspath(config.capture_dir)),
+                catalog,
+                node_id,
+                pattern=config.capture_pattern,
+                secret=peer_key if peers is not None else None,
+                targets=lambda: membership.replica_targets(config.replicas),
+                peers=membership.peer_addresses,
+                storage=storage,
+                mac_key=mac_key,
+                may_write=fence.allows,
+                record=events.record,
+            )
+            captured.start()
+            opened_so_far.callback(captured.close)
         control = WorkerControl()
         commits = CommitPipeline(
             memory, control, telemetry, replicator=peers.replicator if peers is not None else None, persister=persister
@@ -401,7 +428,15 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
         # A node's silence in the store is confirmed on its replica server before it counts as lost.
         liveness = PeerLiveness(peer_key, config.heartbeat_interval_s) if replicated else None
         supervisor = Supervisor(
-            config, setup, rdzv, signals, control, telemetry, liveness=liveness, membership=membership
+            config,
+            setup,
+            rdzv,
+            signals,
+            control,
+            telemetry,
+            liveness=liveness,
+            membership=membership,
+            captured=captured,
         )
         publisher = StatusPublisher(
             config,
@@ -432,6 +467,7 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
         persister=persister,
         publisher=publisher,
         nproc=nproc,
+        captured=captured,
     )
 
 
@@ -467,6 +503,14 @@ def _forged_document(key: str) -> None:
         "read as absent",
         key,
     )
+
+
+def _catalog() -> Catalog:
+    """A captured-files catalog that keeps bytes only while the node has memory to spare (the same
+    headroom the replica store keeps)."""
+    import psutil
+
+    return Catalog(MemoryBudget(lambda: psutil.virtual_memory().available, _CAPTURE_HEADROOM_BYTES))
 
 
 def _metrics(config: Config) -> AgentMetrics | None:

@@ -182,3 +182,17 @@ class ChunkChecker:
 def has_chunk_tags(manifest: dict[str, Any]) -> bool:
     found = manifest.get("mac")
     return isinstance(found, dict) and isinstance(found.get("chunks"), list)
+
+
+def captured_mac(key: bytes, description: dict[str, Any]) -> str:
+    """The MAC of a captured file's description (``tiers.captured.durable``): an HMAC-SHA256 under
+    a key of its own purpose, over the canonical JSON of every field but ``mac``. The description
+    names the file's SHA-256, so this MAC covers its bytes too; a restore checks both before the
+    script's own ``torch.load`` may unpickle them."""
+    purpose = hmac.new(key, b"captured file", hashlib.sha256).digest()
+    return complete_mac(purpose, description)
+
+
+def same_mac(found: Any, expected: str) -> bool:
+    """``_same`` for other modules: a MAC read from storage compared in constant time."""
+    return _same(found, expected)

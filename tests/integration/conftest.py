@@ -28,7 +28,7 @@ EXAMPLE = ROOT / "examples" / "train_checkpointless.py"
 class Launch:
     """One launcher process (resilrun or torchrun) with its output captured to files."""
 
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT) -> None:
         self.log = log
         self._out = open(log.with_suffix(".out"), "wb")  # noqa: SIM115 - closed in close()
         self._err = open(log.with_suffix(".err"), "wb")  # noqa: SIM115
@@ -39,7 +39,7 @@ class Launch:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            cwd=ROOT,
+            cwd=cwd,
         )
         self.descendants: set[int] = set()
 
@@ -315,7 +315,7 @@ PORT = 29400  # the rendezvous port: every host has a network of its own, no por
 
 @pytest.fixture
 def cluster_of(tmp_path: Path) -> Iterator:
-    """cluster_of(n) -> (Cluster, start(host, *resilrun_args, env=) -> Launch); removes everything after."""
+    """cluster_of(n) -> (Cluster, start(host, *resilrun_args, env=, cwd=) -> Launch); removes everything after."""
     why = available()
     if why is not None:
         if os.environ.get("CI") == "true":
@@ -328,9 +328,11 @@ def cluster_of(tmp_path: Path) -> Iterator:
         cluster = Cluster(count).__enter__()
         clusters.append(cluster)
 
-        def start(host: str, *args: str, env: dict[str, str] | None = None) -> Launch:
+        def start(host: str, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Launch:
+            """``cwd``: the host's own working folder (a host without a shared file system)."""
             settings = [f"{name}={value}" for name, value in (env or {}).items()]
-            argv = cluster.command(host, ["env", *settings, sys.executable, "-m", "resilrun", *args])
+            chdir = ["--chdir", str(cwd)] if cwd is not None else []
+            argv = cluster.command(host, ["env", *chdir, *settings, sys.executable, "-m", "resilrun", *args])
             launch = Launch(argv, tmp_path / f"{host}_{len(launches)}.log")
             launches.append(launch)
             return launch

@@ -496,6 +496,8 @@ def test_bad_endpoint_is_reported_by_from_cli(script: str) -> None:
 # -- field metadata ------------------------------------------------------------------------------
 # resilrun's own flags have no torchrun (PET_*) spelling.
 _RESILRUN_ONLY = {
+    "capture_dir",
+    "capture_pattern",
     "snapshot_every",
     "max_overhead_pct",
     "replicate_every",

@@ -491,6 +491,22 @@ def test_a_lost_node_without_a_spare_node_restarts_the_job(tmp_path: Path) -> No
     assert all(p.poll() is not None for p in job.world.processes)
 
 
+def test_a_plain_script_restarts_on_a_lost_node_even_with_a_spare_node(tmp_path: Path) -> None:
+    # A torchrun script off resilrun's API cannot enter a new generation in its processes: its
+    # collectives would wait on the lost node. Giving the spare node the place in-process left the
+    # survivor's workers stuck; the job restarts, and the spare node joins the next round.
+    job = make_job(tmp_path, spares=0, spare_nodes=("s",))
+    job.world.on_api = False
+    job.world.at(5, lambda w: w.alive.discard("a"))
+
+    assert run_round(job) is RoundEnd.REJOIN
+
+    state = job.world.state()
+    assert (state.round, state.recovering, state.restarts, state.recoveries) == (1, False, 1, 0)
+    assert state.failure is not None and state.failure["message"].startswith("node lost")
+    assert all(p.poll() is not None for p in job.world.processes)
+
+
 def test_a_node_lost_before_it_hosted_the_worker_store_is_replaced_by_a_spare_node(tmp_path: Path) -> None:
     job = make_job(tmp_path, spares=0, spare_nodes=("s",))
     job.backend.host_stores = False

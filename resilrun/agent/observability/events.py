@@ -51,6 +51,8 @@ KINDS = (
     "snapshot_interval",
     "restart",
     "node_lost",
+    "file_captured",
+    "captured_restored",
     "exit",
 )
 

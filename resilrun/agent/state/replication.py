@@ -22,6 +22,7 @@ from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.snapshot.layout import parse_header
 from resilrun.snapshot.restore import world_of
 from resilrun.snapshot.selection import Selection
+from resilrun.tiers.captured.catalog import Catalog
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator, fetch, held, inventory
 from resilrun.tiers.peer.wire import Credential
@@ -61,14 +62,16 @@ class PeerTier:
         generation: Callable[[], int],
         on_replicated: Callable[[int, int, int, float], None] | None = None,
         every: int = 1,
+        captured: Catalog | None = None,
     ) -> None:
         """``generation``: the newest generation this node follows: the fencing token its pushes carry,
         and the server's bar (it refuses pushes from senders that follow an older one).
-        ``every``: ``--replicate-every`` (which snapshots are replicated)."""
+        ``every``: ``--replicate-every`` (which snapshots are replicated).
+        ``captured``: the node's captured files (``--capture-dir``), which the server also serves."""
         self.secret = secret
         self.store = ReplicaStore(run_id)
         self.server = ReplicaServer(
-            secret, self.store, memory, host=_resolve(host), generation=generation, node_id=node_id
+            secret, self.store, memory, host=_resolve(host), generation=generation, node_id=node_id, captured=captured
         )
         self.replicator = Replicator(
             memory,

@@ -182,6 +182,12 @@ class NodeWatch:
         state = round_.state
         if len(state.spares) < len(lost) and len(self._rdzv.state().spares) < len(lost):
             return None
+        if not self._control.uses_api([w.pid for w in round_.workers]):
+            # A script that does not use resilrun's API (a plain torchrun script) cannot move to a
+            # new generation in its processes: its collectives would wait on the lost node until
+            # their own timeout. It restarts, and the spare node joins the next round instead.
+            logger.info("this node's workers do not use resilrun's API: the job restarts to replace the lost node")
+            return None
         failures = self.failures(state, lost, judge)
         self._restarts.record(state.round, failures)
         cause = root_cause(failures)

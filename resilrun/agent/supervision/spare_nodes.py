@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 
+from resilrun.agent.state.captured import CAPTURED_RESTORE_S, CapturedFolder
 from resilrun.agent.supervision.inprocess import InProcessRecovery
 from resilrun.agent.supervision.restarts import Restarts
 from resilrun.agent.supervision.rounds import Membership, NodePhase, Round, RoundEnd, SignalFlag
@@ -43,6 +44,7 @@ class SpareNodeStandby:
         membership: Membership,
         processes: Processes,
         clock: Clock,
+        captured: CapturedFolder | None = None,
     ) -> None:
         self._config = config
         self._setup = setup
@@ -54,6 +56,7 @@ class SpareNodeStandby:
         self._membership = membership
         self._processes = processes
         self._clock = clock
+        self._captured = captured  # the script's own checkpoints, put back before the warm workers run it
         self._kept: list[WorkerProcess] = []  # warm workers kept across a rejoin
 
     def stand_by(self, state: RdzvState) -> RoundEnd | Round:
@@ -111,6 +114,8 @@ class SpareNodeStandby:
         round_.node_rank = node_rank
         self._rdzv.me = self._rdzv.me._replace(preferred_rank=node_rank)
         ready = [] if self._config.no_python else self._spare_pool.ready(round_, self._setup.nproc)
+        if self._captured is not None:
+            self._captured.restore(CAPTURED_RESTORE_S)
         if len(ready) < self._setup.nproc or not self._generations.enter_generation(
             round_, new, dict(enumerate(ready))
         ):

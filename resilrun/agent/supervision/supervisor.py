@@ -21,6 +21,7 @@ import signal
 
 from resilrun.agent.liveness.heartbeat import StalenessJudge
 from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.state.captured import CAPTURED_RESTORE_S, CapturedFolder
 from resilrun.agent.supervision.exit_barrier import ExitBarrier
 from resilrun.agent.supervision.inprocess import InProcessRecovery
 from resilrun.agent.supervision.node_loss import NodeWatch, PeerLiveness
@@ -60,13 +61,15 @@ class Supervisor:
         processes: Processes | None = None,
         liveness: PeerLiveness | None = None,
         membership: Membership | None = None,
+        captured: CapturedFolder | None = None,
     ) -> None:
         """``telemetry``: events, status history and metrics (none: nothing recorded);
         ``processes``: real worker processes unless a test gives fakes; ``liveness``: confirms a
         node's silence on its peer channel before it counts as lost (node_loss.py);
         ``membership``: the node's place in the job, which this loop moves and the replication
-        and status threads read (a fresh one when nothing else reads it). The clock is
-        ``rdzv.clock``."""
+        and status threads read (a fresh one when nothing else reads it); ``captured``: the
+        script's own checkpoint folder (``--capture-dir``), put back before each round's workers
+        start and told when one of them fails. The clock is ``rdzv.clock``."""
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.control = control
         self.config = config
@@ -75,6 +78,7 @@ class Supervisor:
         self.signals = signals
         self.run_id = rdzv.run_id
         self.membership = membership if membership is not None else Membership(rdzv.me.node_id)
+        self.captured = captured
         self._processes = processes if processes is not None else Processes()
         clock = rdzv.clock
         self._clock = clock
@@ -114,6 +118,7 @@ class Supervisor:
             self.membership,
             self._processes,
             clock,
+            captured,
         )
         self.exit_barrier = ExitBarrier(config, rdzv, signals, self.node_watch, self.restarts)
 
@@ -159,6 +164,8 @@ class Supervisor:
         if master is None:
             return RoundEnd.REJOIN
         specs = worker_specs(self.config, self.setup, self.run_id, state, node_rank, master)
+        if self.captured is not None:  # the script's own checkpoints where it looks, before it starts
+            self.captured.restore(CAPTURED_RESTORE_S)
         world = sum(p.local_world_size for p in state.participants)
         logger.info(
             "round %d formed: %d node(s), world size %d, this node rank %d runs ranks %d-%d (restart %d/%d)",
@@ -252,6 +259,8 @@ class Supervisor:
                 failures = self.node_watch.failures(state, lost, judge)
                 return self.restarts.after_node_loss(state, failures, everyone)
             if action is Action.RESTART_JOB:
+                if self.captured is not None:
+                    self.captured.worker_failed()
                 if any(code in STOP_EXIT_CODES for code in codes):
                     return self.restarts.stop_state_lost(round_)
                 if self.in_process.recover(round_):

@@ -46,7 +46,9 @@ from resilrun.snapshot.crc import crc32
 from resilrun.snapshot.layout import parse_header
 from resilrun.snapshot.restore import world_of
 from resilrun.snapshot.selection import Selection
+from resilrun.tiers.captured.catalog import Catalog
 from resilrun.tiers.memory import NodeMemoryTier
+from resilrun.tiers.peer import files
 from resilrun.tiers.peer.admission import PreAuthStage
 from resilrun.tiers.peer.refs import LocalReferences
 from resilrun.tiers.peer.store import LocalRef, Replica, ReplicaStore, Reservation
@@ -107,8 +109,11 @@ class ReplicaServer:
         max_pending: int = MAX_PENDING,
         generation: Callable[[], int] = lambda: -1,
         node_id: str = "",
+        captured: Catalog | None = None,
     ) -> None:
         """Bind and start serving.
+
+        ``captured``: this node's captured files (``--capture-dir``), served by the ``files`` ops.
 
         ``max_connections``: authenticated connections served at once; ``max_pending``: connections
         waiting to prove the secret (see ``admission``).
@@ -131,6 +136,7 @@ class ReplicaServer:
         self.refs = LocalReferences(memory, replicas)
         self._generation = generation
         self._node_id = node_id
+        self.captured = captured
         self._fenced: set[tuple[str, int]] = set()  # (sender host, generation) refused: logged once
         # rank -> (the sender's generation, its connection) of each transfer in progress
         self._receiving: dict[int, tuple[int, socket.socket]] = {}
@@ -230,6 +236,8 @@ class ReplicaServer:
                 session.send({"ok": True, **self.describe()}, deadline)
             elif op == "alive":
                 session.send({"ok": True, "node": self._node_id}, deadline)
+            elif op in files.FILE_OPS:
+                files.serve(op, session, request, deadline, self.captured)
             else:
                 session.send({"ok": False, "error": f"unknown op {str(op)[:40]!r}"}, deadline)
         except (OSError, CheckpointError) as exc:  # ReplicationError is a CheckpointError

@@ -249,6 +249,8 @@ def receive_snapshot(
     into: memoryview,
     bounds: Sequence[int],
     filled: Sequence[tuple[int, int]] = (),
+    check: Callable[[memoryview], None] = check_snapshot,
+    what: str = "a snapshot",
 ) -> Received:
     """Receive data frames straight into ``into`` and check the trailer.
 
@@ -256,6 +258,9 @@ def receive_snapshot(
         filled: ranges of ``into`` the receiver fills itself (the announce's shared segments, which
             its own node memory holds): the stream leaves them out, and they are not read here
             (they may not have been copied in yet); their segments' crc32s are None.
+        check: what the verified bytes must be (raises CheckpointCorruptError): a snapshot, or
+            for a captured file (``files``), the bytes its announce's SHA-256 names; ``what``
+            names it in the problem.
 
     Returns:
         The verified crc32s, or why the bytes do not count (an ABORT, a short stream, a MAC that
@@ -323,9 +328,9 @@ def receive_snapshot(
     if not authentic:
         return Received("the bytes fail their MAC: changed on the way with their crc32s kept (forged)", ())
     try:
-        check_snapshot(into)
+        check(into)
     except CheckpointCorruptError as exc:
-        return Received(f"the bytes are not a snapshot: {exc.message}", ())
+        return Received(f"the bytes are not {what}: {exc.message}", ())
     return Received(None, tuple(computed))
 
 

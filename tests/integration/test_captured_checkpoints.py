@@ -1,0 +1,128 @@
+"""An unmodified torchrun script that checkpoints itself (the tutorial's pattern: every node's local
+rank 0 ``torch.save``s ``snapshot.pt`` every few epochs, every worker loads it at start if
+``os.path.exists``), run with ``--capture-dir``: its snapshot survives a save torn by the writer's
+death, the loss of the host that wrote it (each host with its own folder, no shared file system),
+and a job restarted on fresh folders from the persistent tier.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import (
+    PORT,
+    Launch,
+    assert_nothing_left,
+    drop_off,
+    events,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TUTORIAL = ROOT / "examples" / "train_snapshot_torchrun.py"
+TORN = ROOT / "tests" / "helpers" / "torn_save.py"
+CAPTURE = ["--capture-dir", ".", "--capture-pattern", "snapshot.pt"]
+
+
+def finished(*launches: Launch) -> dict[int, tuple[int, str]]:
+    """rank -> (last epoch, checksum) each worker printed as it finished."""
+    found = {}
+    pattern = r"\[rank (\d+)\] finished at epoch (\d+) checksum (\w+)"
+    for launch in launches:
+        for rank, epoch, digest in re.findall(pattern, launch.stdout()):
+            found[int(rank)] = (int(epoch), digest)
+    return found
+
+
+def resumed_at(launch: Launch) -> list[int]:
+    return [int(e) for e in re.findall(r"Resuming training from snapshot at Epoch (\d+)", launch.stdout())]
+
+
+def local(tmp_path: Path, name: str, *argv: str, env: dict[str, str] | None = None) -> Launch:
+    """One single-host job run from its own folder (the snapshot's folder)."""
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "resilrun", "--standalone", "--nproc-per-node", "2", *argv]
+    return Launch(command, tmp_path / f"{name}.log", env=env, cwd=folder)
+
+
+@pytest.mark.timeout(240)
+def test_a_save_torn_by_the_writers_death_is_replaced_by_the_last_complete_snapshot(tmp_path: Path) -> None:
+    # Given the tutorial script whose rank 0 is killed half way through its epoch-4 save: its
+    # snapshot.pt is then a truncated zip, which torch.load refuses on every restart after
+    train = [str(TORN), "10", "2"]
+    job = local(tmp_path, "torn", "--max-restarts", "2", *CAPTURE, *train, env={"TORN_SAVE_EPOCH": "4"})
+    # Then the job finishes: before the restart the folder got the epoch-2 snapshot back from memory
+    assert job.wait(200) == 0, job.stderr()[-4000:]
+    assert_nothing_left(job)
+    assert resumed_at(job) == [2, 2]
+    restored = events(job, kind="captured_restored")
+    assert [(e["files"], e["sources"]) for e in restored] == [(["snapshot.pt"], {"memory": 1})]
+    assert set(finished(job)) == {0, 1} and len({d for _, d in finished(job).values()}) == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_job_restarted_on_fresh_folders_resumes_from_the_signed_persistent_copy(tmp_path: Path) -> None:
+    bucket = tmp_path / "bucket"
+    secret = tmp_path / "job.secret"
+    secret.write_text("s" * 40)
+    secret.chmod(0o600)
+    flags = [*CAPTURE, "--checkpoint-uri", str(bucket), "--job-secret-file", str(secret)]
+    # Given a first job that ran 6 epochs, its snapshot persisted
+    first = local(tmp_path, "first", *flags, str(TUTORIAL), "6", "2")
+    assert first.wait(200) == 0, first.stderr()[-4000:]
+    # When the job is started again elsewhere (an empty folder) for 10 epochs
+    second = local(tmp_path, "second", *flags, str(TUTORIAL), "10", "2")
+    assert second.wait(200) == 0, second.stderr()[-4000:]
+    # Then it resumed at the last epoch the first one saved, from the persistent tier
+    assert resumed_at(second) == [4, 4]
+    restored = events(second, kind="captured_restored")
+    assert restored and restored[0]["sources"] == {"persistent": 1}
+    # And without the job's secret nothing from the bucket reaches the script's torch.load
+    third = local(tmp_path, "third", *CAPTURE, "--checkpoint-uri", str(bucket), str(TUTORIAL), "8", "2")
+    assert third.wait(200) == 0, third.stderr()[-4000:]
+    assert resumed_at(third) == [] and "not restored" in third.stderr()
+
+
+@pytest.mark.timeout(400)
+def test_a_replacement_host_without_a_shared_file_system_gets_the_snapshot_from_a_peer(
+    cluster_of, tmp_path: Path
+) -> None:
+    # Given two hosts, each running the tutorial script from its own folder, and a third standing by
+    cluster, start = cluster_of(3)
+    folders = {name: tmp_path / f"{name}_folder" for name in ("h0", "h1", "h2")}
+    for folder in folders.values():
+        folder.mkdir()
+    train = [str(TUTORIAL), "24", "2", "--sleep", "0.08"]
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
+        "--heartbeat-timeout", "3", "--max-restarts", "2", *CAPTURE,
+    ]  # fmt: skip
+    first = [start(name, *flags, "--node-rank", name[1:], *train, cwd=folders[name]) for name in ("h0", "h1")]
+    wait_for(lambda: any("round 0 formed" in n.stderr() for n in first), 150, "the round to form")
+    spare = start("h2", *flags, *train, cwd=folders["h2"])
+    wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
+    survivor, doomed = first
+    wait_for(lambda: "Epoch 6 | Training snapshot saved" in survivor.stdout(), 150, "the epoch-6 snapshot")
+    assert not (folders["h2"] / "snapshot.pt").exists()
+    # When h1 drops off the network
+    drop_off(cluster, "h1", doomed)
+    # Then the job finishes on h0 and h2 with every rank at the same epoch and the same parameters
+    for node in (survivor, spare):
+        assert node.wait(300) == 0, node.stderr()[-4000:]
+    ends = finished(survivor, spare)
+    assert set(ends) == {0, 1} and len(set(ends.values())) == 1, ends
+    # because h2 found the snapshot in its own folder, put there from a peer before its worker started
+    assert resumed_at(spare) and min(resumed_at(spare)) >= 6, spare.stdout()[-3000:]
+    assert resumed_at(spare) == resumed_at(survivor)[-len(resumed_at(spare)) :]
+    restored = events(spare, kind="captured_restored")
+    assert restored and restored[0]["sources"] == {"peer": 1}
+    assert (folders["h2"] / "snapshot.pt").exists()
+    assert os.path.getsize(folders["h2"] / "snapshot.pt") > 0
