@@ -11,7 +11,11 @@ a peer (and in ``--checkpoint-uri``), and put back into the folder before any wo
         --capture-pattern snapshot.pt examples/train_snapshot_torchrun.py 12 2
 
 Arguments as in the tutorial: total epochs, save every N epochs, ``--batch_size``; plus
-``--sleep`` (seconds per batch, for fault tests) and ``--snapshot_path``.
+``--sleep`` (seconds per batch, for fault tests), ``--snapshot_path`` and ``--hidden`` (the hidden
+layer's width: a wider one makes a snapshot big enough for its save to be timed, as
+benchmarks/captured_checkpoints.py does; the default keeps the tutorial's small model). The
+"Training snapshot saved" line ends with how long ``torch.save`` took, the stall a save costs the
+training loop.
 """
 
 from __future__ import annotations
@@ -97,8 +101,10 @@ class Trainer:
 
     def _save_snapshot(self, epoch: int) -> None:
         snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch}
+        started = time.perf_counter()
         torch.save(snapshot, self.snapshot_path)
-        print(f"Epoch {epoch} | Training snapshot saved at {self.snapshot_path}", flush=True)
+        took = time.perf_counter() - started
+        print(f"Epoch {epoch} | Training snapshot saved at {self.snapshot_path} in {took:.3f} s", flush=True)
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(self.epochs_run, max_epochs):
@@ -114,10 +120,10 @@ def checksum(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def main(total_epochs: int, save_every: int, batch_size: int, snapshot_path: str, sleep: float) -> None:
+def main(total_epochs: int, save_every: int, batch_size: int, snapshot_path: str, sleep: float, hidden: int) -> None:
     ddp_setup()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(20, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     dataset = RegressionData(256)
     loader = DataLoader(
@@ -139,5 +145,6 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", default=32, type=int, help="Input batch size on each device (default: 32)")
     parser.add_argument("--snapshot_path", default="snapshot.pt", help="Where the snapshot is saved and loaded")
     parser.add_argument("--sleep", default=0.0, type=float, help="Extra seconds per batch (fault tests)")
+    parser.add_argument("--hidden", default=64, type=int, help="Hidden layer width (a bigger snapshot)")
     args = parser.parse_args()
-    main(args.total_epochs, args.save_every, args.batch_size, args.snapshot_path, args.sleep)
+    main(args.total_epochs, args.save_every, args.batch_size, args.snapshot_path, args.sleep, args.hidden)

@@ -298,3 +298,13 @@ def ensure_rendezvous_defaults() -> None:
     """Let ``resilrun.init()`` run without a launcher (a single process, for quick experiments)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+
+
+# --capture-dir as the workers see it (absolute): where resilrun.checkpoint.StorageWriter writes.
+CAPTURE_DIR_ENV = "RESILRUN_CAPTURE_DIR"
+
+
+def capture_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """The job's captured folder, when the agent captures one (``--capture-dir``)."""
+    env = os.environ if environ is None else environ
+    return env.get(CAPTURE_DIR_ENV) or None

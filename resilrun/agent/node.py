@@ -45,7 +45,7 @@ from resilrun.agent.workers.control import WorkerControl
 from resilrun.agent.workers.fault_hooks import PERSIST_DELAY_ENV, delay_s
 from resilrun.agent.workers.specs import NodeSetup
 from resilrun.config import Config
-from resilrun.env import agent_environ, agent_secrets
+from resilrun.env import CAPTURE_DIR_ENV, agent_environ, agent_secrets
 from resilrun.errors import (
     ConfigError,
     RendezvousClosedError,
@@ -422,6 +422,7 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
                 **worker_network_env(advertised, base),
                 **channel_env(channel),
                 **({"RESILRUN_NO_INTEGRATIONS": "1"} if config.no_integrations else {}),
+                **({CAPTURE_DIR_ENV: str(captured.root)} if captured is not None else {}),
             },
             agent_socket=channel.path,
         )
@@ -447,6 +448,7 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
             telemetry,
             replication=peers.replicator.status if peers is not None else None,
             on_published=metrics.on_status if metrics is not None else None,
+            captured=captured,
             interval_s=config.heartbeat_interval_s,
         )
         opened_so_far.pop_all()  # built: Node.run closes them, in their order

@@ -36,6 +36,7 @@ from resilrun.status import records as history
 from resilrun.tiers.memory import NodeMemoryTier
 
 if TYPE_CHECKING:
+    from resilrun.agent.state.captured import CapturedFolder
     from resilrun.agent.workers.procs import WorkerSnapshot
     from resilrun.config import Config
     from resilrun.rendezvous.executor import RendezvousClient
@@ -82,10 +83,12 @@ class StatusPublisher:
         *,
         replication: Callable[[], dict[int, dict[str, int | None]]] | None = None,
         on_published: Callable[[dict[str, Any]], None] | None = None,
+        captured: CapturedFolder | None = None,
         interval_s: float,
     ) -> None:
         """``membership``: where the node stands, as its supervisor moves it (read only here);
-        ``on_published``: given each document written (the metrics export serves the newest)."""
+        ``on_published``: given each document written (the metrics export serves the newest);
+        ``captured``: the node's ``--capture-dir`` folder, whose files the document lists."""
         self.config = config
         self.membership = membership
         self.control = control
@@ -93,6 +96,7 @@ class StatusPublisher:
         self.telemetry = telemetry
         self.replication = replication
         self.on_published = on_published
+        self.captured = captured
         self.interval_s = interval_s
         self.backend = rdzv.backend
         self.run_id = rdzv.run_id
@@ -135,7 +139,7 @@ class StatusPublisher:
         # While the agent runs, the phase its supervisor set; once it left, the outcome (close()).
         node_state = self.outcome or membership.phase.value
         alive_spares = [s for s in spares if s.exit_code is None]
-        return {
+        document: dict[str, Any] = {
             "schema": history.SCHEMA,
             "node_id": self.node_id,
             "host": socket.gethostname(),
@@ -161,6 +165,9 @@ class StatusPublisher:
             "peer_ages": self._peer_ages(),
             "counts": dict(self.telemetry.counts),
         }
+        if self.captured is not None:  # (only then: a job without --capture-dir keeps its document)
+            document["captured"] = self.captured.describe()
+        return document
 
     def _rank(self, worker: WorkerSnapshot) -> dict[str, Any]:
         rank = worker.global_rank

@@ -10,6 +10,9 @@ Reading never unpickles and never trusts a file beyond its checksums (see ``cons
 the job's secret (``job_secret_file``), every file is also checked against the MACs the run wrote
 (``tiers.authentic``): a step changed by anyone without the secret, or one carrying no MACs, is refused.
 
+The other way round, ``StorageWriter``/``StorageReader`` (``checkpoint.dcp``) put a script's own
+``torch.distributed.checkpoint`` saves on resilrun's tiers.
+
 Example::
 
     import resilrun.checkpoint
@@ -28,7 +31,27 @@ import torch
 from resilrun.checkpoint.consolidate import Assembler, RankFile
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError
 
-__all__ = ["Step", "durable_mac_key", "load", "module_state", "open_step"]
+__all__ = [
+    "Step",
+    "StorageReader",
+    "StorageWriter",
+    "durable_mac_key",
+    "latest",
+    "load",
+    "module_state",
+    "open_step",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """The DCP writer and reader (``checkpoint.dcp``), imported on first use: loading
+    ``torch.distributed.checkpoint`` is not free, and ``load`` does not need it."""
+    if name in ("StorageReader", "StorageWriter", "latest"):
+        from resilrun.checkpoint import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Prefixes wrappers add to a module's parameter names: DDP's and torch.compile's.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")

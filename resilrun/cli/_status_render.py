@@ -183,6 +183,63 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
+CAPTURED_COLUMNS = ("path", "size", "captured", "tiers")
+
+
+def captured_nodes(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The nodes that capture a folder (``--capture-dir``); a lost node's last list is history."""
+    return [n for n in doc["nodes"] if n.get("captured") and n["state"] != "lost"]
+
+
+def captured_header(node: dict[str, Any]) -> str:
+    """``node 0 (host0): /data/run (files matching *.pt), 3 file(s), 2.0 MiB in node memory``."""
+    captured = node["captured"]
+    pattern = captured.get("pattern")
+    count = len(captured.get("files") or []) + int(captured.get("more_files") or 0)
+    return (
+        f"node {_num(node.get('node_rank'))} ({node.get('host') or '?'}): {captured.get('dir')}"
+        + ("" if pattern in (None, "*") else f" (files matching {pattern})")
+        + f", {count} file(s), {_bytes(captured.get('bytes_in_memory'))} in node memory"
+    )
+
+
+def captured_tiers(entry: dict[str, Any]) -> str:
+    """Where one captured file is held now: ``memory, 1 peer, persisted``."""
+    if not entry.get("own"):  # a peer's capture this node keeps a replica of: its node tells its tiers
+        return "replica of a peer's file" + ("" if entry.get("memory") else " (bytes not kept: memory ran short)")
+    # Too large for node memory: the agent reads it back from the script's folder to ship it.
+    parts = ["memory" if entry.get("memory") else "folder only"]
+    replicas = int(entry.get("replicas") or 0)
+    parts.append(f"{replicas} peer{'' if replicas == 1 else 's'}")
+    persisted = entry.get("persisted")
+    if persisted is not None:  # None: no --checkpoint-uri
+        parts.append("persisted" if persisted else "not persisted yet")
+    return ", ".join(parts)
+
+
+def captured_rows(node: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [
+        (
+            str(entry.get("path")),
+            _bytes(entry.get("bytes")),
+            _date(entry.get("captured_at")),
+            captured_tiers(entry),
+        )
+        for entry in node["captured"].get("files") or []
+    ]
+
+
+def captured_more(node: dict[str, Any]) -> str | None:
+    more = int(node["captured"].get("more_files") or 0)
+    shown = len(node["captured"].get("files") or [])
+    return f"... and {more} more (the newest {shown} are listed)" if more else None
+
+
+def _date(wall: float | None) -> str:
+    """A capture time with its date: a file found at start is dated by its mtime, maybe days ago."""
+    return "-" if wall is None else datetime.fromtimestamp(wall).strftime("%Y-%m-%d %H:%M:%S")
+
+
 HISTORY_COLUMNS = ("#", "time", "kind", "round", "what", "duration", "timeline")
 
 
@@ -260,7 +317,17 @@ def text_lines(doc: dict[str, Any]) -> list[str]:
     lines = [summary(doc), f"endpoint {doc['endpoint']} ({doc['backend']})", store_line(doc), "", "NODES"]
     lines += _table(NODE_COLUMNS, node_rows(doc))
     lines += ["", "RANKS"] + (_table(RANK_COLUMNS, rank_rows(doc)) if doc["ranks"] else ["(no ranks running)"])
-    lines += ["", snapshot_line(doc), "", "HISTORY"]
+    lines += ["", snapshot_line(doc)]
+    capturing = captured_nodes(doc)
+    if capturing:
+        lines += ["", "CAPTURED CHECKPOINTS"]
+    for node in capturing:
+        lines.append(captured_header(node))
+        rows = captured_rows(node)
+        lines += ["  " + line for line in _table(CAPTURED_COLUMNS, rows)] if rows else ["  (no complete file yet)"]
+        more = captured_more(node)
+        lines += [f"  {more}"] if more else []
+    lines += ["", "HISTORY"]
     lines += _table(HISTORY_COLUMNS, history_rows(doc)) if doc["history"] else ["(no failures)"]
     return lines
 
@@ -290,6 +357,16 @@ def rich_view(doc: dict[str, Any]) -> Any:
     parts.append(table("Nodes", NODE_COLUMNS, node_rows(doc), 2))
     parts.append(table("Ranks", RANK_COLUMNS, rank_rows(doc), 4))
     parts.append(Text(snapshot_line(doc)))
+    for node in captured_nodes(doc):
+        title = f"Captured checkpoints, {captured_header(node)}"
+        rows = captured_rows(node)
+        if rows:
+            parts.append(table(title, CAPTURED_COLUMNS, rows, None))
+        else:
+            parts.append(Text(f"{title}: no complete file yet"))
+        more = captured_more(node)
+        if more:
+            parts.append(Text(more, style="dim"))
     if doc["history"]:
         parts.append(table("History", HISTORY_COLUMNS, history_rows(doc), None))
     else:

@@ -1,11 +1,15 @@
 """``resilrun inspect-checkpoint PATH|s3://bucket/prefix``: what a durable checkpoint holds, verified.
 
 Lists every step (complete or partial) and, for one step (``--step N``, else the newest complete
-one), every rank's tensors with dtype, shape and size, and totals. ``--verify`` downloads every file
-and checks every crc32; ``--job-secret-file`` (the run's) also checks every MAC the run wrote and
-says whether the step is authentic (written by the job, unchanged since). Reading a checkpoint
-never executes anything from it: corrupt, truncated or forged files end as one error line with a
-hint and exit code 4 (5 when storage fails, 2 for usage).
+one), every rank's tensors with dtype, shape and size, and totals; then the files a script saved
+itself that ``--capture-dir`` captured (docs/captured-checkpoints.md). ``--verify`` downloads every
+file and checks every crc32 (a captured file: its SHA-256); ``--job-secret-file`` (the run's) also
+checks every MAC the run wrote and says whether the step, and each captured file, is authentic
+(written by the job, unchanged since). Reading a checkpoint never executes anything from it:
+corrupt, truncated or forged step files end as one error line with a hint and exit code 4 (5 when
+storage fails, 2 for usage). Captured files are reported one by one; one whose bytes differ from
+its index, or whose MAC does not verify under the given secret, makes the exit code 4 after the
+report (an unsigned one does not: the job never restores it from storage).
 
 ``--json`` prints one document on stdout with this stable shape (fields are only ever added)::
 
@@ -19,15 +23,24 @@ hint and exit code 4 (5 when storage fails, 2 for usage).
         "ranks": [{"rank": int, "file": str, "file_bytes": int, "tensor_bytes": int,
                    "tensors": [{"name": str, "dtype": str, "shape": [int, ...], "bytes": int, "crc32": int}],
                    "values": <the tracked non-tensor values, any JSON>}],
-        "totals": {"ranks": int, "tensors": int, "tensor_bytes": int, "file_bytes": int}}}}
+        "totals": {"ranks": int, "tensors": int, "tensor_bytes": int, "file_bytes": int}},
+      "captured": [{"path": str, "bytes": int, "sha256": str,                    # by path
+                    "captured_at": float,    # the capturing agent's wall clock, Unix seconds
+                    "node": str,             # the capturing agent's node id
+                    "signed": bool,          # its index carries a MAC
+                    "authentic": bool | null,  # the MAC verifies under the secret; null: no secret
+                    "verified": bool | null,   # --verify: the bytes hash to sha256; null: not checked
+                    "problem": str | null}]}}  # why verified or authentic is false
 
 or, on failure, ``{"error": {"code": <error class name>, "message": str, "hint": str | null}}``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Annotated, Any
 
 import typer
@@ -36,7 +49,7 @@ from resilrun.cli._errors import render
 from resilrun.cli._output import Output
 from resilrun.cli._progress import progress as _progress
 from resilrun.cli._secret import secret_file_option
-from resilrun.errors import CheckpointNotFoundError
+from resilrun.errors import CheckpointError, CheckpointNotFoundError, ExitCode, StorageError
 from resilrun.log import rank_ranges
 
 # Ranks are read concurrently: per-request latency, not bandwidth, dominates S3 reads of headers.
@@ -76,7 +89,7 @@ def inspect_checkpoint(
         ),
     ] = None,
 ) -> None:
-    """List a checkpoint's steps, ranks and tensors; --verify checks every checksum."""
+    """List a checkpoint's steps, ranks, tensors and captured files; --verify checks every checksum."""
     out = Output(json_mode=json_output)
     try:
         report = _inspect(uri, step, verify, job_secret_file or None, s3_endpoint_url, s3_expected_owner)
@@ -89,6 +102,14 @@ def inspect_checkpoint(
     else:
         for line in _human(report):
             out.data(line)
+    failed = [c["path"] for c in report["captured"] if _failed(c)]
+    if failed:
+        if not json_output:  # (in --json, each entry's "problem" says it; one document on stdout)
+            out.error(
+                f"{len(failed)} captured file(s) failed their check: {', '.join(sorted(failed)[:5])}",
+                "a job restores none of them from storage; see the lines above",
+            )
+        raise typer.Exit(int(ExitCode.CHECKPOINT))
 
 
 # -- gathering -------------------------------------------------------------------------------------
@@ -108,10 +129,12 @@ def _inspect(
     mac_key = durable_mac_key(job_secret_file, storage.uri)  # (bound to the checkpoint's URI)
     verify = verify or mac_key is not None
     steps = durable.list_steps(storage)
-    if not steps:
+    listed = _list_captured(storage, mac_key)
+    captured = [entry for _, entry in listed]
+    if not steps and not captured:
         raise CheckpointNotFoundError(
             f"no checkpoint under {storage.uri}",
-            hint="check the path or URI; a checkpoint holds step_<12 digits>/ folders",
+            hint="check the path or URI; a checkpoint holds step_<12 digits>/ folders or captured/ files",
         )
     complete = [info.step for info in steps if info.complete]
     latest = max(complete) if complete else None
@@ -120,21 +143,88 @@ def _inspect(
         "steps": [{"step": s.step, "complete": s.complete, "ranks": list(s.ranks)} for s in steps],
         "latest_complete_step": latest,
         "selected": None,
+        "captured": captured,
     }
     chosen = latest if step is None else step
     if chosen is None:
-        if verify:
+        if verify and steps and not captured:
             raise CheckpointNotFoundError(
                 f"no step under {storage.uri} is complete, so none can be verified",
                 hint="pass --step N to verify the ranks a partial step has",
             )
-        return report
-    info = next((s for s in steps if s.step == chosen), None)
-    if info is None:
-        shown = ", ".join(str(s.step) for s in steps[-5:])
-        raise CheckpointNotFoundError(f"step {chosen} is not in {storage.uri}", hint=f"the newest steps are {shown}")
-    report["selected"] = _describe(storage, info, verify, mac_key)
+    else:
+        info = next((s for s in steps if s.step == chosen), None)
+        if info is None:
+            shown = ", ".join(str(s.step) for s in steps[-5:]) or "none (captured files only)"
+            hint = f"the newest steps are {shown}"
+            raise CheckpointNotFoundError(f"step {chosen} is not in {storage.uri}", hint=hint)
+        report["selected"] = _describe(storage, info, verify, mac_key)
+    if verify and listed:
+        _verify_captured(storage, listed)
     return report
+
+
+def _list_captured(storage: Any, mac_key: bytes | None) -> list[tuple[Any, dict[str, Any]]]:
+    """The captured files the persistent tier lists (``tiers.captured.durable``), newest version of
+    each path; an index that does not parse is left out with a warning on stderr (``listed``)."""
+    from resilrun.tiers.captured import durable as captured
+
+    found = []
+    for stored in sorted(captured.listed(storage, mac_key), key=lambda s: s.version.path):
+        version = stored.version
+        signed = stored.signed or _carries_mac(storage, captured.index_key(version.path))
+        problem = None
+        if mac_key is not None and not stored.signed:
+            problem = "its MAC does not verify under the job secret" if signed else "unsigned"
+        found.append(
+            (
+                version,
+                {
+                    "path": version.path,
+                    "bytes": version.size,
+                    "sha256": version.sha256,
+                    "captured_at": round(version.captured_ns / 1e9, 3),
+                    "node": version.node,
+                    "signed": signed,
+                    "authentic": None if mac_key is None else stored.signed,
+                    "verified": None,
+                    "problem": problem,
+                },
+            )
+        )
+    return found
+
+
+def _failed(entry: dict[str, Any]) -> bool:
+    """A captured file whose bytes differ from its index, or whose MAC does not verify: corruption
+    or tampering. An unsigned one is not a failure (a job without a secret writes them so, and
+    never restores them from storage)."""
+    return entry["verified"] is False or (entry["signed"] and entry["authentic"] is False)
+
+
+def _carries_mac(storage: Any, key: str) -> bool:
+    """Whether an index names a MAC at all: without the secret that is all one can tell, and with it
+    a MAC that does not verify (forged, or another job's) differs from none (a job without secret)."""
+    try:
+        description = json.loads(storage.get(key))
+    except (StorageError, ValueError):
+        return False
+    return isinstance(description, dict) and "mac" in description
+
+
+def _verify_captured(storage: Any, listed: list[tuple[Any, dict[str, Any]]]) -> None:
+    """Download each captured file and check its bytes against the SHA-256 its index names."""
+    from resilrun.tiers.captured import durable
+
+    with _progress("verifying captured files", len(listed)) as bar:
+        for version, entry in listed:
+            try:
+                durable.read(storage, version)
+                entry["verified"] = True
+            except (CheckpointError, StorageError) as exc:
+                entry["verified"] = False
+                entry["problem"] = exc.message if entry["problem"] is None else f"{entry['problem']}; {exc.message}"
+            bar.advance(1)
 
 
 def _describe(storage: Any, info: Any, verify: bool, mac_key: bytes | None) -> dict[str, Any]:
@@ -222,8 +312,16 @@ def _describe_rank(rank: int, layout: Any, manifest: dict[str, Any]) -> dict[str
 
 # -- rendering -------------------------------------------------------------------------------------
 def _human(report: dict[str, Any]) -> Iterator[str]:
-    steps = report["steps"]
     yield f"checkpoint {report['uri']}"
+    yield from _human_steps(report)
+    yield from _human_captured(report["captured"])
+
+
+def _human_steps(report: dict[str, Any]) -> Iterator[str]:
+    steps = report["steps"]
+    if not steps:
+        yield "no steps (nothing saved through resilrun.init/track)"
+        return
     yield f"{len(steps)} step(s), {sum(s['complete'] for s in steps)} complete"
     yield from _table(
         [("STEP", "STATE", "RANKS")]
@@ -256,6 +354,45 @@ def _human(report: dict[str, Any]) -> Iterator[str]:
         f"total: {totals['ranks']} rank(s), {totals['tensors']} tensor(s), "
         f"{_size(totals['tensor_bytes'])} of tensor data, {_size(totals['file_bytes'])} on storage"
     )
+
+
+def _human_captured(captured: list[dict[str, Any]]) -> Iterator[str]:
+    if not captured:
+        return
+    yield ""
+    yield f"Captured files ({len(captured)}, saved by the script itself under --capture-dir)"
+    rows = [("PATH", "BYTES", "SHA256", "CAPTURED", "NODE", "CHECK")] + [
+        (
+            c["path"],
+            _size(c["bytes"]),
+            c["sha256"][:12],
+            datetime.fromtimestamp(c["captured_at"]).strftime("%Y-%m-%d %H:%M:%S"),
+            c["node"],
+            _check(c),
+        )
+        for c in captured
+    ]
+    yield from _table(rows, indent=2)
+    for entry in captured:
+        if _failed(entry):
+            yield f"  {entry['path']}: {entry['problem']}"
+    if any(c["authentic"] is None for c in captured):
+        yield "  (MACs not checked: give the run's --job-secret-file; only signed files are restored from storage)"
+
+
+def _check(entry: dict[str, Any]) -> str:
+    """``authentic, bytes verified``; what failed, in capitals, when something did."""
+    if entry["authentic"] is None:
+        said = "signed" if entry["signed"] else "unsigned"
+    elif entry["authentic"]:
+        said = "authentic"
+    else:
+        said = "NOT authentic (" + ("MAC does not verify" if entry["signed"] else "unsigned") + ")"
+    if entry["verified"] is True:
+        said += ", bytes verified"
+    elif entry["verified"] is False:
+        said += ", BYTES NOT VERIFIED"
+    return said
 
 
 def _table(rows: Sequence[Sequence[str]], *, indent: int) -> Iterator[str]:

@@ -148,6 +148,8 @@ def compose(
                 "ranks": [r["rank"] for r in doc.get("ranks", [])],
                 "spares": {**doc.get("spares", {}), "exited": int((doc.get("counts") or {}).get("spares_exited", 0))},
                 "tiers": doc.get("tiers", {}),
+                # --capture-dir: the script's own checkpoint files and their tiers (null: none captured)
+                "captured": doc.get("captured"),
                 "lost": lost,
             }
         )

@@ -68,7 +68,8 @@ def test_json_output_has_the_documented_shape(ckpt: Path, capsys: pytest.Capture
     document = json.loads(out)
     data = document["data"]
     assert set(document) == {"data"}
-    assert set(data) == {"uri", "steps", "latest_complete_step", "selected"}
+    assert set(data) == {"uri", "steps", "latest_complete_step", "selected", "captured"}
+    assert data["captured"] == []  # no file captured under --capture-dir
     assert data["steps"] == [
         {"step": 10, "complete": True, "ranks": [0, 1]},
         {"step": 20, "complete": True, "ranks": [0, 1]},

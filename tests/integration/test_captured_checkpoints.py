@@ -126,3 +126,94 @@ def test_a_replacement_host_without_a_shared_file_system_gets_the_snapshot_from_
     assert restored and restored[0]["sources"] == {"peer": 1}
     assert (folders["h2"] / "snapshot.pt").exists()
     assert os.path.getsize(folders["h2"] / "snapshot.pt") > 0
+
+
+DCP_LOOP = ROOT / "examples" / "train_dcp.py"
+
+
+def dcp_resumes(launch: Launch) -> list[tuple[int, str, int, str]]:
+    """(rank, folder, step, checksum) of each "resumed from" line of examples/train_dcp.py."""
+    found = re.findall(r"\[rank (\d+)\] resumed from (\S+) at step (\d+) checksum (\w+)", launch.stdout())
+    return [(int(r), folder, int(step), digest) for r, folder, step, digest in found]
+
+
+def dcp_saved(launch: Launch) -> dict[str, str]:
+    """folder -> checksum of the parameters rank 0 saved there."""
+    return dict(re.findall(r"saved (step-\d+) in \S+ s checksum (\w+)", launch.stdout()))
+
+
+@pytest.mark.timeout(240)
+def test_a_dcp_loop_on_resilrun_tiers_resumes_resharded_in_a_fresh_folder_from_signed_storage(
+    tmp_path: Path,
+) -> None:
+    bucket, secret = tmp_path / "bucket", tmp_path / "job.secret"
+    secret.write_text("d" * 40)
+    secret.chmod(0o600)
+    tiers = ["--checkpoint-uri", str(bucket), "--job-secret-file", str(secret)]
+    train = [str(DCP_LOOP), "--resilrun-tiers", "--save-every", "5"]
+    # Given a 2-rank FSDP2 job saving with dcp.async_save through resilrun.checkpoint.StorageWriter
+    first = Launch(
+        [sys.executable, "-m", "resilrun", "--standalone", "--nproc-per-node", "2", "--capture-dir", "a", *tiers,
+         *train, "--async", "--steps", "12"],
+        tmp_path / "first.log", cwd=tmp_path,
+    )  # fmt: skip
+    assert first.wait(200) == 0, first.stderr()[-4000:]
+    saved = dcp_saved(first)
+    assert set(saved) == {"step-4", "step-9"}
+    # When the job goes on as 1 rank on a node whose captured folder is empty
+    second = Launch(
+        [sys.executable, "-m", "resilrun", "--standalone", "--nproc-per-node", "1", "--capture-dir", "b", *tiers,
+         *train, "--steps", "14"],
+        tmp_path / "second.log", cwd=tmp_path,
+    )  # fmt: skip
+    assert second.wait(200) == 0, second.stderr()[-4000:]
+    # Then it loaded the newest step from the persistent tier, resharded from 2 shards to 1, exactly
+    assert dcp_resumes(second) == [(0, "step-9", 10, saved["step-9"])]
+    restored = events(second, kind="captured_restored")
+    assert restored and restored[0]["sources"] == {"persistent": 6}  # 2 folders x (2 shards + .metadata)
+
+
+@pytest.mark.timeout(400)
+def test_a_dcp_checkpoint_written_across_hosts_without_a_shared_file_system_is_whole_on_every_host(
+    cluster_of, tmp_path: Path
+) -> None:
+    # Given unmodified DCP saves on two hosts, each into its own folder: each host holds only its
+    # rank's shard, and only h0 the .metadata (which torch.distributed.checkpoint cannot load from)
+    cluster, start = cluster_of(3)
+    folders = {name: tmp_path / f"{name}_folder" for name in ("h0", "h1", "h2")}
+    for folder in folders.values():
+        folder.mkdir()
+    train = [str(DCP_LOOP), "--ddp", "--steps", "60", "--save-every", "5", "--sleep", "0.1"]
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
+        "--heartbeat-timeout", "3", "--max-restarts", "2", "--capture-dir", "ckpt",
+    ]  # fmt: skip
+    first = [start(name, *flags, "--node-rank", name[1:], *train, cwd=folders[name]) for name in ("h0", "h1")]
+    wait_for(lambda: any("round 0 formed" in n.stderr() for n in first), 150, "the round to form")
+    spare = start("h2", *flags, *train, cwd=folders["h2"])
+    wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
+    survivor, doomed = first
+    wait_for(lambda: "saved step-19" in survivor.stdout(), 150, "the step-19 checkpoint")
+    # When h1 drops off the network
+    drop_off(cluster, "h1", doomed)
+    # Then both hosts of the next round load the same complete checkpoint, the parameters it saved
+    # (the newest one if h1's shard of it reached h0 before h1 was lost, else the one before)
+    for node in (survivor, spare):
+        assert node.wait(300) == 0, node.stderr()[-4000:]
+    saved = dcp_saved(survivor)
+    resumes = dcp_resumes(survivor) + dcp_resumes(spare)
+    assert {r for r, *_ in resumes} == {0, 1}, resumes
+    folder, step = resumes[-1][1], resumes[-1][2]
+    assert step >= 10 and all((f, s, d) == (folder, step, saved[Path(folder).name]) for _, f, s, d in resumes)
+    # with every shard and the .metadata put in h2's folder before its worker started
+    assert {p.name for p in (folders["h2"] / folder).iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    ends = finished_dcp(survivor, spare)
+    assert set(ends) == {0, 1} and len(set(ends.values())) == 1, ends
+
+
+def finished_dcp(*launches: Launch) -> dict[int, str]:
+    found = {}
+    for launch in launches:
+        for rank, digest in re.findall(r"\[rank (\d+)\] finished \d+ steps checksum (\w+)", launch.stdout()):
+            found[int(rank)] = digest
+    return found

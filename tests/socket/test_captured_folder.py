@@ -254,3 +254,29 @@ def test_an_encrypted_job_moves_captured_files_under_its_key_and_a_wrong_secret_
 
     with pytest.raises(ReplicationError):
         list_files(b.server.address, PeerKey(b"another-secret-" + b"z" * 17, encrypt=True), timedelta(seconds=5))
+
+
+def test_a_dcp_checkpoint_whose_shard_was_lost_with_its_host_is_hidden_and_the_one_before_is_whole(nodes) -> None:
+    # Given DCP folders written across two hosts: a (rank 0, and the .metadata) and a lost host
+    # whose rank-1 shard of step-10 never reached a replica (its step-5 shard did)
+    b = nodes("b")
+    a = nodes("a", targets=[b], peers=[b])
+    metadata = b"\x80\x04 pickled DCP metadata naming __0_0.distcp and __1_0.distcp \x2e"
+    for step in ("step-5", "step-10"):
+        (a.root / step).mkdir()
+        (a.root / step / "__0_0.distcp").write_bytes(b"rank 0 shard of " + step.encode())
+        (a.root / step / ".metadata").write_bytes(metadata)
+    b.catalog.put(
+        FileVersion("step-5/__1_0.distcp", 3, digest(b"one"), 1, 1, "lost"), b"one", own=False
+    )  # what the lost host replicated to b before it died
+    wait_until(lambda: len(b.catalog.versions()) == 5, 10, "a's files on b")
+    # When the replacement c and the survivor a put their folders back before the next round
+    c = nodes("c", peers=[a, b])
+    report = c.folder.restore(30)
+    a_report = a.folder.restore(30)
+    # Then step-10 reads as incomplete on both (no .metadata), step-5 is whole on both
+    assert report.incomplete == ["step-10"] and a_report.incomplete == ["step-10"]
+    for node in (a, c):
+        assert not (node.root / "step-10" / ".metadata").exists()
+        assert {p.name for p in (node.root / "step-5").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert (a.root / "step-10" / ".resilrun-incomplete.metadata").read_bytes() == metadata

@@ -250,7 +250,10 @@ def shape(value: Any) -> Any:
 
 
 def _without_tiers(value: Any) -> Any:
-    return [{k: v for k, v in value[0].items() if k != "tiers"}] if isinstance(value, list) else value
+    """A node's shape less its optional parts (tiers, captured), which are checked on their own."""
+    if not isinstance(value, list):
+        return value
+    return [{k: v for k, v in value[0].items() if k not in ("tiers", "captured")}]
 
 
 def _assert_tiers(got: dict[str, Any], documented: dict[str, Any], where: str) -> None:
@@ -268,6 +271,10 @@ def assert_matches_documented(doc: dict[str, Any]) -> None:
     assert _without_tiers(shape(doc["nodes"])) == _without_tiers(shape(example["nodes"]))
     for node in doc["nodes"]:
         _assert_tiers(node["tiers"], example["nodes"][0]["tiers"], "nodes[].tiers")
+        # null unless the node runs with --capture-dir
+        assert "captured" in node, "nodes[].captured"
+        if node["captured"] is not None:
+            assert shape(node["captured"]) == shape(example["nodes"][0]["captured"]), "nodes[].captured"
     _assert_tiers(doc["snapshots"], example["snapshots"], "snapshots")
     assert set(doc) == set(example)
     documented = {e["kind"]: shape(e) for e in example["history"]}
@@ -281,6 +288,17 @@ def test_the_document_has_exactly_the_shape_docs_status_md_documents() -> None:
     backend = MemoryBackend()
     job(backend, lost_round=0)
     assert_matches_documented(status(backend))
+
+
+def test_a_node_capturing_a_folder_has_the_documented_captured_section() -> None:
+    backend = MemoryBackend()
+    job(backend)
+    doc = node_doc("a", 0, [0, 1])
+    doc["captured"] = documented_example()["nodes"][0]["captured"]
+    records.publish_node(backend, RUN, "a", doc)
+    composed = status(backend)
+    assert_matches_documented(composed)
+    assert [n["captured"] is not None for n in composed["nodes"]] == [True, False]
 
 
 # -- replayed documents ---------------------------------------------------------------------------------

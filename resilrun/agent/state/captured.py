@@ -28,6 +28,8 @@ import contextlib
 import fnmatch
 import logging
 import os
+import posixpath
+import re
 import select
 import stat
 import threading
@@ -56,8 +58,15 @@ SETTLE_S = 0.5
 # Folders a script's run writes into that are never checkpoints (watched, never captured).
 _SKIPPED_DIRS = frozenset({"__pycache__", ".git"})
 _PEER_TIMEOUT = timedelta(seconds=120)
+# DCP writes a checkpoint folder's .metadata last, naming its shard files (``__<rank>_<n>.distcp``).
+DCP_METADATA = ".metadata"
+_DCP_SHARD = re.compile(rb"__\d+_\d+\.distcp")
 # A restore's deadline: every file it fetches shares it (a multi-GB checkpoint over a slow link).
 CAPTURED_RESTORE_S = 300.0
+# Files ``describe`` lists: the status document is rewritten into the rendezvous store every
+# heartbeat interval, so a folder of thousands of files (DCP shards, a long rotation) must not grow
+# it without bound; about 150 bytes each, the newest ones are what a person looks for.
+STATUS_FILES = 50
 
 
 @dataclass
@@ -68,6 +77,7 @@ class Restored:
     nbytes: int = 0
     sources: dict[str, int] = field(default_factory=dict)  # tier -> files
     missing: list[str] = field(default_factory=list)  # newest versions no tier could give
+    incomplete: list[str] = field(default_factory=list)  # DCP folders missing a shard: hidden
     seconds: float = 0.0
 
 
@@ -122,8 +132,10 @@ class CapturedFolder:
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
         self._unsigned_warned = False
-        # path -> (order, targets that hold it, persisted) of this node's captures as shipped so far
+        # path -> (order, targets that hold it, persisted) of this node's captures as shipped so far:
+        # written by the ship thread, read by the watch thread, a restore and the status thread.
         self._shipped: dict[str, tuple[tuple[int, str], frozenset[str], bool]] = {}
+        self._shipped_lock = threading.Lock()
 
     # -- life ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -284,7 +296,7 @@ class CapturedFolder:
         if (self.root / path).exists():
             return  # replaced by a rename: its WRITTEN follows
         removed = self.catalog.remove(path)
-        if removed is not None and removed.node == self.node_id and removed.path in self._shipped:
+        if removed is not None and removed.node == self.node_id and self._shipped_record(removed.path) is not None:
             self._queue("drop", removed)
 
     # -- shipping to peers and storage ----------------------------------------------------------
@@ -333,7 +345,7 @@ class CapturedFolder:
         data = self._bytes_of(version)
         if data is None:
             return
-        order, holding, persisted = self._shipped.get(version.path, (version.order, frozenset(), False))
+        order, holding, persisted = self._shipped_record(version.path) or (version.order, frozenset(), False)
         if order != version.order:
             holding, persisted = frozenset(), False
         if self._secret is not None:
@@ -351,7 +363,12 @@ class CapturedFolder:
                 persisted = True
             except StorageError as exc:
                 logger.error("captured %s not persisted: %s", version.path, exc.message)
-        self._shipped[version.path] = (version.order, holding, persisted)
+        with self._shipped_lock:
+            self._shipped[version.path] = (version.order, holding, persisted)
+
+    def _shipped_record(self, path: str) -> tuple[tuple[int, str], frozenset[str], bool] | None:
+        with self._shipped_lock:
+            return self._shipped.get(path)
 
     def _reship(self) -> None:
         """Queue this node's captures that the current targets or storage lack: those captured
@@ -360,7 +377,7 @@ class CapturedFolder:
         for version in self.catalog.versions():
             if version.node != self.node_id:
                 continue
-            order, holding, persisted = self._shipped.get(version.path, ((-1, ""), frozenset(), False))
+            order, holding, persisted = self._shipped_record(version.path) or ((-1, ""), frozenset(), False)
             if order != version.order or not targets <= holding or (self._storage is not None and not persisted):
                 self._queue("push", version)
 
@@ -377,6 +394,49 @@ class CapturedFolder:
             except StorageError as exc:
                 logger.warning("captured %s not removed from the persistent tier: %s", version.path, exc.message)
 
+    # -- status --------------------------------------------------------------------------------
+    def describe(self, limit: int = STATUS_FILES) -> dict[str, Any]:
+        """This folder as ``resilrun status`` shows it (``nodes[].captured``, docs/status.md): the
+        newest ``limit`` files by capture time, listed by path, and the tiers holding each.
+
+        Why here and not in the status publisher: which peers hold a file is known only to the ship
+        thread's records, and only those of the version the catalog holds now count (a record of an
+        older version of the path says nothing of the newer one). Callable from any thread; it never
+        waits for a restore or a capture (their lock is not taken).
+        """
+        held = self.catalog.held()
+        targets = frozenset(self._targets()) if self._secret is not None else frozenset()
+        with self._shipped_lock:
+            shipped = {version.path: self._shipped.get(version.path) for version, own, _ in held if own}
+        newest = sorted(held, key=lambda item: item[0].order, reverse=True)[: max(0, limit)]
+        files: list[dict[str, Any]] = []
+        for version, own, kept in sorted(newest, key=lambda item: item[0].path):
+            record = shipped.get(version.path)
+            if record is not None and record[0] != version.order:
+                record = None  # what was shipped is an older version of the path
+            entry: dict[str, Any] = {
+                "path": version.path,
+                "bytes": version.size,
+                "captured_at": round(version.captured_ns / 1e9, 3),
+                "own": own,
+                "memory": kept,
+                "replicas": None,  # a peer's file held here: its own node knows its tiers
+                "persisted": None,
+            }
+            if own:
+                # Replicas on the peers that are targets now: a node that left no longer counts.
+                entry["replicas"] = len(record[1] & targets) if record is not None else 0
+                if self._storage is not None:  # (without --checkpoint-uri there is no such tier)
+                    entry["persisted"] = record is not None and record[2]
+            files.append(entry)
+        return {
+            "dir": str(self.root),
+            "pattern": self.pattern,
+            "files": files,
+            "more_files": len(held) - len(files),
+            "bytes_in_memory": sum(version.size for version, _, kept in held if kept),
+        }
+
     # -- restore -------------------------------------------------------------------------------
     def restore(self, timeout_s: float) -> Restored:
         """Put the newest complete version of every captured path into the folder, from the fastest
@@ -387,10 +447,15 @@ class CapturedFolder:
             if self._watch is not None:
                 self._pump(force=True, suspect=False)
             report = Restored()
-            for path, candidate in sorted(self._candidates().items()):
+            candidates = self._candidates()
+            fetched: dict[str, tuple[str, bytes] | None] = {}
+            report.incomplete = self._incomplete_dcp(candidates, fetched, deadline)
+            for path, candidate in sorted(candidates.items()):
+                if posixpath.basename(path) == DCP_METADATA and posixpath.dirname(path) in report.incomplete:
+                    continue
                 if self._in_place(candidate.version):
                     continue
-                got = self._fetch(candidate, deadline)
+                got = fetched[path] if path in fetched else self._fetch(candidate, deadline)
                 if got is None:
                     report.missing.append(path)
                     continue
@@ -417,16 +482,53 @@ class CapturedFolder:
                 ", ".join(f"{n} from {tier}" for tier, n in sorted(report.sources.items())) or "none",
                 f"; no tier could give {report.missing}" if report.missing else "",
             )
-            if self._record is not None:
-                self._record(
-                    "captured_restored",
-                    files=report.files,
-                    bytes=report.nbytes,
-                    sources=report.sources,
-                    missing=report.missing,
-                    seconds=round(report.seconds, 6),
-                )
+        if (report.incomplete or report.files or report.missing) and self._record is not None:
+            self._record(
+                "captured_restored",
+                files=report.files,
+                bytes=report.nbytes,
+                sources=report.sources,
+                missing=report.missing,
+                incomplete=report.incomplete,
+                seconds=round(report.seconds, 6),
+            )
         return report
+
+    def _incomplete_dcp(
+        self, candidates: dict[str, _Candidate], fetched: dict[str, tuple[str, bytes] | None], deadline: float
+    ) -> list[str]:
+        """DCP checkpoint folders whose ``.metadata`` names a shard no tier holds: the host that
+        wrote the shard was lost before it was replicated. Its ``.metadata`` is then not put back,
+        and this node's own is moved aside (``.resilrun-incomplete.metadata``), so that a script
+        looking for the newest folder with a ``.metadata`` takes the one before, which loads.
+
+        The names are read from the ``.metadata`` bytes as text (DCP names its files
+        ``__<rank>_<n>.distcp``), never unpickled: it is the script's file, not ours to run."""
+        incomplete = []
+        for path, candidate in sorted(candidates.items()):
+            if posixpath.basename(path) != DCP_METADATA:
+                continue
+            fetched[path] = got = self._fetch(candidate, deadline)
+            if got is None:
+                continue
+            folder = posixpath.dirname(path)
+            shards = {name.decode() for name in _DCP_SHARD.findall(got[1])}
+            lost = sorted(n for n in shards if posixpath.join(folder, n) not in candidates)
+            if not lost:
+                continue
+            incomplete.append(folder)
+            logger.warning(
+                "DCP checkpoint %s is incomplete: no tier holds %s (its host was lost before they were "
+                "replicated); it is hidden from the script (its .metadata moved aside)",
+                self.root / folder,
+                ", ".join(lost),
+            )
+            local = self.root / path
+            if local.is_file():
+                with contextlib.suppress(OSError):
+                    os.replace(local, local.parent / f"{AGENT_PREFIX}incomplete{DCP_METADATA}")
+            self.catalog.remove(path)
+        return incomplete
 
     def _candidates(self) -> dict[str, _Candidate]:
         """The newest version of each path any tier lists, and where it is listed."""
