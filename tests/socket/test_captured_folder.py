@@ -24,7 +24,7 @@ from resilrun.agent.state.captured import CapturedFolder
 from resilrun.storage import LocalStorage
 from resilrun.tiers.authentic import durable_key
 from resilrun.tiers.captured import durable
-from resilrun.tiers.captured.catalog import Catalog, FileVersion, digest
+from resilrun.tiers.captured.catalog import Catalog, FileVersion, MemoryBudget, digest
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer import ReplicaServer, ReplicaStore
 from resilrun.tiers.peer.files import fetch_file, list_files
@@ -59,9 +59,10 @@ def nodes(tmp_path: Path) -> Iterator:
         mac_key: bytes | None = None,
         secret: bytes | PeerKey = SECRET,
         start: bool = True,
+        budget: MemoryBudget | None = None,
     ) -> FakeNode:
         root = tmp_path / name
-        catalog = Catalog()
+        catalog = Catalog(budget)
         memory = NodeMemoryTier(f"t{uuid.uuid4().hex[:8]}")
         store = ReplicaStore("test")
         server = ReplicaServer(secret, store, memory, node_id=name, captured=catalog)
@@ -280,3 +281,23 @@ def test_a_dcp_checkpoint_whose_shard_was_lost_with_its_host_is_hidden_and_the_o
         assert not (node.root / "step-10" / ".metadata").exists()
         assert {p.name for p in (node.root / "step-5").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     assert (a.root / "step-10" / ".resilrun-incomplete.metadata").read_bytes() == metadata
+
+
+def test_a_file_too_large_for_the_memory_left_is_said_so_and_still_replicated_and_persisted(
+    nodes, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = LocalStorage(tmp_path / "bucket")
+    key = durable_key(SECRET, str(storage.root))
+    b = nodes("b")
+    # Given a node with less memory to spare than the snapshot's size
+    a = nodes("a", targets=[b], storage=storage, mac_key=key, budget=MemoryBudget(lambda: 4096, 1024))
+    written = save(a.root / "snapshot.pt", 3)
+    assert len(written) > 4096 - 1024
+    # Then the error says so, and the copy on the peer and in storage are made from the folder
+    wait_until(lambda: held(b, "snapshot.pt") == written, 10, "the replica on b")
+    wait_until(lambda: len(durable.listed(storage, key)) == 1, 10, "the upload")
+    assert a.catalog.newest("snapshot.pt") is not None and a.catalog.read("snapshot.pt") is None
+    assert "is not kept in node memory: too little memory left" in caplog.text
+    # and a replacement still gets it
+    c = nodes("c", peers=[b], storage=storage, mac_key=key)
+    assert c.folder.restore(30).files == ["snapshot.pt"]

@@ -28,26 +28,24 @@ import contextlib
 import fnmatch
 import logging
 import os
-import posixpath
-import re
 import select
 import stat
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from resilrun.errors import CheckpointError, ResilrunError, StorageError
+from resilrun.agent.state.captured_restore import FolderRestore, Restored
+from resilrun.errors import ResilrunError, StorageError
 from resilrun.storage.api import Storage
 from resilrun.tiers.captured import durable
 from resilrun.tiers.captured.catalog import AGENT_PREFIX, Catalog, FileVersion, check_path, digest
 from resilrun.tiers.captured.complete import describe_format, incomplete_reason, is_verifiable
 from resilrun.tiers.captured.watch import ChangeKind, FolderWatch, scan
-from resilrun.tiers.peer.files import drop_file, fetch_file, list_files, push_file
+from resilrun.tiers.peer.files import drop_file, push_file
 from resilrun.tiers.peer.wire import Credential
 
 logger = logging.getLogger(__name__)
@@ -58,34 +56,12 @@ SETTLE_S = 0.5
 # Folders a script's run writes into that are never checkpoints (watched, never captured).
 _SKIPPED_DIRS = frozenset({"__pycache__", ".git"})
 _PEER_TIMEOUT = timedelta(seconds=120)
-# DCP writes a checkpoint folder's .metadata last, naming its shard files (``__<rank>_<n>.distcp``).
-DCP_METADATA = ".metadata"
-_DCP_SHARD = re.compile(rb"__\d+_\d+\.distcp")
 # A restore's deadline: every file it fetches shares it (a multi-GB checkpoint over a slow link).
 CAPTURED_RESTORE_S = 300.0
 # Files ``describe`` lists: the status document is rewritten into the rendezvous store every
 # heartbeat interval, so a folder of thousands of files (DCP shards, a long rotation) must not grow
 # it without bound; about 150 bytes each, the newest ones are what a person looks for.
 STATUS_FILES = 50
-
-
-@dataclass
-class Restored:
-    """What one restore wrote into the folder (the ``captured_restored`` event's fields)."""
-
-    files: list[str] = field(default_factory=list)
-    nbytes: int = 0
-    sources: dict[str, int] = field(default_factory=dict)  # tier -> files
-    missing: list[str] = field(default_factory=list)  # newest versions no tier could give
-    incomplete: list[str] = field(default_factory=list)  # DCP folders missing a shard: hidden
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Candidate:
-    version: FileVersion
-    peers: tuple[str, ...]  # replica servers listing it
-    stored: bool  # in the persistent tier, signed
 
 
 class CapturedFolder:
@@ -118,7 +94,6 @@ class CapturedFolder:
         self.pattern = pattern
         self._secret = secret
         self._targets = targets
-        self._peers = peers
         self._storage = storage
         self._mac_key = mac_key
         self._may_write = may_write
@@ -131,7 +106,9 @@ class CapturedFolder:
         self._ship_cond = threading.Condition()
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._unsigned_warned = False
+        self._restore = FolderRestore(
+            root, catalog, self._wanted, secret=secret, peers=peers, storage=storage, mac_key=mac_key
+        )
         # path -> (order, targets that hold it, persisted) of this node's captures as shipped so far:
         # written by the ship thread, read by the watch thread, a restore and the status thread.
         self._shipped: dict[str, tuple[tuple[int, str], frozenset[str], bool]] = {}
@@ -442,34 +419,10 @@ class CapturedFolder:
         """Put the newest complete version of every captured path into the folder, from the fastest
         tier holding it (this node's memory, a peer, storage), before the workers start."""
         started = time.monotonic()
-        deadline = started + timeout_s
         with self._lock:
             if self._watch is not None:
                 self._pump(force=True, suspect=False)
-            report = Restored()
-            candidates = self._candidates()
-            fetched: dict[str, tuple[str, bytes] | None] = {}
-            report.incomplete = self._incomplete_dcp(candidates, fetched, deadline)
-            for path, candidate in sorted(candidates.items()):
-                if posixpath.basename(path) == DCP_METADATA and posixpath.dirname(path) in report.incomplete:
-                    continue
-                if self._in_place(candidate.version):
-                    continue
-                got = fetched[path] if path in fetched else self._fetch(candidate, deadline)
-                if got is None:
-                    report.missing.append(path)
-                    continue
-                tier, data = got
-                try:
-                    self._write(candidate.version, data)
-                except (OSError, CheckpointError) as exc:
-                    logger.error("captured %s could not be put back in %s: %s", path, self.root, exc)
-                    report.missing.append(path)
-                    continue
-                self.catalog.put(candidate.version, data, own=False)
-                report.files.append(path)
-                report.nbytes += len(data)
-                report.sources[tier] = report.sources.get(tier, 0) + 1
+            report = self._restore.run(started + timeout_s)
             self._reship()
         report.seconds = time.monotonic() - started
         if report.files or report.missing:
@@ -493,130 +446,3 @@ class CapturedFolder:
                 seconds=round(report.seconds, 6),
             )
         return report
-
-    def _incomplete_dcp(
-        self, candidates: dict[str, _Candidate], fetched: dict[str, tuple[str, bytes] | None], deadline: float
-    ) -> list[str]:
-        """DCP checkpoint folders whose ``.metadata`` names a shard no tier holds: the host that
-        wrote the shard was lost before it was replicated. Its ``.metadata`` is then not put back,
-        and this node's own is moved aside (``.resilrun-incomplete.metadata``), so that a script
-        looking for the newest folder with a ``.metadata`` takes the one before, which loads.
-
-        The names are read from the ``.metadata`` bytes as text (DCP names its files
-        ``__<rank>_<n>.distcp``), never unpickled: it is the script's file, not ours to run."""
-        incomplete = []
-        for path, candidate in sorted(candidates.items()):
-            if posixpath.basename(path) != DCP_METADATA:
-                continue
-            fetched[path] = got = self._fetch(candidate, deadline)
-            if got is None:
-                continue
-            folder = posixpath.dirname(path)
-            shards = {name.decode() for name in _DCP_SHARD.findall(got[1])}
-            lost = sorted(n for n in shards if posixpath.join(folder, n) not in candidates)
-            if not lost:
-                continue
-            incomplete.append(folder)
-            logger.warning(
-                "DCP checkpoint %s is incomplete: no tier holds %s (its host was lost before they were "
-                "replicated); it is hidden from the script (its .metadata moved aside)",
-                self.root / folder,
-                ", ".join(lost),
-            )
-            local = self.root / path
-            if local.is_file():
-                with contextlib.suppress(OSError):
-                    os.replace(local, local.parent / f"{AGENT_PREFIX}incomplete{DCP_METADATA}")
-            self.catalog.remove(path)
-        return incomplete
-
-    def _candidates(self) -> dict[str, _Candidate]:
-        """The newest version of each path any tier lists, and where it is listed."""
-        found: dict[str, _Candidate] = {}
-
-        def offer(version: FileVersion, peer: str | None = None, stored: bool = False) -> None:
-            if not self._wanted(version.path):
-                return
-            held = found.get(version.path)
-            if held is None or version.order > held.version.order:
-                found[version.path] = _Candidate(version, (peer,) if peer else (), stored)
-            elif version.order == held.version.order:
-                peers = held.peers + ((peer,) if peer else ())
-                found[version.path] = _Candidate(held.version, peers, held.stored or stored)
-
-        for version in self.catalog.versions():
-            offer(version)
-        if self._secret is not None:
-            for address in self._peers():
-                try:
-                    listed = list_files(address, self._secret, timedelta(seconds=10))
-                except ResilrunError as exc:
-                    logger.info("peer %s not asked for captured files: %s", address, exc.message)
-                    continue
-                for version in listed:
-                    offer(version, peer=address)
-        if self._storage is not None:
-            try:
-                stored = durable.listed(self._storage, self._mac_key)
-            except (StorageError, CheckpointError) as exc:
-                logger.warning("captured files in the persistent tier not listed: %s", exc.message)
-                stored = []
-            unsigned = [s for s in stored if not s.signed]
-            if unsigned and not self._unsigned_warned:
-                self._unsigned_warned = True
-                logger.warning(
-                    "%d captured file(s) in the persistent tier carry no valid MAC under this job's secret and are "
-                    "not restored (the script would unpickle them)%s",
-                    len(unsigned),
-                    "" if self._mac_key is not None else ": give the job a --job-secret-file to sign and restore them",
-                )
-            for item in stored:
-                if item.signed:
-                    offer(item.version, stored=True)
-        return found
-
-    def _in_place(self, version: FileVersion) -> bool:
-        try:
-            found = os.lstat(self.root / version.path)
-        except OSError:
-            return False
-        return stat.S_ISREG(found.st_mode) and (found.st_size, found.st_mtime_ns) == (version.size, version.mtime_ns)
-
-    def _fetch(self, candidate: _Candidate, deadline: float) -> tuple[str, bytes] | None:
-        version = candidate.version
-        held = self.catalog.read(version.path, version.sha256)
-        if held is not None:
-            return "memory", held[1]
-        for address in candidate.peers:
-            left = deadline - time.monotonic()
-            if left <= 0 or self._secret is None:
-                break
-            try:
-                return "peer", fetch_file(address, self._secret, version, timedelta(seconds=left))
-            except ResilrunError as exc:
-                logger.warning("peer %s could not give captured %s: %s", address, version.path, exc.message)
-        if candidate.stored and self._storage is not None:
-            try:
-                return "persistent", durable.read(self._storage, version)
-            except (StorageError, CheckpointError) as exc:
-                logger.warning("the persistent tier could not give captured %s: %s", version.path, exc.message)
-        return None
-
-    def _write(self, version: FileVersion, data: bytes) -> None:
-        """Atomically, inside the folder only, with the version's mtime (so it reads as in place)."""
-        target = self.root / check_path(version.path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        root = os.path.realpath(self.root)
-        if os.path.commonpath([root, os.path.realpath(target.parent)]) != root:
-            raise CheckpointError(f"{version.path} would be written outside the folder (a link on its way)")
-        temporary = target.parent / f"{AGENT_PREFIX}{target.name}.{os.getpid()}.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.utime(temporary, ns=(version.mtime_ns, version.mtime_ns))
-            os.replace(temporary, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
