@@ -290,6 +290,18 @@ class HelloApi(Request[Ack]):
 
 
 @dataclass(frozen=True, slots=True)
+class HelloRerun(Request[Ack]):
+    """A plain script's worker set up its process group (``--rerun-in-process``): it can re-run the
+    script in-process after a failure, unless ``reason`` says what it holds that cannot be reset
+    (then the job restarts the torchrun way, and the agent logs why)."""
+
+    op: ClassVar[str] = "hello_rerun"
+    reply: ClassVar[type[Reply]] = Ack
+    pid: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class AwaitAssignment(LongPoll[NewEnv]):
     """A spare waits for a rank (answered with its environment, or empty after ``timeout_s``)."""
 
@@ -374,7 +386,7 @@ class GatherRanges(Transfer[Moved]):
 REQUESTS: dict[str, type[Request[Any]]] = {
     cls.op: cls
     for cls in (
-        Auth, Attach, Alloc, Commit, Report, Finished, Beat, HelloApi, AwaitAssignment, AwaitGeneration,
+        Auth, Attach, Alloc, Commit, Report, Finished, Beat, HelloApi, HelloRerun, AwaitAssignment, AwaitGeneration,
         RestoreInfo, Lend, Inventory, Fetch, Peek, GatherRanges,
     )
 }  # fmt: skip

@@ -136,6 +136,18 @@ class Config:
             "--spares", H, "Hot spare worker processes per node (in-process recovery).", pet=False, value="INTEGER"
         ),
     )
+    # Opt-in: it runs a plain script's module code twice in one process, which most scripts tolerate
+    # and some cannot (docs/captured-checkpoints.md says which); anything detected falls back to a restart.
+    rerun_in_process: bool = field(
+        default=False,
+        metadata=option_meta(
+            "--rerun-in-process",
+            H,
+            "Plain torchrun scripts: on a failure, survivors re-run the script in their own processes "
+            "and a hot spare takes the failed rank (needs --spares).",
+            pet=False,
+        ),
+    )
     heartbeat_interval_s: float = field(
         default=1.0,
         metadata=option_meta(
@@ -501,6 +513,11 @@ class Config:
             raise ConfigError(f"--first-step-timeout ({self.first_step_timeout_s}) must be > 0")
         if self.spares < 0:
             raise ConfigError(f"--spares ({self.spares}) must be >= 0")
+        if self.rerun_in_process and self.spares < 1:
+            raise ConfigError(
+                "--rerun-in-process needs --spares 1 or more",
+                hint="the failed rank is taken by a hot spare while the survivors re-run the script; add --spares 1",
+            )
         if not self.heartbeat_interval_s > 0:
             raise ConfigError(f"--heartbeat-interval ({self.heartbeat_interval_s}) must be > 0")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:

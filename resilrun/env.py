@@ -308,3 +308,14 @@ def capture_dir(environ: Mapping[str, str] | None = None) -> str | None:
     """The job's captured folder, when the agent captures one (``--capture-dir``)."""
     env = os.environ if environ is None else environ
     return env.get(CAPTURE_DIR_ENV) or None
+
+
+# --rerun-in-process as the workers inherit it: a plain script's survivors re-run it in-process.
+RERUN_ENV = "RESILRUN_RERUN"
+
+
+def rerun_wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this worker's agent re-runs a plain script in-process after a failure (opt-in: a
+    script that never calls ``resilrun.init()`` is otherwise restarted the torchrun way)."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("RESILRUN_AGENT_SOCKET")) and env.get(RERUN_ENV) == "1"

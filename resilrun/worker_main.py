@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import faulthandler
+import functools
 import gc
 import importlib
 import importlib.util
@@ -36,8 +37,11 @@ import json
 import os
 import runpy
 import sys
+import sysconfig
 import time
 import traceback
+from types import ModuleType
+from typing import Any
 
 from resilrun.env import (
     STATE_LOST_EXIT_CODE,
@@ -48,6 +52,7 @@ from resilrun.env import (
     error_file,
     is_spare,
     recovery_wait_s,
+    rerun_wanted,
 )
 from resilrun.errors import StateLostError, StateRefusedError
 
@@ -196,6 +201,15 @@ def _next_generation(exc: BaseException) -> dict[str, str] | None:
     socket_path = agent_socket_path()
     if membership is None or not membership.is_active() or not socket_path or isinstance(exc, KeyboardInterrupt):
         return None
+    if membership.reruns_plain_script():
+        # Judged again now: the script may have started a thread since it set up its group.
+        try:
+            refused = membership.refuse_rerun(membership.rerun_blockers())
+        except Exception as exc2:  # noqa: BLE001 - no agent, no recovery: the original error stands
+            sys.stderr.write(f"resilrun: could not ask the agent about recovery: {exc2}\n")
+            return None
+        if refused:
+            return None
     raised = _may_be_a_broken_collective(exc)
     wait_s = recovery_wait_s() if raised else 0.0
     from resilrun.channel_protocol import AwaitGeneration
@@ -212,6 +226,67 @@ def _next_generation(exc: BaseException) -> dict[str, str] | None:
         sys.stderr.write(f"resilrun: could not ask the agent about recovery: {exc2}\n")
         return None
     return reply.env
+
+
+def _install_rerun_hook() -> None:
+    """``--rerun-in-process``: once the plain script's own ``init_process_group`` succeeds, the
+    process tells the agent it can re-run the script (``membership.join_for_rerun``).
+
+    Why a wrapper installed when ``torch.distributed`` is imported (during ``import torch``, before
+    the script's ``from torch.distributed import init_process_group`` binds the name): the script
+    never calls resilrun, and the group must exist before its collectives can be aborted.
+    """
+    from resilrun.integrations import _import_hooks
+
+    _import_hooks.install({"torch.distributed": _wrap_init_process_group})
+
+
+def _wrap_init_process_group(module: ModuleType) -> None:
+    original = module.init_process_group
+    if getattr(original, "_resilrun_rerun", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        from resilrun.worker import membership  # torch is whole by now: the script calls this
+
+        return membership.set_up_plain_group(lambda: original(*args, **kwargs))
+
+    init_process_group._resilrun_rerun = True  # type: ignore[attr-defined]
+    module.init_process_group = init_process_group
+
+
+def _script_dir(target: str, as_module: bool) -> str:
+    if as_module:
+        path = _script_path(target)
+        return os.path.dirname(path) if path else os.getcwd()
+    return os.path.dirname(os.path.abspath(target))
+
+
+def _drop_script_modules(directory: str) -> int:
+    """Forget the script's own modules (files under its folder), so that its re-run imports them
+    fresh: their module-level state (a global step counter, a cached group) belongs to the failed run.
+
+    Installed packages and resilrun itself stay loaded (the point of re-running in-process is not
+    to pay their import again), even when they live under the folder (a virtual environment there).
+    """
+    root = os.path.join(os.path.realpath(directory), "")
+    keep = {os.path.join(os.path.realpath(p), "") for p in sysconfig.get_paths().values() if p}
+    keep |= {os.path.join(os.path.realpath(p), "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    keep.add(os.path.join(os.path.realpath(os.path.dirname(os.path.dirname(__file__))), "resilrun", ""))
+    inside = [k for k in keep if k.startswith(root) and k != root]  # a prefix above the folder shields nothing
+    dropped = 0
+    for name, module in list(sys.modules.items()):
+        origin = getattr(module, "__file__", None)
+        if name == "__main__" or name.partition(".")[0] == "resilrun" or not isinstance(origin, str):
+            continue
+        if not os.path.isabs(origin):  # a namespace torch made up (torch.ops: "_ops.py"), not a file
+            continue
+        path = os.path.realpath(origin)
+        if path.startswith(root) and not any(path.startswith(k) for k in inside):
+            del sys.modules[name]
+            dropped += 1
+    return dropped
 
 
 def _exit_now(code: int) -> None:
@@ -258,6 +333,9 @@ def main(argv: list[str]) -> None:
     from resilrun import integrations
 
     integrations.install_import_hooks()  # before a spare preloads the script's imports, too
+    rerun = rerun_wanted()
+    if rerun:
+        _install_rerun_hook()
     if is_spare():
         try:
             _stand_by(target, as_module)
@@ -296,13 +374,20 @@ def main(argv: list[str]) -> None:
         )
         sys.modules["resilrun.worker.membership"].reset_for_reentry()
         apply_assignment(env)
+        if rerun:
+            # A plain script runs again from its first line: its own modules too (their globals
+            # belong to the failed run), and what they held must be freed before it rebuilds it.
+            _drop_script_modules(_script_dir(target, as_module))
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             # The old generation's model and optimizer must leave the GPU before the script
-            # builds them again; on the CPU, reference counting frees most of it and a full
-            # collection (about 0.4 s measured here) would only delay the recovery.
+            # builds them again (NVRx's in-process restart leaked it and looped on OOM); on the
+            # CPU, reference counting frees most of it and a full collection (about 0.4 s
+            # measured here) would only delay the recovery.
             gc.collect()
             torch.cuda.empty_cache()
+        elif rerun:
+            gc.collect()  # a plain script's reference cycles (a model and its optimizer) go now
 
 
 if __name__ == "__main__":

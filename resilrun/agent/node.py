@@ -45,7 +45,7 @@ from resilrun.agent.workers.control import WorkerControl
 from resilrun.agent.workers.fault_hooks import PERSIST_DELAY_ENV, delay_s
 from resilrun.agent.workers.specs import NodeSetup
 from resilrun.config import Config
-from resilrun.env import CAPTURE_DIR_ENV, agent_environ, agent_secrets
+from resilrun.env import CAPTURE_DIR_ENV, RERUN_ENV, agent_environ, agent_secrets
 from resilrun.errors import (
     ConfigError,
     RendezvousClosedError,
@@ -423,6 +423,7 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
                 **channel_env(channel),
                 **({"RESILRUN_NO_INTEGRATIONS": "1"} if config.no_integrations else {}),
                 **({CAPTURE_DIR_ENV: str(captured.root)} if captured is not None else {}),
+                **({RERUN_ENV: "1"} if config.rerun_in_process else {}),
             },
             agent_socket=channel.path,
         )

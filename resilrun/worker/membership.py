@@ -10,18 +10,20 @@ fact that it took part in a generation, and what frameworks must forget between 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from resilrun.channel_protocol import AwaitAssignment, AwaitGeneration, Beat, HelloApi
+from resilrun.channel_protocol import AwaitAssignment, AwaitGeneration, Beat, HelloApi, HelloRerun
 from resilrun.env import agent_socket_path, apply_assignment, ensure_rendezvous_defaults, read_worker_variables
 from resilrun.worker import _ddp_sync, _torch_compat
 from resilrun.worker._abort import GenerationWatchdog, SetupGuard, opened_since, peer_hosts, shut_down, tcp_sockets
@@ -31,12 +33,19 @@ from resilrun.worker.job import Job
 from resilrun.worker.snapshot import Snapshotter
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _JOB: Job | None = None
 # Set once this process took part in a generation (or was assigned a rank as a spare): from then on a
 # failure while it joins a later generation (its process group set up against a worker store that a
 # newer generation already replaced) is recovered in-process like a broken collective.
 _TOOK_PART = False
+# A plain script's worker under --rerun-in-process: the watchdog of the generation it runs in (None
+# while it cannot re-run: never registered, or refused with the reason below).
+_RERUN_WATCHDOG: GenerationWatchdog | None = None
+_RERUN_REFUSED: str | None = None
+# Set while init() builds the API's own group: the --rerun-in-process wrapper must leave it alone.
+_API_JOINING = False
 # A spare asks again after this long, so a wedged agent shows up as an error, not a silent hang.
 _SPARE_POLL_S = 60.0
 
@@ -51,7 +60,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         backend: ``nccl`` when CUDA is available, else ``gloo``, unless given.
         timeout: collective timeout passed to ``init_process_group``.
     """
-    global _JOB
+    global _JOB, _API_JOINING
     if _JOB is not None:
         return _JOB
     variables = read_worker_variables()
@@ -76,6 +85,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         before = tcp_sockets()
         guard = _start_setup_guard(variables.agent_socket, variables.round, before) if variables.agent_socket else None
         pg_started = time.monotonic()
+        _API_JOINING = True
         try:
             dist.init_process_group(
                 backend or ("nccl" if use_cuda else "gloo"),
@@ -84,6 +94,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
                 **kwargs,
             )
         finally:
+            _API_JOINING = False
             if guard is not None:
                 guard.finish()
         group_sockets = {fd: inode for fd, inode in tcp_sockets().items() if before.get(fd) != inode}
@@ -114,10 +125,120 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         _JOB._report("collectives_rebuilt", seconds=round(pg_seconds, 6))
     if variables.agent_socket:
         _ddp_sync.install()
-        _torch_compat.track_dataloader_workers()  # stopped with the generation (reset_for_reentry)
-        _JOB._watchdog = _start_watchdog(variables.agent_socket, variables.round, before, group_sockets)
-        _start_heartbeat(variables.agent_socket, variables.heartbeat_interval_s)
+        _JOB._watchdog = _follow_generations(
+            variables.agent_socket, variables.round, before, group_sockets, variables.heartbeat_interval_s
+        )
     return _JOB
+
+
+def _follow_generations(
+    agent_socket: str, round: int, before: dict[int, int], group_sockets: dict[int, int], heartbeat_interval_s: float
+) -> GenerationWatchdog:
+    """What lets a process that joined generation ``round`` move to the next one in-process (the API's
+    ``init()`` and a re-runnable plain script alike): its DataLoader workers are tracked (stopped
+    with the generation), a watchdog aborts the generation's collectives once the next one is
+    published (a survivor blocked in NCCL or gloo wakes), and the heartbeat runs."""
+    _torch_compat.track_dataloader_workers()  # stopped with the generation (reset_for_reentry)
+    watchdog = _start_watchdog(agent_socket, round, before, group_sockets)
+    _start_heartbeat(agent_socket, heartbeat_interval_s)
+    return watchdog
+
+
+def set_up_plain_group(setup: Callable[[], T]) -> T:
+    """Run a plain script's own ``init_process_group`` (``setup``) under ``--rerun-in-process``, then
+    register the process as able to re-run the script (``join_for_rerun``).
+
+    A process re-running the script (or a spare given a rank) is guarded while it sets up, as
+    ``init()`` is: a generation superseded meanwhile (another rank failed) would leave it waiting on
+    a store that is gone; its connections are shut down instead and the setup fails, to be recovered.
+    """
+    variables = read_worker_variables()
+    before = tcp_sockets()
+    guarded = _TOOK_PART and _RERUN_REFUSED is None and not variables.spare and not _API_JOINING
+    agent_socket = variables.agent_socket
+    guard = _start_setup_guard(agent_socket, variables.round, before) if guarded and agent_socket else None
+    try:
+        result = setup()
+    finally:
+        if guard is not None:
+            guard.finish()
+    try:
+        join_for_rerun(before)
+    except Exception as exc:  # noqa: BLE001 - the script runs on; a failure then restarts the job
+        sys.stderr.write(f"resilrun: cannot re-run the script in-process: {type(exc).__name__}: {exc}\n")
+    return result
+
+
+def join_for_rerun(before: dict[int, int]) -> None:
+    """A plain script's own ``init_process_group`` just succeeded (``--rerun-in-process``): tell the
+    agent whether this process can re-run the script after a failure, and if so follow generations
+    as ``init()`` does. ``before``: the process's TCP sockets before the group was built.
+
+    Why only now: the watchdog aborts this group's collectives, so it needs the group; and what
+    cannot be reset (below) is judged as late as possible (it is judged again at the failure).
+    """
+    global _RERUN_WATCHDOG
+    variables = read_worker_variables()
+    if _API_JOINING or _JOB is not None or variables.spare or not variables.agent_socket:
+        return  # the API's own group, a spare's warm-up, or not a resilrun worker
+    if _RERUN_WATCHDOG is not None:  # a second group of the script's (a new default after a destroy)
+        _RERUN_WATCHDOG.disarm()
+        _RERUN_WATCHDOG = None
+    if refuse_rerun(rerun_blockers()):
+        return
+    group_sockets = {fd: inode for fd, inode in tcp_sockets().items() if before.get(fd) != inode}
+    _RERUN_WATCHDOG = _follow_generations(
+        variables.agent_socket, variables.round, before, group_sockets, variables.heartbeat_interval_s
+    )
+
+
+def rerun_blockers() -> str:
+    """What this process holds that re-running the script in it would not reset ("" when nothing
+    found): the script's own non-daemon threads would run on beside the new run (and NVRx's
+    in-process restart showed that leftovers of the failed run are what breaks the next one), and
+    captured CUDA graphs point at the old run's memory. Only what can be detected is listed here;
+    docs/captured-checkpoints.md lists the rest."""
+    main = threading.main_thread()
+    threads = sorted(t.name for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive())
+    if threads:
+        return f"the script's non-daemon thread(s) {', '.join(threads[:3])} would keep running"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        graph = getattr(torch.cuda, "CUDAGraph", None)
+        # type(), not isinstance(): the latter asks each object's __class__, which some proxies warn on.
+        if isinstance(graph, type) and any(issubclass(type(obj), graph) for obj in gc.get_objects()):
+            return "CUDA graphs were captured (they hold the failed run's memory)"
+    return ""
+
+
+def refuse_rerun(reason: str) -> bool:
+    """Tell the agent whether this plain script's process can re-run in-process; True if not (it then
+    says why on stderr once, and a failure restarts the job the torchrun way)."""
+    global _RERUN_REFUSED, _RERUN_WATCHDOG
+    socket_path = agent_socket_path()
+    if socket_path:
+        client = AgentClient(socket_path)
+        try:
+            client.call(HelloRerun(pid=os.getpid(), reason=reason))
+        finally:
+            client.close()
+    if not reason:
+        _RERUN_REFUSED = None
+        return False
+    if reason != _RERUN_REFUSED:
+        rank = os.environ.get("RANK", "?")
+        sys.stderr.write(
+            f"resilrun: rank {rank} cannot re-run its script in-process: {reason}; a failure restarts the job\n"
+        )
+    _RERUN_REFUSED = reason
+    if _RERUN_WATCHDOG is not None:
+        _RERUN_WATCHDOG.disarm()
+        _RERUN_WATCHDOG = None
+    return True
+
+
+def reruns_plain_script() -> bool:
+    """Whether this process is a plain script's worker registered to re-run it in-process."""
+    return _RERUN_WATCHDOG is not None
 
 
 _HEARTBEAT: threading.Thread | None = None
@@ -243,7 +364,7 @@ def on_reentry(hook: Callable[[], None]) -> None:
 
 def reset_for_reentry() -> None:
     """Forget this generation's job and process group, so the script can run again in-process."""
-    global _JOB, _TOOK_PART
+    global _JOB, _TOOK_PART, _RERUN_WATCHDOG
     job, _JOB = _JOB, None
     _TOOK_PART = True
     for hook in _REENTRY_HOOKS:
@@ -257,6 +378,9 @@ def reset_for_reentry() -> None:
     _ddp_sync.uninstall()  # the next generation's init() installs it again
     if job is not None and job._watchdog is not None:
         job._watchdog.disarm()
+    if _RERUN_WATCHDOG is not None:
+        _RERUN_WATCHDOG.disarm()
+        _RERUN_WATCHDOG = None
     if job is not None and job._snapshotter is not None:
         job._snapshotter.close()
     if dist.is_initialized():
@@ -279,5 +403,8 @@ def _forget_failed_group_setup() -> None:
 
 def is_active() -> bool:
     """Whether this process is part of the job through ``resilrun.init()``, now or in an earlier
-    generation (or as an assigned spare): its failures can be recovered in-process."""
-    return _JOB is not None or _TOOK_PART
+    generation (or as an assigned spare), or runs a plain script it can re-run
+    (``--rerun-in-process``): its failures can be recovered in-process."""
+    if _JOB is None and _RERUN_REFUSED is not None:
+        return False  # a plain script holding what cannot be reset: it fails the torchrun way
+    return _JOB is not None or _TOOK_PART or _RERUN_WATCHDOG is not None

@@ -7,11 +7,14 @@ and a job restarted on fresh folders from the persistent tier.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.integration.conftest import (
@@ -217,3 +220,81 @@ def finished_dcp(*launches: Launch) -> dict[int, str]:
         for rank, digest in re.findall(r"\[rank (\d+)\] finished \d+ steps checksum (\w+)", launch.stdout()):
             found[int(rank)] = digest
     return found
+
+
+def workers_by_environ(launch: Launch) -> dict[str, set[int]]:
+    """The launcher's worker processes by the RANK they were started with ("spare": a hot spare,
+    started with no rank; /proc keeps the environment a process started with, not what it adopted)."""
+    found: dict[str, set[int]] = {}
+    for proc in psutil.Process(launch.pid).children():
+        with contextlib.suppress(psutil.Error):
+            environ = proc.environ()
+            key = "spare" if environ.get("RESILRUN_SPARE") == "1" else environ.get("RANK", "?")
+            found.setdefault(key, set()).add(proc.pid)
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_an_unmodified_script_reruns_in_the_survivors_process_and_a_spare_takes_the_killed_rank(
+    tmp_path: Path,
+) -> None:
+    # Given the tutorial script, unmodified, with a hot spare and the in-process re-run opted in
+    train = [str(TUTORIAL), "10", "1", "--sleep", "0.1"]
+    flags = ["--spares", "1", "--rerun-in-process", *CAPTURE, "--max-restarts", "0"]
+    job = local(tmp_path, "rerun", *flags, *train)
+    wait_for(lambda: "[rank 1] Epoch 3 done" in job.stdout(), 150, "rank 1's epoch 3")
+    before = workers_by_environ(job)
+    assert len(before.get("0", ())) == len(before.get("1", ())) == 1, before
+    # When rank 1's process is killed
+    (doomed,) = before["1"]
+    os.kill(doomed, signal.SIGKILL)
+    # Then the job finishes without a restart
+    assert job.wait(200) == 0, job.stderr()[-4000:]
+    assert "restarting the job" not in job.stderr(), job.stderr()[-4000:]
+    # rank 0 kept its process (it re-ran the script in it) and the spare took rank 1
+    entered = events(job, kind="generation_entered")
+    assert entered and entered[-1]["ranks"] == [0, 1], entered
+    assert entered[-1]["pids"][0] in before["0"], (entered, before)
+    assert entered[-1]["pids"][1] in before.get("spare", set()), (entered, before)
+    assert "recovering in-process into generation 1" in job.stderr()
+    # and both ranks resumed from the same snapshot, the one saved before the kill
+    resumes = re.findall(r"\[rank (\d)\] Resuming training from snapshot at Epoch (\d+)", job.stdout())
+    assert sorted(r for r, _ in resumes) == ["0", "1"], job.stdout()[-3000:]
+    assert len({e for _, e in resumes}) == 1 and int(resumes[0][1]) >= 2, resumes
+    ends = finished(job)
+    assert set(ends) == {0, 1} and len(set(ends.values())) == 1, ends
+    assert_nothing_left(job)
+
+
+@pytest.mark.timeout(240)
+def test_a_save_torn_by_the_writers_death_is_put_back_before_the_survivor_reruns_the_script(tmp_path: Path) -> None:
+    # Given the tutorial script whose rank 0 is killed half way through its epoch-4 save, re-run
+    # in-process: the survivor (rank 1) loads snapshot.pt as soon as it re-runs the script
+    train = [str(TORN), "10", "2"]
+    flags = ["--spares", "1", "--rerun-in-process", *CAPTURE, "--max-restarts", "0"]
+    job = local(tmp_path, "torn_rerun", *flags, *train, env={"TORN_SAVE_EPOCH": "4"})
+    # Then the job finishes without a restart, both ranks from the epoch-2 snapshot put back
+    assert job.wait(200) == 0, job.stderr()[-4000:]
+    assert "restarting the job" not in job.stderr(), job.stderr()[-4000:]
+    assert "the survivors re-run the script in their processes" in job.stderr()
+    assert resumed_at(job) == [2, 2], job.stdout()[-3000:]
+    assert set(finished(job)) == {0, 1} and len({d for _, d in finished(job).values()}) == 1
+    assert_nothing_left(job)
+
+
+@pytest.mark.timeout(240)
+def test_a_script_with_a_thread_of_its_own_restarts_instead_and_says_why(tmp_path: Path) -> None:
+    # Given the tutorial script beside a non-daemon thread of its own, re-run in-process opted in
+    train = [str(ROOT / "tests" / "helpers" / "own_thread.py"), "10", "1", "--sleep", "0.1"]
+    flags = ["--spares", "1", "--rerun-in-process", *CAPTURE, "--max-restarts", "1"]
+    job = local(tmp_path, "own_thread", *flags, *train)
+    wait_for(lambda: "[rank 1] Epoch 3 done" in job.stdout(), 150, "rank 1's epoch 3")
+    # When rank 1's process is killed
+    (doomed,) = workers_by_environ(job)["1"]
+    os.kill(doomed, signal.SIGKILL)
+    # Then the job restarts the torchrun way, and says why it could not re-run in-process
+    assert job.wait(200) == 0, job.stderr()[-4000:]
+    assert "cannot re-run its script in-process" in job.stderr() and "prefetcher" in job.stderr()
+    assert "restarting the job" in job.stderr()
+    assert set(finished(job)) == {0, 1} and len({d for _, d in finished(job).values()}) == 1
+    assert_nothing_left(job)

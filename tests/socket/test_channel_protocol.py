@@ -68,6 +68,11 @@ def test_every_operation_is_answered_over_a_real_socket(agent: AgentChannel, mon
         for request in (proto.HelloApi(pid=pid), proto.Beat(pid=pid, step=1), proto.Finished(pid=pid)):
             assert client.call(request)[0] == proto.Ack()
         client.call(proto.Report(pid=pid, rank=0, event="first_step", detail={"round": 0, "at": 0.0}))
+        # a plain script's worker that can re-run in-process (--rerun-in-process), then no longer can
+        assert client.call(proto.HelloRerun(pid=pid))[0] == proto.Ack()
+        assert agent.control.reruns([pid])
+        assert client.call(proto.HelloRerun(pid=pid, reason="a non-daemon thread"))[0] == proto.Ack()
+        assert not agent.control.reruns([pid])
         # what a restore asks: which tier holds what, borrowed bytes, a fetch, another rank's part
         info, _ = client.call(proto.RestoreInfo(rank=0, world_size=1))
         assert 1 in info.memory

@@ -433,6 +433,14 @@ def test_spares_with_no_python_are_a_usage_error() -> None:
     assert error.hint
 
 
+def test_rerun_in_process_without_a_spare_is_a_usage_error(script: str) -> None:
+    # The failed rank needs a process to run in while the survivors re-run the script in theirs.
+    error = _config_error(script=script, rerun_in_process=True)
+    assert "--rerun-in-process needs --spares" in error.message
+    assert error.hint and "--spares 1" in error.hint
+    assert Config.from_cli(script=script, rerun_in_process=True, spares=1).rerun_in_process
+
+
 def test_no_python_with_a_missing_program_is_a_usage_error() -> None:
     name = f"resilrun-no-such-program-{uuid.uuid4().hex}"
     error = _config_error(script=name, no_python=True)
@@ -505,6 +513,7 @@ _RESILRUN_ONLY = {
     "require_auth",
     "peer_encryption",
     "spares",
+    "rerun_in_process",
     "hang_timeout_s",
     "first_step_timeout_s",
     "heartbeat_interval_s",

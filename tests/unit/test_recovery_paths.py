@@ -104,6 +104,7 @@ class World:
         self.processes: list[FakeProcess] = []
         self.warm_spares = True  # spares reach "waiting for a rank" as soon as they start
         self.on_api = True  # scripts call resilrun.init() (else they are plain torchrun scripts)
+        self.reruns = False  # plain scripts' workers register as able to re-run (--rerun-in-process)
         clock.on_sleep = self.step
 
     def at(self, tick: int, action: Callable[[World], None]) -> None:
@@ -144,6 +145,8 @@ class FakeProcesses(Processes):
         self.world.processes.append(process)
         if self.world.on_api:
             self.world.control.register_api(process.pid)
+        elif self.world.reruns:
+            self.world.control.register_rerun(process.pid)
         if spec.global_rank < 0 and self.world.warm_spares:
             self.world.control.warm.add(process.pid)
         return process
@@ -241,7 +244,13 @@ class Job:
 
 
 def make_job(
-    tmp_path: Path, *, me: str = "b", spares: int = 1, spare_nodes: tuple[str, ...] = (), **config: Any
+    tmp_path: Path,
+    *,
+    me: str = "b",
+    spares: int = 1,
+    spare_nodes: tuple[str, ...] = (),
+    captured: Any = None,
+    **config: Any,
 ) -> Job:
     clock = FakeClock()
     backend = OtherNodeHostsStores()
@@ -270,7 +279,9 @@ def make_job(
         clock=clock,
     )
     setup = NodeSetup(nproc=NPROC, addr=f"{me}.local", log_root=tmp_path, base_env={})
-    sup = Supervisor(dataclasses.replace(base, **config), setup, rdzv, signals, control, telemetry, processes)
+    sup = Supervisor(
+        dataclasses.replace(base, **config), setup, rdzv, signals, control, telemetry, processes, captured=captured
+    )
     world.set_state(
         RdzvState(round=0, complete=True, participants=(node("a"), node("b")), spares=tuple(map(node, spare_nodes)))
     )
@@ -365,6 +376,66 @@ def test_without_a_spare_that_comes_up_the_job_restarts(tmp_path: Path) -> None:
 def test_a_script_off_the_resilrun_api_restarts_even_with_a_spare(tmp_path: Path) -> None:
     job = make_job(tmp_path, spares=1)
     job.world.on_api = False  # a plain torchrun script
+    job.world.at(3, fail(3))
+
+    assert run_round(job) is RoundEnd.REJOIN
+    assert (job.world.state().restarts, job.world.state().recoveries) == (1, 0)
+
+
+class FakeCaptured:
+    """The script's checkpoint folder: records when it was told of a failure and put back."""
+
+    def __init__(self, control: FakeControl | None = None) -> None:
+        self.control = control
+        self.calls: list[tuple[str, int]] = []  # (call, generations published before it)
+
+    def worker_failed(self) -> None:
+        self.calls.append(("worker_failed", len(self.control.published) if self.control else 0))
+
+    def restore(self, timeout_s: float) -> None:
+        self.calls.append(("restore", len(self.control.published) if self.control else 0))
+
+
+def test_a_plain_script_that_can_rerun_recovers_in_process_with_the_spare(tmp_path: Path) -> None:
+    captured = FakeCaptured()
+    job = make_job(tmp_path, spares=1, rerun_in_process=True, captured=captured)
+    captured.control = job.control
+    job.world.on_api = False  # a plain torchrun script, its workers registered as re-runnable
+    job.world.reruns = True
+    job.world.at(3, fail(3))
+    job.world.at(10, finish_all)
+    survivor = {}
+    job.world.at(2, lambda w: survivor.update(pid=w.worker(2).pid, spare=w.spares()[0].pid))
+
+    assert run_round(job) is RoundEnd.DONE
+
+    state = job.world.state()
+    assert (state.restarts, state.recoveries) == (0, 1)
+    workers = job.sup.membership.current.workers  # type: ignore[union-attr]
+    assert [w.pid for w in workers] == [survivor["pid"], survivor["spare"]]  # the survivor kept its process
+    assert job.control.assigned[survivor["spare"]]["RANK"] == "3"
+    assert job.control.published == [(1, {survivor["pid"]: workers[0].spec.env})]
+    # The folder is put back (a torn save replaced) before the survivor learns the new generation.
+    assert captured.calls == [("restore", 0), ("worker_failed", 0), ("restore", 0)]  # round start, then recovery
+    assert job.processes.stopped == []
+
+
+def test_a_plain_script_restarts_without_rerun_in_process_even_when_its_workers_could(tmp_path: Path) -> None:
+    job = make_job(tmp_path, spares=1)
+    job.world.on_api = False
+    job.world.reruns = True
+    job.world.at(3, fail(3))
+
+    assert run_round(job) is RoundEnd.REJOIN
+    assert (job.world.state().restarts, job.world.state().recoveries) == (1, 0)
+
+
+def test_a_plain_script_restarts_when_a_worker_refused_to_rerun(tmp_path: Path) -> None:
+    job = make_job(tmp_path, spares=1, rerun_in_process=True)
+    job.world.on_api = False
+    job.world.reruns = True
+    # The survivor started a thread of its own: it cannot re-run the script in its process.
+    job.world.at(2, lambda w: w.control.register_rerun(w.worker(2).pid, "a non-daemon thread"))
     job.world.at(3, fail(3))
 
     assert run_round(job) is RoundEnd.REJOIN

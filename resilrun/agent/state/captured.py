@@ -55,7 +55,17 @@ logger = logging.getLogger(__name__)
 SETTLE_S = 0.5
 # Folders a script's run writes into that are never checkpoints (watched, never captured).
 _SKIPPED_DIRS = frozenset({"__pycache__", ".git"})
-_PEER_TIMEOUT = timedelta(seconds=120)
+# A push to a peer: a few seconds plus the bytes at a pessimistic 50 MB/s. Bounded, because a peer
+# whose host was lost does not refuse the connection, it just never answers; the one ship thread
+# (and, at the end, the agent's exit) would wait on it.
+_PEER_BASE_S = 5.0
+_PEER_FLOOR_BYTES_S = 50e6
+
+
+def _peer_timeout(nbytes: int) -> timedelta:
+    return timedelta(seconds=_PEER_BASE_S + nbytes / _PEER_FLOOR_BYTES_S)
+
+
 # A restore's deadline: every file it fetches shares it (a multi-GB checkpoint over a slow link).
 CAPTURED_RESTORE_S = 300.0
 # Files ``describe`` lists: the status document is rewritten into the rendezvous store every
@@ -325,12 +335,12 @@ class CapturedFolder:
         order, holding, persisted = self._shipped_record(version.path) or (version.order, frozenset(), False)
         if order != version.order:
             holding, persisted = frozenset(), False
-        if self._secret is not None:
+        if self._secret is not None and not self._closed.is_set():  # (at the job's end: storage only)
             for address in self._targets():
                 if address in holding:
                     continue
                 try:
-                    push_file(address, self._secret, version, data, _PEER_TIMEOUT)
+                    push_file(address, self._secret, version, data, _peer_timeout(len(data)))
                     holding |= {address}
                 except ResilrunError as exc:
                     logger.warning("captured %s not replicated to %s: %s", version.path, address, exc.message)
@@ -362,7 +372,7 @@ class CapturedFolder:
         if self._secret is not None:
             for address in self._targets():
                 try:
-                    drop_file(address, self._secret, version, _PEER_TIMEOUT)
+                    drop_file(address, self._secret, version, _peer_timeout(0))
                 except ResilrunError as exc:
                     logger.debug("peer %s not told of %s's removal: %s", address, version.path, exc.message)
         if self._storage is not None and self._may_write():

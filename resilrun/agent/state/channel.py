@@ -179,6 +179,7 @@ class AgentChannel:
             proto.Finished: self._finished,
             proto.Beat: self._beat,
             proto.HelloApi: self._hello_api,
+            proto.HelloRerun: self._hello_rerun,
             proto.AwaitAssignment: self._await_assignment,
             proto.AwaitGeneration: self._await_generation,
             proto.RestoreInfo: self._restore_info,
@@ -224,6 +225,16 @@ class AgentChannel:
 
     def _hello_api(self, request: proto.HelloApi) -> Answer:
         self.control.register_api(request.pid)
+        return proto.Ack(), []
+
+    def _hello_rerun(self, request: proto.HelloRerun) -> Answer:
+        self.control.register_rerun(request.pid, request.reason)
+        if request.reason:
+            logger.warning(
+                "worker %d cannot re-run its script in-process (%s): a failure restarts the job",
+                request.pid,
+                request.reason,
+            )
         return proto.Ack(), []
 
     def _await_assignment(self, request: proto.AwaitAssignment) -> Answer:

@@ -1,10 +1,14 @@
 """In-process recovery on one node: failed ranks given hot spares, survivors moved to a new generation.
 
 The survivors keep their processes (and their memory) and move to the next generation; only the
-failed ranks change process, taking a hot spare from the ``SparePool``. The decision refuses when a
-spare is missing, a worker is not on the resilrun API, the same rank failed again without progress,
-or the job-wide recovery budget is spent (``protocol.recovery_budget_spent``): the caller then
-restarts the job the torchrun way (bounded by ``--max-restarts``).
+failed ranks change process, taking a hot spare from the ``SparePool``. A plain torchrun script's
+survivors (never on the API) re-run the script from its first line in their processes, when the
+job opted in (``--rerun-in-process``) and each registered as able to (``WorkerControl.reruns``).
+The decision refuses when a spare is missing, a worker is neither on the resilrun API nor
+re-runnable, the same rank failed again without progress, or the job-wide recovery budget is spent
+(``protocol.recovery_budget_spent``): the caller then restarts the job the torchrun way (bounded by
+``--max-restarts``). A plain script reports no steps, so for it the same rank failing twice in a
+row, or a fourth recovery in a row, restarts.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from resilrun.agent.observability.telemetry import Telemetry
+from resilrun.agent.state.captured import CAPTURED_RESTORE_S, CapturedFolder
 from resilrun.agent.supervision.restarts import Restarts
 from resilrun.agent.supervision.round_master import RoundMaster
 from resilrun.agent.supervision.rounds import Membership, Round
@@ -47,8 +52,14 @@ class InProcessRecovery:
         restarts: Restarts,
         membership: Membership,
         clock: Clock,
+        *,
+        captured: CapturedFolder | None = None,
     ) -> None:
+        """``captured``: the script's own checkpoint folder (``--capture-dir``), put back before
+        survivors re-run a plain script (``--rerun-in-process``): a save the failure tore must be
+        replaced before they load it."""
         self._config = config
+        self._captured = captured
         self._setup = setup
         self._rdzv = rdzv
         self._control = control
@@ -73,7 +84,8 @@ class InProcessRecovery:
         # collectives broke learn from this record that a peer failed first (``RaisedVerdict``).
         failures = [self._restarts.describe(w, round_.node_rank) for w in failed]
         self._restarts.record(round_.state.round, failures)
-        if not self._control.uses_api([w.pid for w in round_.workers]):
+        pids = [w.pid for w in round_.workers]
+        if not self._control.uses_api(pids) and not self._reruns(pids):
             return False
         newest = self._control.newest_step([w.pid for w in round_.workers])
         newest = -1 if newest is None else newest
@@ -104,10 +116,11 @@ class InProcessRecovery:
         if new.node_rank(self._rdzv.me.node_id) != round_.node_rank:
             return False
         logger.warning(
-            "rank %s failed (%s): hot spare takes over, generation %d (no restart)",
+            "rank %s failed (%s): hot spare takes over, generation %d (no restart)%s",
             ", ".join(str(w.spec.global_rank) for w in failed),
             cause.message.splitlines()[0] if cause and cause.message else "?",
             new.round,
+            "; the survivors re-run the script in their processes" if self._reruns(pids) else "",
         )
         round_.recovered_at_step = newest
         round_.recovered_ranks = ranks
@@ -116,6 +129,10 @@ class InProcessRecovery:
         self.enter_generation(round_, new, replacements)
         logger.info("recovery decided in %.3f s", self._clock.monotonic() - started)
         return True
+
+    def _reruns(self, pids: list[int]) -> bool:
+        """Whether these are a plain script's workers that can all re-run it in-process (opt-in)."""
+        return self._config.rerun_in_process and self._control.reruns(pids)
 
     def enter_generation(self, round_: Round, new: RdzvState, replacements: dict[int, WorkerProcess]) -> bool:
         """Move this node's workers to generation ``new.round``: survivors keep their processes,
@@ -128,6 +145,11 @@ class InProcessRecovery:
         if master is None:
             return False
         specs = worker_specs(self._config, self._setup, self._rdzv.run_id, new, round_.node_rank, master)
+        survivors = [w.pid for w in round_.workers if w.spec.local_rank not in replacements]
+        if self._captured is not None and self._reruns(survivors):
+            # The survivors load the script's checkpoint as soon as the generation is published: the
+            # newest complete version must be in the folder first, as before a restart.
+            self._captured.restore(CAPTURED_RESTORE_S)
         envs: dict[int, dict[str, str]] = {}
         workers = []
         with round_.updating():  # a status read sees the promoted spare in one list, never in none

@@ -106,6 +106,7 @@ class Supervisor:
             self.restarts,
             self.membership,
             clock,
+            captured=captured,
         )
         self.standby = SpareNodeStandby(
             config,

@@ -36,6 +36,7 @@ class WorkerControl:
         self._assignments: dict[int, dict[str, str]] = {}  # spare pid -> env
         self._waiting_spares: set[int] = set()
         self._api_pids: set[int] = set()
+        self._rerun_pids: set[int] = set()  # plain scripts' workers that can re-run the script in-process
         self._progress: dict[int, tuple[int, float]] = {}  # pid -> (step, when it changed)
         self._beats: dict[int, float] = {}  # pid -> when its heartbeat thread last spoke
         self._finished: set[int] = set()
@@ -47,6 +48,18 @@ class WorkerControl:
     def register_api(self, pid: int) -> None:
         with self._cond:
             self._api_pids.add(pid)
+
+    def register_rerun(self, pid: int, reason: str = "") -> None:
+        """A plain script's worker can re-run the script in-process (``reason`` empty), or no longer
+        can (``reason`` says what it holds that cannot be reset: a failure then restarts the job).
+        Either way it is not on the API: a spare counted as one when given its rank (``assign``)
+        must not be held to the first-step allowance of a script that never reports a step."""
+        with self._cond:
+            self._api_pids.discard(pid)
+            if reason:
+                self._rerun_pids.discard(pid)
+            else:
+                self._rerun_pids.add(pid)
 
     def await_assignment(self, pid: int, timeout_s: float) -> dict[str, str] | None:
         """A spare waits here until the supervisor gives it a rank (None on timeout)."""
@@ -159,6 +172,11 @@ class WorkerControl:
     def uses_api(self, pids: list[int]) -> bool:
         with self._cond:
             return all(pid in self._api_pids for pid in pids)
+
+    def reruns(self, pids: list[int]) -> bool:
+        """Whether every one of ``pids`` is a plain script's worker that can re-run it in-process."""
+        with self._cond:
+            return bool(pids) and all(pid in self._rerun_pids for pid in pids)
 
     def begin_generation(self, pids: list[int]) -> None:
         """These workers start a generation (spawned, given a rank, or recovering in-process): the
