@@ -86,6 +86,8 @@ LAUNCHERS: dict[str, tuple[list[str], dict[str, str]]] = {
     "torchrun": (TORCHRUN, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
     "resilrun": (RESILRUN, {}),
     "resilrun-capture": ([*RESILRUN, *CAPTURE], {}),
+    # the survivors re-run the script in their processes, a hot spare takes the killed rank
+    "resilrun-rerun": ([*RESILRUN, *CAPTURE, "--spares", "1", "--rerun-in-process"], {}),
 }
 # What torchrun gives 2+ workers on a node; set for every launch so that all launchers compute alike.
 ENV = {"OMP_NUM_THREADS": "1"}

@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -42,6 +43,26 @@ def finished(*launches: Launch) -> dict[int, tuple[int, str]]:
         for rank, epoch, digest in re.findall(pattern, launch.stdout()):
             found[int(rank)] = (int(epoch), digest)
     return found
+
+
+def two_hosts_and_a_spare(
+    cluster_of, tmp_path: Path, train: list[str], capture: list[str]
+) -> tuple[Any, dict[str, Path], Launch, Launch, Launch]:  # noqa: ANN001 - the fixture's factory
+    """h0 and h1 training, each from a folder of its own (no shared file system), replicating to each
+    other, and h2 standing by as a spare node: (cluster, folders, h0, h1, h2) once all are running."""
+    cluster, start = cluster_of(3)
+    folders = {name: tmp_path / f"{name}_folder" for name in ("h0", "h1", "h2")}
+    for folder in folders.values():
+        folder.mkdir()
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
+        "--heartbeat-timeout", "3", "--max-restarts", "2", *capture,
+    ]  # fmt: skip
+    first = [start(name, *flags, "--node-rank", name[1:], *train, cwd=folders[name]) for name in ("h0", "h1")]
+    wait_for(lambda: any("round 0 formed" in n.stderr() for n in first), 150, "the round to form")
+    spare = start("h2", *flags, *train, cwd=folders["h2"])
+    wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
+    return cluster, folders, first[0], first[1], spare
 
 
 def resumed_at(launch: Launch) -> list[int]:
@@ -99,20 +120,8 @@ def test_a_replacement_host_without_a_shared_file_system_gets_the_snapshot_from_
     cluster_of, tmp_path: Path
 ) -> None:
     # Given two hosts, each running the tutorial script from its own folder, and a third standing by
-    cluster, start = cluster_of(3)
-    folders = {name: tmp_path / f"{name}_folder" for name in ("h0", "h1", "h2")}
-    for folder in folders.values():
-        folder.mkdir()
     train = [str(TUTORIAL), "24", "2", "--sleep", "0.08"]
-    flags = [
-        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
-        "--heartbeat-timeout", "3", "--max-restarts", "2", *CAPTURE,
-    ]  # fmt: skip
-    first = [start(name, *flags, "--node-rank", name[1:], *train, cwd=folders[name]) for name in ("h0", "h1")]
-    wait_for(lambda: any("round 0 formed" in n.stderr() for n in first), 150, "the round to form")
-    spare = start("h2", *flags, *train, cwd=folders["h2"])
-    wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
-    survivor, doomed = first
+    cluster, folders, survivor, doomed, spare = two_hosts_and_a_spare(cluster_of, tmp_path, train, CAPTURE)
     wait_for(lambda: "Epoch 6 | Training snapshot saved" in survivor.stdout(), 150, "the epoch-6 snapshot")
     assert not (folders["h2"] / "snapshot.pt").exists()
     # When h1 drops off the network
@@ -182,20 +191,9 @@ def test_a_dcp_checkpoint_written_across_hosts_without_a_shared_file_system_is_w
 ) -> None:
     # Given unmodified DCP saves on two hosts, each into its own folder: each host holds only its
     # rank's shard, and only h0 the .metadata (which torch.distributed.checkpoint cannot load from)
-    cluster, start = cluster_of(3)
-    folders = {name: tmp_path / f"{name}_folder" for name in ("h0", "h1", "h2")}
-    for folder in folders.values():
-        folder.mkdir()
     train = [str(DCP_LOOP), "--ddp", "--steps", "60", "--save-every", "5", "--sleep", "0.1"]
-    flags = [
-        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
-        "--heartbeat-timeout", "3", "--max-restarts", "2", "--capture-dir", "ckpt",
-    ]  # fmt: skip
-    first = [start(name, *flags, "--node-rank", name[1:], *train, cwd=folders[name]) for name in ("h0", "h1")]
-    wait_for(lambda: any("round 0 formed" in n.stderr() for n in first), 150, "the round to form")
-    spare = start("h2", *flags, *train, cwd=folders["h2"])
-    wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare host")
-    survivor, doomed = first
+    capture = ["--capture-dir", "ckpt"]
+    cluster, folders, survivor, doomed, spare = two_hosts_and_a_spare(cluster_of, tmp_path, train, capture)
     wait_for(lambda: "saved step-19" in survivor.stdout(), 150, "the step-19 checkpoint")
     # When h1 drops off the network
     drop_off(cluster, "h1", doomed)

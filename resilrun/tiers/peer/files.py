@@ -51,6 +51,21 @@ def _sha256_check(expected: str) -> Any:
     return check
 
 
+def _receive(session: Session, deadline: Deadline, version: FileVersion) -> tuple[bytes, str | None]:
+    """The stream of ``version``'s bytes, checked (crc32s, the session's MAC, its SHA-256); the
+    problem when they do not count."""
+    target = bytearray(version.size)
+    received = receive_snapshot(
+        session,
+        deadline,
+        memoryview(target),
+        segment_bounds(version.size),
+        check=_sha256_check(version.sha256),
+        what="the announced file",
+    )
+    return bytes(target), received.problem
+
+
 # -- client -------------------------------------------------------------------------------------
 def list_files(address: str, secret: Credential, timeout: timedelta) -> list[FileVersion]:
     """Every captured version the peer holds (its own captures and the replicas it keeps).
@@ -114,18 +129,10 @@ def fetch_file(address: str, secret: Credential, version: FileVersion, timeout: 
             raise ReplicationError(f"peer {address} sent another version of {version.path}")
         if sent.size + _HEADROOM_BYTES > psutil.virtual_memory().available:
             raise ReplicationError(f"node memory cannot hold the {sent.size} byte captured file {sent.path}")
-        target = bytearray(sent.size)
-        received = receive_snapshot(
-            session,
-            deadline,
-            memoryview(target),
-            segment_bounds(sent.size),
-            check=_sha256_check(sent.sha256),
-            what="the announced file",
-        )
-    if received.problem is not None:
-        raise CheckpointCorruptError(f"captured file {version.path} from peer {address}: {received.problem}")
-    return bytes(target)
+        data, problem = _receive(session, deadline, sent)
+    if problem is not None:
+        raise CheckpointCorruptError(f"captured file {version.path} from peer {address}: {problem}")
+    return data
 
 
 def drop_file(address: str, secret: Credential, version: FileVersion, timeout: timedelta) -> None:
@@ -173,20 +180,12 @@ def _serve_put(session: Session, version: FileVersion, deadline: Deadline, catal
         session.send({"ok": False, "error": f"no memory for {version.size} bytes on this node"}, deadline)
         return
     session.send({"ok": True}, deadline)
-    target = bytearray(version.size)
-    received = receive_snapshot(
-        session,
-        deadline,
-        memoryview(target),
-        segment_bounds(version.size),
-        check=_sha256_check(version.sha256),
-        what="the announced file",
-    )
-    if received.problem is not None:
-        logger.warning("a captured file %s pushed by a peer was not kept: %s", version.path, received.problem)
-        session.send({"ok": False, "error": received.problem}, deadline)
+    data, problem = _receive(session, deadline, version)
+    if problem is not None:
+        logger.warning("a captured file %s pushed by a peer was not kept: %s", version.path, problem)
+        session.send({"ok": False, "error": problem}, deadline)
         return
-    catalog.put(version, bytes(target), own=False)
+    catalog.put(version, data, own=False)
     session.send({"ok": True}, deadline)
 
 
