@@ -96,6 +96,8 @@ OWN_TESTS = {
     "train_hf_trainer.py": ROOT / "tests" / "integration" / "test_framework_transformers.py",
     "train_accelerate.py": ROOT / "tests" / "integration" / "test_framework_accelerate.py",
     "train_lightning.py": ROOT / "tests" / "integration" / "test_framework_lightning.py",
+    "train_snapshot_torchrun.py": ROOT / "tests" / "integration" / "test_captured_checkpoints.py",
+    "train_dcp.py": ROOT / "tests" / "integration" / "test_captured_checkpoints.py",
 }
 
 
