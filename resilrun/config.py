@@ -1,8 +1,9 @@
-"""The launch configuration: one frozen dataclass, its flags, environment names and validation.
+"""The launch configuration: one frozen dataclass, its flags, environment names and defaults.
 
 Each field that is a ``run`` option declares its flag, environment names, help and panel with
 ``options.option_meta``; how command-line text becomes the field's value lives there too, so this
-module holds what a value may be and that module how it is spelled.
+module holds what a value may be and that module how it is spelled; ``config_checks`` holds which
+values and combinations are allowed.
 
 Invariants: a ``Config`` that exists has been validated (``from_cli`` is the only way the CLI makes
 one); nothing here reads the environment, touches the network or spawns anything, so every usage
@@ -13,14 +14,12 @@ here and ``timedelta`` everywhere else.
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from resilrun.env import SNAPSHOT_AUTO
+from resilrun.config_checks import check
 from resilrun.errors import ConfigError
 from resilrun.option_values import (
     RdzvConf,
@@ -439,168 +438,12 @@ class Config:
         return config
 
     def validate(self) -> None:
-        """Check every value; raise :class:`ConfigError` naming the first bad one.
+        """Check every value (``config_checks``); raise :class:`ConfigError` naming the first bad one.
 
         Raises:
             ConfigError: a value is invalid, the script is missing, or flags conflict.
         """
-        min_nodes, max_nodes = self.node_range
-        if self.rdzv_backend not in ("c10d", "static", "etcd"):
-            raise ConfigError(
-                f"--rdzv-backend '{self.rdzv_backend}' is unknown", hint="use c10d (default), static or etcd"
-            )
-        if self.rdzv_backend == "etcd":
-            self._validate_etcd()
-        if self.standalone and max_nodes != 1:
-            raise ConfigError(f"--standalone runs one node, but --nnodes is '{self.nnodes}'")
-        self.rdzv  # noqa: B018 - parses and validates
-        if max_nodes > 1 and not self.rdzv_endpoint and self.rdzv_backend != "static":
-            raise ConfigError(
-                f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT",
-                hint="every node must point at the same endpoint; or use --standalone for one node",
-            )
-        host, port = self.endpoint
-        if port == 0 and max_nodes > 1:
-            raise ConfigError(
-                f"--rdzv-endpoint '{self.rdzv_endpoint}' has port 0, which other nodes cannot find",
-                hint="give a fixed port for a multi-node job, e.g. --rdzv-endpoint head:29400",
-            )
-        if self.node_rank is not None and not 0 <= self.node_rank < max_nodes:
-            raise ConfigError(f"--node-rank ({self.node_rank}) must be in 0..{max_nodes - 1}")
-        if self.node_rank is not None and min_nodes != max_nodes:
-            raise ConfigError(
-                f"--node-rank needs a fixed --nnodes, not '{self.nnodes}'",
-                hint="an elastic job assigns node ranks itself; drop --node-rank",
-            )
-        if self.rdzv_backend == "static" and self.node_rank is None:
-            raise ConfigError("--rdzv-backend static needs --node-rank", hint="give each node its rank")
-        if self.rdzv_backend == "static" and min_nodes != max_nodes:
-            raise ConfigError(f"--rdzv-backend static needs a fixed --nnodes, not '{self.nnodes}'")
-        self._validate_processes()
-        self._validate_checkpoints()
-        self._validate_script()
-
-    def _validate_etcd(self) -> None:
-        if not self.rdzv_endpoint:
-            raise ConfigError(
-                "--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]",
-                hint="name the client URLs of your etcd cluster, e.g. --rdzv-endpoint etcd1:2379,etcd2:2379",
-            )
-        for host, port in self.endpoints:
-            if port == 0:
-                raise ConfigError(f"--rdzv-endpoint '{self.rdzv_endpoint}': etcd member {host} has port 0")
-        if self.rdzv.is_host is not None:
-            raise ConfigError(
-                "--rdzv-conf is_host applies to the c10d backend only",
-                hint="with --rdzv-backend etcd no node hosts the rendezvous; drop is_host",
-            )
-
-    def _validate_processes(self) -> None:
-        nproc = self.nproc_per_node.strip().lower()
-        if nproc not in ("auto", "cpu", "gpu", "cuda") and not (nproc.isdecimal() and int(nproc) > 0):
-            raise ConfigError(f"--nproc-per-node '{self.nproc_per_node}' is not a positive number, auto, cpu or gpu")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts ({self.max_restarts}) must be >= 0")
-        if not self.monitor_interval_s > 0:
-            raise ConfigError(f"--monitor-interval ({self.monitor_interval_s}) must be > 0")
-        if not self.shutdown_timeout_s >= 0:
-            raise ConfigError(f"--shutdown-timeout ({self.shutdown_timeout_s}) must be >= 0")
-        if not self.exit_barrier_timeout_s > 0:
-            raise ConfigError(f"--exit-barrier-timeout ({self.exit_barrier_timeout_s}) must be > 0")
-        if not self.hang_timeout_s > 0:
-            raise ConfigError(f"--hang-timeout ({self.hang_timeout_s}) must be > 0")
-        if not self.first_step_timeout_s > 0:
-            raise ConfigError(f"--first-step-timeout ({self.first_step_timeout_s}) must be > 0")
-        if self.spares < 0:
-            raise ConfigError(f"--spares ({self.spares}) must be >= 0")
-        if self.rerun_in_process and self.spares < 1:
-            raise ConfigError(
-                "--rerun-in-process needs --spares 1 or more",
-                hint="the failed rank is taken by a hot spare while the survivors re-run the script; add --spares 1",
-            )
-        if not self.heartbeat_interval_s > 0:
-            raise ConfigError(f"--heartbeat-interval ({self.heartbeat_interval_s}) must be > 0")
-        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
-            raise ConfigError(
-                f"--heartbeat-timeout ({self.heartbeat_timeout_s}) must be > --heartbeat-interval "
-                f"({self.heartbeat_interval_s})",
-                hint="a timeout of 3 to 5 intervals tolerates a slow store without false alarms",
-            )
-        if not 0 <= self.master_port <= 65535:
-            raise ConfigError(f"--master-port ({self.master_port}) must be in 0..65535")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port ({self.metrics_port}) must be in 0..65535")
-        if not self.metrics_addr.strip():
-            raise ConfigError("--metrics-addr is empty", hint="e.g. --metrics-addr 127.0.0.1")
-        if self.start_method not in ("spawn", "fork", "forkserver"):
-            raise ConfigError(f"--start-method '{self.start_method}' is not spawn, fork or forkserver")
-        self.redirects_spec  # noqa: B018 - parses and validates
-        self.tee_spec  # noqa: B018
-        self.ranks_filter  # noqa: B018
-
-    def _validate_checkpoints(self) -> None:
-        if self.snapshot_every < 1 and self.snapshot_every != SNAPSHOT_AUTO:
-            raise ConfigError(
-                f"--snapshot-every ({self.snapshot_every}) must be >= 1 or auto",
-                hint="1 snapshots every step; N snapshots every N-th and a failure redoes at most N-1 steps",
-            )
-        if not 0.1 <= self.max_overhead_pct <= 50:
-            raise ConfigError(
-                f"--max-overhead ({self.max_overhead_pct:g}) must be between 0.1 and 50 (percent of step time)",
-                hint="the default 3 keeps snapshots under 3% of training time",
-            )
-        if self.replicate_every < 1 and self.replicate_every != SNAPSHOT_AUTO:
-            raise ConfigError(f"--replicate-every ({self.replicate_every}) must be >= 1 or auto")
-        if self.replicate_every == SNAPSHOT_AUTO and self.snapshot_every != SNAPSHOT_AUTO:
-            raise ConfigError(
-                "--replicate-every auto needs --snapshot-every auto",
-                hint="the replica interval is chosen with the snapshot interval, from the same measurements; "
-                "with a fixed --snapshot-every give --replicate-every N",
-            )
-        if self.replicas < 0:
-            raise ConfigError(f"--replicas ({self.replicas}) must be >= 0")
-        if self.persist_every < 1:
-            raise ConfigError(f"--persist-every ({self.persist_every}) must be >= 1")
-        if self.keep_last < 1:
-            raise ConfigError(f"--keep-last ({self.keep_last}) must be >= 1")
-        if self.checkpoint_uri is not None:
-            if not self.checkpoint_uri.strip():
-                raise ConfigError("--checkpoint-uri is empty", hint="give s3://bucket/prefix or a directory")
-            if self.checkpoint_uri.startswith("s3://"):
-                from resilrun.storage import parse_s3_uri
-
-                parse_s3_uri(self.checkpoint_uri)
-        elif self.s3_endpoint_url or self.s3_expected_owner:
-            raise ConfigError("--s3-endpoint-url and --s3-expected-owner need --checkpoint-uri s3://...")
-        if self.capture_dir is not None and not self.capture_dir.strip():
-            raise ConfigError("--capture-dir is empty", hint="give the folder the script writes its checkpoints to")
-        if not self.capture_pattern.strip():
-            raise ConfigError(
-                "--capture-pattern is empty", hint="give a glob such as 'snapshot.pt' or '*' (every file)"
-            )
-
-    def _validate_script(self) -> None:
-        if not self.script:
-            raise ConfigError("no training script given", hint="usage: resilrun [OPTIONS] SCRIPT [ARGS...]")
-        if self.module and self.no_python:
-            raise ConfigError("--module and --no-python cannot be combined")
-        if self.spares and self.no_python:
-            raise ConfigError(
-                "--spares cannot be combined with --no-python",
-                hint="hot spares wait in resilrun's Python worker bootstrap; run the script with python "
-                "(drop --no-python) or use --spares 0",
-            )
-        if self.module:
-            return
-        if self.no_python:
-            if shutil.which(self.script) is None and not os.path.isfile(self.script):
-                raise ConfigError(f"program '{self.script}' was not found", hint="check the path or PATH")
-            return
-        if not os.path.isfile(self.script):
-            raise ConfigError(
-                f"training script '{self.script}' does not exist",
-                hint="give a path to a .py file, or use -m for a module",
-            )
+        check(self)
 
     def with_changes(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
