@@ -4,6 +4,7 @@
     python benchmarks/recovery.py --quick        # smoke check: 64 MiB, 1 kill
     python benchmarks/recovery.py --spares 0     # resilrun without a hot spare (a new process)
     python benchmarks/recovery.py --launchers resilrun --baseline ../old-checkout   # before/after
+    python benchmarks/recovery.py --spares 0 --launchers resilrun,resilrun-spawn,torchrun-noshare  # template
 
 What it measures (DESIGN.md §3, issue 4): 4 ranks (``--standalone --nproc-per-node 4``, gloo), a
 toy MLP whose params + AdamW moments are ``--sizes`` MiB per rank, rank 1 SIGKILLed when step
@@ -62,6 +63,15 @@ LAUNCHERS: dict[str, tuple[list[str], dict[str, str], Path]] = {
     "resilrun": ([sys.executable, "-m", "resilrun", "--spares", "1"], {}, HERE / "_recovery_resilrun.py"),
     "torchrun": (TORCHRUN, {}, HERE / "_recovery_torchrun.py"),
     "torchrun-noshare": (TORCHRUN, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, HERE / "_recovery_torchrun.py"),
+}
+# Run only when --launchers names them: resilrun starting every worker as a new process, as it did
+# before the worker template (the template's effect, measured in the same run).
+OPTIONAL = {
+    "resilrun-spawn": (
+        [sys.executable, "-m", "resilrun", "--no-worker-template", "--spares", "1"],
+        {},
+        HERE / "_recovery_resilrun.py",
+    ),
 }
 # stderr markers stamped on arrival (first one after the kill): resilrun's agent and bootstrap,
 # torchrun's agent, and the torchrun script's own resume line.
@@ -291,6 +301,7 @@ def main() -> None:
     parser.add_argument("--launchers", default="", help="comma-separated subset of the launchers (default: all)")
     args = parser.parse_args()
     LAUNCHERS["resilrun"][0][-1] = str(args.spares)
+    OPTIONAL["resilrun-spawn"][0][-1] = str(args.spares)
     if args.baseline is not None:
         if not (args.baseline / "resilrun" / "__init__.py").is_file():
             parser.error(f"--baseline {args.baseline}: no resilrun package there (give a checkout's root)")
@@ -298,9 +309,10 @@ def main() -> None:
         LAUNCHERS["resilrun-baseline"] = LAUNCHERS["resilrun"]
     if args.launchers:
         chosen = [n.strip() for n in args.launchers.split(",") if n.strip()]
+        LAUNCHERS.update({name: OPTIONAL[name] for name in chosen if name in OPTIONAL})
         unknown = sorted(set(chosen) - set(LAUNCHERS))
         if unknown or "resilrun" not in chosen:
-            known = ", ".join(LAUNCHERS)
+            known = ", ".join([*LAUNCHERS, *OPTIONAL])
             parser.error(f"--launchers {args.launchers}: choose from {known}, resilrun included")
         for name in list(LAUNCHERS):
             if name not in chosen and name != "resilrun-baseline":

@@ -298,6 +298,16 @@ class Config:
             pet=False,
         ),
     )
+    # Off only where forking from a process that imported torch is not wanted (docs/launching.md).
+    no_worker_template: bool = field(
+        default=False,
+        metadata=option_meta(
+            "--no-worker-template",
+            P,
+            "Start each worker as a new process instead of forking it from the node's template.",
+            pet=False,
+        ),
+    )
     s3_endpoint_url: str | None = field(
         default=None,
         metadata=option_meta("--s3-endpoint-url", C, "Endpoint of an S3-compatible store.", pet=False, value="URL"),

@@ -103,6 +103,54 @@ class WorkerEnv:
         return env
 
 
+# What resilrun tells each process it starts (WorkerEnv.to_env, spare_environ): read by the script
+# and by resilrun at call time, never by the interpreter or torch as they start, so a worker may be
+# forked from the node's template (started without them) and given them afterwards.
+PER_PROCESS_KEYS = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",  # read when an NCCL group is made
+    }
+)
+# resilrun's own (read at call time) and the node's network interface for gloo and NCCL (read
+# when a process group is made).
+_READ_AFTER_START_PREFIXES = ("TORCHELASTIC_", "RESILRUN_")
+_READ_AFTER_START_SUFFIXES = ("_SOCKET_IFNAME",)
+
+
+# The room the agent leaves in the worker template's command line (one argument of this many
+# spaces) and environment (this variable, eight times as long) for each forked worker to show its
+# own there (resilrun/worker_template.py, StartAreas).
+TEMPLATE_ROOM_ENV = "RESILRUN_TEMPLATE_ROOM"
+TEMPLATE_ROOM_BYTES = 4096
+
+
+def read_after_start(key: str) -> bool:
+    """Whether ``key`` is one resilrun sets per process or per node that nothing reads while a
+    Python process starts and imports torch (so a forked worker may get it afterwards)."""
+    return (
+        key in PER_PROCESS_KEYS
+        or key.startswith(_READ_AFTER_START_PREFIXES)
+        or key.endswith(_READ_AFTER_START_SUFFIXES)
+    )
+
+
+def worker_base_env(environ: Mapping[str, str], nproc_per_node: int) -> dict[str, str]:
+    """What every process a node starts inherits: ``environ`` with torchrun's OMP default, without
+    the agent's secrets (the last gate before a process exists)."""
+    return without_secrets({**environ, **omp_threads_default(environ, nproc_per_node)})
+
+
 def omp_threads_default(base: Mapping[str, str], nproc_per_node: int) -> dict[str, str]:
     """torchrun sets OMP_NUM_THREADS=1 when unset and more than one worker shares a node."""
     if "OMP_NUM_THREADS" in base or nproc_per_node <= 1:

@@ -289,7 +289,7 @@ def _drop_script_modules(directory: str) -> int:
     return dropped
 
 
-def _exit_now(code: int) -> None:
+def exit_now(code: int) -> None:
     """Leave like ``sys.exit(code)`` but skip the C++ teardown after the script is done.
 
     The user's atexit handlers still run and the streams are flushed; only the destruction of
@@ -348,19 +348,19 @@ def main(argv: list[str]) -> None:
         try:
             _run(target, list(args), as_module)
             _tell_agent_finished()
-            _exit_now(0)
+            exit_now(0)
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 write_error_file(exc)
                 raise
             _tell_agent_finished()
-            _exit_now(0)
+            exit_now(0)
         except StateLostError as exc:
             # Nothing to resume from, and retrying cannot change that: a distinct exit code tells
             # the agent to stop the job now instead of spending restarts.
             write_error_file(exc)
             traceback.print_exception(exc)
-            _exit_now(STATE_REFUSED_EXIT_CODE if isinstance(exc, StateRefusedError) else STATE_LOST_EXIT_CODE)
+            exit_now(STATE_REFUSED_EXIT_CODE if isinstance(exc, StateRefusedError) else STATE_LOST_EXIT_CODE)
         except BaseException as exc:
             env = _next_generation(exc)
             if env is None:

@@ -12,18 +12,47 @@ the round loop reads. The parts live in groups, each importing only the groups l
 - ``supervision/``: the round loop and the parts it composes;
 - ``node.py`` (the composition root), ``status.py`` (the status publisher, which reads every
   part) and ``addressing.py`` (the node's address, decided once) on top.
+
+Importing this package imports none of them: ``run`` starts the node's worker template first, so
+that its ``import torch`` runs while the agent imports its own (node.py pulls in torch).
 """
 
 from __future__ import annotations
 
 import signal
+from typing import TYPE_CHECKING, Any
 
-from resilrun.agent.node import Node, Outcome, RunResult, build_node, resolve_nproc
-from resilrun.agent.supervision.rounds import SignalFlag
-from resilrun.agent.workers.procs import HANDLED_SIGNALS
 from resilrun.config import Config
 
+if TYPE_CHECKING:
+    from resilrun.agent.node import RunResult
+    from resilrun.agent.workers.template import WorkerTemplate
+
 __all__ = ["Node", "Outcome", "RunResult", "build_node", "resolve_nproc", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Node", "Outcome", "RunResult", "build_node", "resolve_nproc"):
+        from resilrun.agent import node
+
+        return getattr(node, name)
+    raise AttributeError(f"module 'resilrun.agent' has no attribute '{name}'")
+
+
+def _early_template(config: Config) -> WorkerTemplate | None:
+    """The worker template, started before the agent imports torch, where its environment is
+    known without torch (``--nproc-per-node`` a number or ``cpu``); else build_node starts it."""
+    import os
+
+    from resilrun.agent.workers.procs import start_template
+    from resilrun.agent.workers.template import uses_template
+    from resilrun.env import agent_environ, worker_base_env
+
+    value = config.nproc_per_node.strip().lower()
+    if not uses_template(config) or not (value.isdecimal() or value == "cpu"):
+        return None
+    nproc = int(value) if value.isdecimal() else os.cpu_count() or 1
+    return start_template(worker_base_env(agent_environ(), nproc))
 
 
 def run(config: Config) -> RunResult:
@@ -32,12 +61,22 @@ def run(config: Config) -> RunResult:
     Raises:
         ResilrunError: the job failed (the subclass says how); ShutdownRequested on a signal.
     """
-    signals = SignalFlag()
-    previous = {sig: signal.signal(sig, signals.handler) for sig in HANDLED_SIGNALS}
+    from resilrun.agent.workers.procs import HANDLED_SIGNALS
+
+    template = _early_template(config)
     try:
-        result = build_node(config, signals).run()
+        from resilrun.agent.node import build_node
+        from resilrun.agent.supervision.rounds import SignalFlag
+
+        signals = SignalFlag()
+        previous = {sig: signal.signal(sig, signals.handler) for sig in HANDLED_SIGNALS}
+        try:
+            result = build_node(config, signals, template=template).run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if template is not None:
+            template.close()
     result.raise_error()
     return result

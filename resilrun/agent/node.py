@@ -43,7 +43,9 @@ from resilrun.agent.supervision.rounds import Membership, SignalFlag
 from resilrun.agent.supervision.supervisor import Supervisor
 from resilrun.agent.workers.control import WorkerControl
 from resilrun.agent.workers.fault_hooks import PERSIST_DELAY_ENV, delay_s
-from resilrun.agent.workers.specs import NodeSetup
+from resilrun.agent.workers.procs import Processes, start_template
+from resilrun.agent.workers.specs import NodeSetup, process_env
+from resilrun.agent.workers.template import WorkerTemplate, uses_template
 from resilrun.config import Config
 from resilrun.env import CAPTURE_DIR_ENV, RERUN_ENV, agent_environ, agent_secrets
 from resilrun.errors import (
@@ -166,6 +168,7 @@ class Node:
         publisher: StatusPublisher,
         nproc: int,
         captured: CapturedFolder | None = None,
+        template: WorkerTemplate | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -184,6 +187,7 @@ class Node:
         self.publisher = publisher
         self.nproc = nproc
         self.captured = captured
+        self.template = template
 
     def run(self) -> RunResult:
         """Run this node's share of the job to its end, then close every part (in the order their
@@ -224,6 +228,8 @@ class Node:
         return RunResult(Outcome.SUCCEEDED)
 
     def _close(self, result: RunResult) -> None:
+        if self.template is not None:  # the workers are stopped: nothing more to fork
+            self.template.close()
         self.telemetry.exit(result.outcome.value, result.message)
         self.publisher.close(final_state=result.outcome.value)
         if self.metrics is not None:
@@ -243,11 +249,17 @@ class Node:
         self.backend.close()
 
 
-def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] | None = None) -> Node:
+def build_node(
+    config: Config,
+    signals: SignalFlag,
+    environ: Mapping[str, str] | None = None,
+    template: WorkerTemplate | None = None,
+) -> Node:
     """Every part of this node, wired through constructors (the order: the module's docstring).
 
     ``environ``: the agent's environment less its secrets (default: this process's); the job
-    secret is read from ``agent_secrets()`` alone.
+    secret is read from ``agent_secrets()`` alone. ``template``: the worker template, when the
+    caller started it before importing this module (else one is started here).
 
     Raises:
         ConfigError: the secret, the log directory or an address is wrong (nothing is left open).
@@ -429,6 +441,10 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
         )
         # A node's silence in the store is confirmed on its replica server before it counts as lost.
         liveness = PeerLiveness(peer_key, config.heartbeat_interval_s) if replicated else None
+        if template is None and uses_template(config):
+            template = start_template(process_env(setup))
+        if template is not None:
+            opened_so_far.callback(template.close)
         supervisor = Supervisor(
             config,
             setup,
@@ -436,6 +452,7 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
             signals,
             control,
             telemetry,
+            processes=Processes(template),
             liveness=liveness,
             membership=membership,
             captured=captured,
@@ -471,6 +488,7 @@ def build_node(config: Config, signals: SignalFlag, environ: Mapping[str, str] |
         publisher=publisher,
         nproc=nproc,
         captured=captured,
+        template=template,
     )
 
 

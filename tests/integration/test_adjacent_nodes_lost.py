@@ -29,22 +29,22 @@ TRAIN = [str(EXAMPLE), "--steps", "30", "--hidden", "64", "--sleep", "0.15"]
 
 def _start_and_lose_two(cluster_of, tmp_path: Path, *extra: str) -> tuple[Launch, list[Launch]]:  # noqa: ANN001
     """Hosts h0-h2 run 3 nodes x 1 worker (h0, node rank 0, hosts the store), h3 and h4 stand by as
-    spare nodes; once step 10 is done, h1 and h2 drop off the network with their processes (in a
+    spare nodes; once step 11 is done, h1 and h2 drop off the network with their processes (in a
     ring of three, any two nodes are adjacent)."""
     cluster, start = cluster_of(5)
     flags = [
         "--nnodes", "3", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
         "--heartbeat-timeout", "3", "--max-restarts", "1", *extra,
     ]  # fmt: skip
-    train = [*TRAIN, "--checksum-file", str(tmp_path / "out.sha")]
+    train = [*TRAIN, "--progress", "--checksum-file", str(tmp_path / "out.sha")]  # every step's line
     active = [start(f"h{i}", *flags, "--node-rank", str(i), *train) for i in range(3)]
     wait_for(lambda: any("round 0 formed" in n.stderr() for n in active), 150, "the round to form")
     spares = [start(f"h{i}", *flags, *train) for i in (3, 4)]
     wait_for(lambda: all("standing by as a spare node" in n.stderr() for n in spares), 150, "two spare hosts")
-    wait_for(lambda: newest_step(active[0]) >= 10, 150, "training to pass step 10")
-    # Steps take >= 0.15 s: a second later at least two more are done, and fewer than nine (so with
-    # --persist-every 10 the newest persisted step is still 9 and steps 10.. are lost)
-    time.sleep(1.0)
+    # Steps 10 and 11 done (at least two past the step persisted with --persist-every 10, so the
+    # restore reports them lost) and the hosts dropped at once: steps take >= 0.15 s, so the drop
+    # has 1.2 s before step 19 would be persisted (a fixed sleep here lost that race under load).
+    wait_for(lambda: newest_step(active[0]) >= 11, 150, "training to pass step 11")
     for name, node in (("h1", active[1]), ("h2", active[2])):
         drop_off(cluster, name, node)
     return active[0], spares
@@ -103,7 +103,7 @@ def test_a_second_host_lost_while_the_first_ones_generation_forms_is_recovered_i
         "--heartbeat-timeout", "3", "--max-restarts", "0", "--checkpoint-uri", str(tmp_path / "ckpt"),
         "--persist-every", "5",
     ]  # fmt: skip
-    train = [*TRAIN, "--checksum-file", str(tmp_path / "out.sha")]
+    train = [*TRAIN, "--progress", "--checksum-file", str(tmp_path / "out.sha")]  # every step's line
     # h0 is node rank 0 and hosts the store: the hosts lost below never include it (losing the
     # c10d store's host ends any job)
     active = [start(f"h{i}", *flags, "--node-rank", str(i), *train) for i in range(4)]

@@ -514,6 +514,7 @@ _RESILRUN_ONLY = {
     "peer_encryption",
     "spares",
     "rerun_in_process",
+    "no_worker_template",
     "hang_timeout_s",
     "first_step_timeout_s",
     "heartbeat_interval_s",

@@ -22,14 +22,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
 from pathlib import Path
 from typing import IO
 
-from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE
+from resilrun.agent.workers.template import AdoptedProcess, WorkerTemplate
+from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE, python_exec
 from resilrun.errors import ConfigError
 from resilrun.option_values import Std
 from resilrun.private_file import open_private_output
@@ -59,7 +60,7 @@ class WorkerSpec:
 
 
 @cache
-def _resolve_prctl() -> Callable[[int, int], int] | None:
+def resolve_prctl() -> Callable[[int, int], int] | None:
     """libc's prctl, looked up in the agent (None where there is none: not Linux).
 
     Why here and not in the child: dlopen/dlsym take the loader lock, which another thread of the
@@ -163,7 +164,13 @@ class WorkerSnapshot:
 class WorkerProcess:
     """One running worker and the threads that carry its output; owned by the thread that spawned it."""
 
-    def __init__(self, spec: WorkerSpec, popen: subprocess.Popen[bytes], tees: list[_Tee], files: list[IO[bytes]]):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        popen: subprocess.Popen[bytes] | AdoptedProcess,
+        tees: list[_Tee],
+        files: list[IO[bytes]],
+    ):
         self._lock = threading.Lock()  # guards _spec, _exit_observed_at, _pidfd against snapshot()
         self._owner = threading.get_ident()
         self._spec = spec
@@ -303,8 +310,79 @@ def _make_log_dir(log_dir: Path) -> None:
             )
 
 
-def spawn(spec: WorkerSpec) -> WorkerProcess:
-    """Start one worker in its own session; signals handled by the agent are blocked meanwhile."""
+def child_setup() -> Callable[[], None]:
+    """What a process the agent starts runs between fork and exec: resolved here, in the agent."""
+    agent_pid = os.getpid()
+    prctl = resolve_prctl()  # before forking: the child must not dlopen
+    return lambda: _child_setup(agent_pid, prctl)
+
+
+def start_template(env: Mapping[str, str]) -> WorkerTemplate:
+    """The node's worker template, started as the agent starts its other processes."""
+    return WorkerTemplate(python_exec(), env, resolve_prctl(), child_setup())
+
+
+def _new_process(
+    argv: tuple[str, ...], env: dict[str, str], out_arg: int | IO[bytes] | None, err_arg: int | IO[bytes] | None
+) -> subprocess.Popen[bytes]:
+    setup = child_setup()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+    try:
+        return subprocess.Popen(
+            list(argv),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out_arg,
+            stderr=err_arg,
+            start_new_session=True,
+            preexec_fn=setup,  # noqa: PLW1509 - it calls only what the parent resolved
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _forked(
+    template: WorkerTemplate, spec: WorkerSpec, out_arg: int | IO[bytes] | None, err_arg: int | IO[bytes] | None
+) -> AdoptedProcess | None:
+    """The worker forked from the node's template with the streams Popen would have given it, or
+    None (then it is started as a new process)."""
+    opened: list[int] = []  # what the agent closes once the template holds its own copies
+    readers: list[IO[bytes] | None] = []
+    fds = []
+    try:
+        for console, arg in ((None, subprocess.DEVNULL), (1, out_arg), (2, err_arg)):
+            reader = None
+            if arg is None and console is not None:
+                fd = console
+            elif arg == subprocess.DEVNULL or arg is None:
+                fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+                opened.append(fd)
+            elif arg == subprocess.PIPE:
+                read_end, fd = os.pipe2(os.O_CLOEXEC)
+                opened.append(fd)
+                reader = os.fdopen(read_end, "rb")
+            else:
+                assert not isinstance(arg, int)
+                fd = arg.fileno()
+            fds.append(fd)
+            if console is not None:
+                readers.append(reader)
+        process = template.start(spec.argv, spec.env, fds)
+    finally:
+        for fd in opened:
+            os.close(fd)
+    if process is None:
+        for reader in readers:
+            if reader is not None:
+                reader.close()
+        return None
+    process.stdout, process.stderr = readers
+    return process
+
+
+def spawn(spec: WorkerSpec, template: WorkerTemplate | None = None) -> WorkerProcess:
+    """Start one worker in its own session: forked from the node's ``template`` where it can be,
+    else as a new process, with the signals handled by the agent blocked meanwhile."""
     _make_log_dir(spec.log_dir)
     with contextlib.suppress(FileNotFoundError):
         spec.error_file.unlink()
@@ -315,21 +393,11 @@ def spawn(spec: WorkerSpec) -> WorkerProcess:
         if out_file is not None:
             out_file.close()
         raise
-    agent_pid = os.getpid()
-    prctl = _resolve_prctl()  # before forking: the child must not dlopen
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
-    try:
-        popen = subprocess.Popen(
-            list(spec.argv),
-            env=spec.env,
-            stdin=subprocess.DEVNULL,
-            stdout=out_arg,
-            stderr=err_arg,
-            start_new_session=True,
-            preexec_fn=lambda: _child_setup(agent_pid, prctl),  # noqa: PLW1509 - it calls only what the parent resolved
-        )
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    popen: subprocess.Popen[bytes] | AdoptedProcess | None = None
+    if template is not None:
+        popen = _forked(template, spec, out_arg, err_arg)
+    if popen is None:
+        popen = _new_process(spec.argv, spec.env, out_arg, err_arg)
     prefix = f"[rank {spec.global_rank}]: ".encode()
     tees: list[_Tee] = []
     files = [f for f in (out_file, err_file) if f is not None]
@@ -382,11 +450,15 @@ class Processes:
     """Starting, waiting on and stopping workers, as one object the supervisor's parts are given.
 
     Why an object: the recovery decisions are unit-tested against fake processes and a fake clock
-    (tests/unit/test_recovery_paths.py); the real ones are the module's functions above.
+    (tests/unit/test_recovery_paths.py); the real ones are the module's functions above, forking
+    from the node's ``template`` when there is one.
     """
 
+    def __init__(self, template: WorkerTemplate | None = None) -> None:
+        self.template = template
+
     def spawn(self, spec: WorkerSpec) -> WorkerProcess:
-        return spawn(spec)
+        return spawn(spec, self.template)
 
     def wait_any_exit(self, workers: Iterable[WorkerProcess], timeout_s: float) -> None:
         wait_any_exit(workers, timeout_s)

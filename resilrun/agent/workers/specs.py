@@ -10,10 +10,9 @@ from resilrun.config import Config
 from resilrun.env import (
     SNAPSHOT_AUTO,
     WorkerEnv,
-    omp_threads_default,
     python_exec,
     spare_environ,
-    without_secrets,
+    worker_base_env,
 )
 from resilrun.option_values import Std, resolve_std
 from resilrun.rendezvous.protocol import RdzvState
@@ -30,10 +29,10 @@ class NodeSetup:
     agent_socket: str = ""
 
 
-def _base_env(setup: NodeSetup) -> dict[str, str]:
-    """What every process this node starts inherits; the agent's secrets are dropped here too, the
-    last gate before a process exists, whoever built ``setup.base_env``."""
-    return without_secrets({**setup.base_env, **omp_threads_default(setup.base_env, setup.nproc)})
+def process_env(setup: NodeSetup) -> dict[str, str]:
+    """What every process this node starts inherits (the secrets dropped whoever built
+    ``setup.base_env``)."""
+    return worker_base_env(setup.base_env, setup.nproc)
 
 
 def command(config: Config) -> tuple[str, ...]:
@@ -59,7 +58,7 @@ def worker_specs(
     master_addr, _, master_port = master.rpartition(":")
     base_rank = sum(p.local_world_size for p in state.participants[:node_rank])
     world = sum(p.local_world_size for p in state.participants)
-    base_env = _base_env(setup)
+    base_env = process_env(setup)
     specs = []
     for local_rank in range(setup.nproc):
         global_rank = base_rank + local_rank
@@ -110,7 +109,7 @@ def worker_specs(
 def spare_spec(config: Config, setup: NodeSetup, round: int, index: int) -> WorkerSpec:
     """A hot spare: the same command, no rank; it waits in ``resilrun.init()`` to be given one."""
     log_dir = setup.log_root / f"round_{round}" / f"spare_{index}"
-    base_env = _base_env(setup)
+    base_env = process_env(setup)
     to_file, to_console = _streams(config, 0)
     return WorkerSpec(
         local_rank=-1,

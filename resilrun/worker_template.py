@@ -1,0 +1,292 @@
+"""The node's worker template: a process that has imported torch once and forks the node's
+workers, spares and replacements, so that none of them pays Python's start and ``import torch``
+(about 2.5 s of CPU each, the bulk of a replacement's start without a spare).
+
+Why a separate process and not the agent: the agent runs threads (heartbeats, the channel, tees),
+and a process forked from a threaded one inherits locks that no thread will ever release. The
+template is single-threaded when it forks: it checks so before every fork, and says why not
+(the agent then starts that worker as a new process). Libraries that keep thread pools stop them
+at fork time (OpenBLAS does, through pthread_atfork), so one throwaway fork after the imports
+leaves the template with its one thread. It never touches CUDA: a CUDA context does not survive
+a fork, and ``torch.cuda.is_initialized()`` is checked before each one too.
+
+How a worker becomes the agent's own child (its exit status and pidfd are the agent's, as for a
+process it spawned itself): the agent marks itself a child subreaper while it asks; the template
+forks an intermediate process that forks the worker and exits at once, so the kernel hands the
+orphaned worker to the agent. The worker waits until it is the agent's child before it asks to
+die with the agent (PR_SET_PDEATHSIG: set earlier, the intermediate's exit would deliver it).
+
+Protocol (a SOCK_SEQPACKET socket pair, one JSON message per packet): the template says
+``{"ready": true, "pid": ...}`` once its imports are done; each request
+``{"argv": [...], "env": {...}, "cwd": "..."}`` carries the worker's stdin, stdout and stderr as
+SCM_RIGHTS descriptors and gets ``{"pid": N}`` or ``{"error": "why"}``. The worker runs what
+``python -u -m resilrun.worker_main ARGS`` runs. End of file on the socket ends the template.
+
+Usage: ``python -u -m resilrun.worker_template FD [ROOM]``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from resilrun.env import TEMPLATE_ROOM_ENV
+
+Prctl = Callable[[int, int], int]
+# What a worker imports before its script's first line: torch (and what torch.distributed's
+# tensor package pulls in, about a third of resilrun's worker import) and resilrun's bootstrap.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "resilrun.worker_main", "resilrun.integrations")
+_PR_SET_PDEATHSIG = 1
+_MAX_REQUEST = 1 << 22
+# How long a new worker waits to be handed to the agent (the intermediate exits right after forking).
+_ADOPTION_TIMEOUT_S = 10.0
+
+
+def threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+@dataclass(frozen=True, slots=True)
+class StartAreas:
+    """Where the kernel keeps this process's command line and environment (what ``ps``,
+    ``/proc/PID/cmdline`` and ``/proc/PID/environ`` show): fixed at exec, so a forked worker would
+    show the template's. The agent starts the template with room in both (``TEMPLATE_ROOM_ENV``) and each
+    worker writes its own there, as a new process would show them (setproctitle's technique)."""
+
+    arg_start: int
+    arg_end: int
+    env_start: int
+    env_end: int
+
+    @classmethod
+    def of_this_process(cls) -> StartAreas | None:
+        try:
+            with open("/proc/self/stat", "rb") as handle:
+                stat = handle.read()
+        except OSError:
+            return None
+        fields = stat[stat.rfind(b")") + 2 :].split()  # from field 3 (state) on
+        if len(fields) < 49:
+            return None
+        arg_start, arg_end, env_start, env_end = (int(f) for f in fields[45:49])
+        if not (0 < arg_start < arg_end and 0 < env_start < env_end):
+            return None
+        return cls(arg_start, arg_end, env_start, env_end)
+
+    def show(self, argv: list[str], env: dict[str, str]) -> None:
+        """Make the command line read as ``argv`` (one line, as after setproctitle) and the
+        environment as ``env``; either is left as it was when it does not fit. Only once libc's
+        environment lives elsewhere (the caller replaced os.environ), since this overwrites the
+        strings it pointed to."""
+        title = " ".join(argv).encode(errors="surrogateescape")
+        room = self.arg_end - self.arg_start
+        if len(title) + 2 <= room:
+            # NUL after the title, a non-NUL last byte: the kernel reads the title up to its NUL.
+            ctypes.memmove(self.arg_start, title + b"\0" + b" " * (room - len(title) - 1), room)
+        block = b"".join(f"{k}={v}".encode(errors="surrogateescape") + b"\0" for k, v in env.items())
+        room = self.env_end - self.env_start
+        if len(block) <= room:
+            ctypes.memmove(self.env_start, block + b"\0" * (room - len(block)), room)
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a torch without the call has no context either
+        return False
+
+
+def why_not_fork() -> str | None:
+    """Why forking now would be unsafe, or None."""
+    count = threads()
+    if count != 1:
+        return f"the template runs {count} threads (a fork would copy locks no thread releases)"
+    if _cuda_initialized():
+        return "the template holds a CUDA context, which a forked process cannot use"
+    return None
+
+
+def _preload() -> list[str]:
+    """Imports what every worker imports; what fails is left to the worker (it fails there, with its
+    own traceback in its own log)."""
+    failed = []
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the worker's own import will report it
+            failed.append(name)
+    # What was imported lives as long as the workers: kept out of their garbage collections, whose
+    # visits would otherwise copy every page of it into each worker (copy-on-write).
+    gc.freeze()
+    # OpenBLAS (numpy's, torch's) starts a thread pool at import and stops it in its fork handler.
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return failed
+
+
+def _prctl() -> Callable[[int, int], int] | None:
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = (ctypes.c_int, ctypes.c_ulong)
+    prctl.restype = ctypes.c_int
+    return prctl  # type: ignore[no-any-return]
+
+
+def _exit_code(exc: BaseException) -> int:
+    """What the interpreter would exit with after ``exc`` reached the top (its message printed)."""
+    if isinstance(exc, SystemExit):
+        if exc.code is None:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code
+        sys.stderr.write(f"{exc.code}\n")
+        return 1
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+    return 1
+
+
+def _become_worker(
+    request: dict[str, Any], fds: list[int], agent_pid: int, prctl: Prctl | None, areas: StartAreas | None
+) -> None:
+    """In the forked worker: its session, streams, directory and environment, then the bootstrap."""
+    code = 1
+    try:
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if areas is not None:
+            areas.show(request["argv"], request["env"])
+        deadline = time.monotonic() + _ADOPTION_TIMEOUT_S
+        while os.getppid() != agent_pid:
+            if time.monotonic() > deadline:
+                os._exit(1)
+            time.sleep(0.001)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != agent_pid:  # the agent died before prctl took effect
+            os._exit(1)
+        from resilrun import worker_main
+
+        args = list(request["argv"][4:])
+        sys.argv = [worker_main.__file__, *args]
+        worker_main.main(args)
+        code = 0
+    except KeyboardInterrupt:
+        # As the interpreter does: a Ctrl-C that reached the top ends the process by SIGINT.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException as exc:  # noqa: BLE001 - the top of this process: report as Python would
+        try:
+            code = _exit_code(exc)
+        except BaseException:  # noqa: BLE001
+            code = 1
+    finally:
+        try:
+            from resilrun.worker_main import exit_now
+
+            exit_now(code)  # the way the bootstrap leaves, in a new process too
+        finally:
+            os._exit(code)
+
+
+def _fork_worker(
+    request: dict[str, Any],
+    fds: list[int],
+    sock: socket.socket,
+    agent_pid: int,
+    prctl: Prctl | None,
+    areas: StartAreas | None,
+) -> dict[str, Any]:
+    reason = why_not_fork()
+    if reason is not None:
+        return {"error": reason}
+    read_end, write_end = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the intermediate: fork the worker, say its pid, leave it to the agent
+        try:
+            os.close(read_end)
+            pid = os.fork()
+            if pid == 0:
+                os.close(write_end)
+                sock.close()
+                _become_worker(request, fds, agent_pid, prctl, areas)
+            os.write(write_end, str(pid).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        said = pipe.read()
+    os.waitpid(middle, 0)
+    return {"pid": int(said)} if said else {"error": "the intermediate process failed to fork"}
+
+
+def serve(sock: socket.socket, agent_pid: int, areas: StartAreas | None) -> None:
+    prctl = _prctl()
+    failed = _preload()
+    try:
+        sock.send(json.dumps({"ready": True, "pid": os.getpid(), "not_preloaded": failed}).encode())
+    except OSError:  # the agent is gone, or stopped before its first worker: nothing to serve
+        return
+    while True:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REQUEST, 3)
+        except OSError:
+            return
+        if not data:
+            return
+        try:
+            request = json.loads(data)
+            if len(fds) != 3:
+                reply: dict[str, Any] = {"error": f"a request carries 3 descriptors, not {len(fds)}"}
+            else:
+                reply = _fork_worker(request, fds, sock, agent_pid, prctl, areas)
+        except Exception as exc:  # noqa: BLE001 - said to the agent, which starts the worker itself
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        try:
+            sock.send(json.dumps(reply).encode())
+        except OSError:
+            return
+
+
+def main(argv: list[str]) -> None:
+    # Started by the agent in a session of its own: a Ctrl-C at the terminal is the agent's to handle.
+    areas = StartAreas.of_this_process()  # before anything moves libc's environment
+    os.environ.pop(TEMPLATE_ROOM_ENV, None)
+    sock = socket.socket(fileno=int(argv[0]))
+    serve(sock, os.getppid(), areas)
+    os._exit(0)  # nothing to tear down: the interpreter's finalisation with torch loaded takes a second
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,199 @@
+"""Workers forked from the node's template (resilrun/worker_template.py): they are the agent's own
+children, run the script with their own environment, directory and streams, exit as Python would,
+and anything the template cannot do safely is started as a new process instead, with the reason
+in the log. The test process plays the agent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from resilrun import worker_template
+from resilrun.agent.workers import procs
+from resilrun.agent.workers.template import AdoptedProcess, WorkerTemplate
+from resilrun.env import python_exec, worker_base_env
+from resilrun.option_values import Std
+from tests.conftest import wait_until
+
+_BASE = worker_base_env({k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}, 2)
+
+
+@pytest.fixture(scope="module")
+def template() -> Iterator[WorkerTemplate]:
+    started = procs.start_template(_BASE)
+    yield started
+    started.close()
+
+
+def _spec(tmp_path: Path, script: Path, rank: int, **env: str) -> procs.WorkerSpec:
+    return procs.WorkerSpec(
+        local_rank=rank,
+        global_rank=rank,
+        argv=(python_exec(), "-u", "-m", "resilrun.worker_main", str(script)),
+        env={**_BASE, "RANK": str(rank), **env},
+        log_dir=tmp_path / f"rank{rank}",
+        to_file=Std.ALL,
+        to_console=Std.NONE,
+    )
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "script.py"
+    path.write_text(body)
+    return path
+
+
+def _wait(worker: procs.WorkerProcess, timeout_s: float = 60.0) -> int:
+    wait_until(lambda: worker.poll() is not None, timeout_s)
+    code = worker.poll()
+    worker.finish_output()
+    assert code is not None
+    return code
+
+
+def test_a_forked_worker_is_the_agents_child_with_its_own_environment_directory_and_streams(
+    template: WorkerTemplate, tmp_path: Path
+) -> None:
+    script = _script(
+        tmp_path,
+        "import os, random, sys, torch\n"
+        "print(os.environ['RANK'], os.getppid(), os.getcwd(), sys.argv[1:], random.random())\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "sys.exit(3)\n",
+    )
+    workers = [procs.spawn(_spec(tmp_path, script, rank), template) for rank in (0, 1)]
+    for worker in workers:
+        assert isinstance(worker.popen, AdoptedProcess)  # forked, not a new interpreter
+        assert _wait(worker) == 3
+    lines = [(tmp_path / f"rank{rank}" / "stdout.log").read_text().split(" ", 4) for rank in (0, 1)]
+    assert [line[0] for line in lines] == ["0", "1"]
+    assert {line[1] for line in lines} == {str(os.getpid())}  # handed to the agent
+    assert {line[2] for line in lines} == {os.getcwd()}
+    assert lines[0][4] != lines[1][4]  # random is reseeded in each fork, as in a new process
+    assert (tmp_path / "rank0" / "stderr.log").read_text() == "to stderr\n"
+
+
+def test_a_forked_worker_reports_a_signal_an_exception_and_a_message_exit_as_python_does(
+    template: WorkerTemplate, tmp_path: Path
+) -> None:
+    cases = {
+        "raise ValueError('boom')\n": (1, "ValueError: boom"),
+        "import sys; sys.exit('bye')\n": (1, "bye"),
+        "import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n": (-signal.SIGKILL, ""),
+        "import atexit; atexit.register(print, 'atexit ran'); raise SystemExit(0)\n": (0, ""),
+    }
+    for rank, (body, (code, said)) in enumerate(cases.items()):
+        folder = tmp_path / str(rank)
+        folder.mkdir()
+        worker = procs.spawn(_spec(folder, _script(folder, body), rank), template)
+        assert isinstance(worker.popen, AdoptedProcess)
+        assert _wait(worker) == code, body
+        assert said in (folder / f"rank{rank}" / "stderr.log").read_text()
+    assert "atexit ran" in (tmp_path / "3" / "rank3" / "stdout.log").read_text()
+
+
+def test_the_monitor_wakes_on_a_forked_workers_exit_and_stop_ends_it(template: WorkerTemplate, tmp_path: Path) -> None:
+    quick = procs.spawn(_spec(tmp_path, _script(tmp_path, "import time; time.sleep(0.5)\n"), 0), template)
+    slow_dir = tmp_path / "slow"
+    slow_dir.mkdir()
+    slow = procs.spawn(_spec(slow_dir, _script(slow_dir, "import time; time.sleep(60)\n"), 1), template)
+    try:
+        started = time.monotonic()
+        procs.wait_any_exit([quick, slow], timeout_s=30.0)
+        assert time.monotonic() - started < 20.0
+        wait_until(lambda: quick.poll() is not None)
+        assert quick.poll() == 0 and slow.poll() is None
+    finally:
+        procs.stop([quick, slow], signal.SIGTERM, 5.0)
+    assert slow.poll() == -signal.SIGTERM
+
+
+def test_ps_and_proc_show_a_forked_workers_own_command_line_and_environment(
+    template: WorkerTemplate, tmp_path: Path
+) -> None:
+    # What operators (and pkill -f, psutil) read to find a rank's process: set at exec, so the
+    # template's unless the worker rewrites it.
+    script = _script(tmp_path, "import time; time.sleep(60)\n")
+    worker = procs.spawn(_spec(tmp_path, script, 5, RESILRUN_SPARE="0"), template)
+    try:
+        assert isinstance(worker.popen, AdoptedProcess)
+        seen = psutil.Process(worker.pid)
+        wait_until(lambda: seen.environ().get("RANK") == "5", 30)
+        assert seen.environ() == {**_BASE, "RANK": "5", "RESILRUN_SPARE": "0"}
+        assert seen.cmdline() == [python_exec(), "-u", "-m", "resilrun.worker_main", str(script)]
+    finally:
+        procs.stop([worker], signal.SIGKILL, 0.0)
+
+
+def test_an_environment_the_template_did_not_start_with_gets_a_new_process(
+    template: WorkerTemplate, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    script = _script(tmp_path, "import os; print(os.environ['OMP_NUM_THREADS'])\n")
+    with caplog.at_level(logging.WARNING):
+        worker = procs.spawn(_spec(tmp_path, script, 0, OMP_NUM_THREADS="7"), template)
+    assert isinstance(worker.popen, subprocess.Popen)
+    assert _wait(worker) == 0
+    assert (tmp_path / "rank0" / "stdout.log").read_text() == "7\n"
+    assert "OMP_NUM_THREADS" in caplog.text and "new processes" in caplog.text
+    # What resilrun sets per process (rank, round, agent socket) is no reason for a new process.
+    other = tmp_path / "other"
+    other.mkdir()
+    worker = procs.spawn(_spec(other, script, 1, RESILRUN_ROUND="4", MASTER_PORT="1"), template)
+    assert isinstance(worker.popen, AdoptedProcess)
+    assert _wait(worker) == 0
+
+
+def test_a_template_that_died_is_given_up_and_workers_start_as_new_processes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dying = procs.start_template(_BASE)
+    try:
+        script = _script(tmp_path, "print('ran')\n")
+        first = procs.spawn(_spec(tmp_path, script, 0), dying)
+        assert isinstance(first.popen, AdoptedProcess) and _wait(first) == 0
+        assert dying._process is not None
+        dying._process.kill()
+        dying._process.wait()
+        with caplog.at_level(logging.WARNING):
+            again = procs.spawn(_spec(tmp_path / "again", script, 1), dying)
+        assert isinstance(again.popen, subprocess.Popen) and _wait(again) == 0
+        assert "worker template not used: the template" in caplog.text
+    finally:
+        dying.close()
+
+
+def test_a_template_never_forks_while_it_runs_a_second_thread() -> None:
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        reason = worker_template.why_not_fork()
+        assert reason is not None and "threads" in reason
+    finally:
+        release.set()
+        thread.join()
+
+
+def test_no_python_commands_are_never_forked(template: WorkerTemplate, tmp_path: Path) -> None:
+    spec = procs.WorkerSpec(
+        local_rank=0,
+        global_rank=0,
+        argv=(sys.executable, "-c", "print('plain')"),
+        env=dict(_BASE),
+        log_dir=tmp_path / "rank0",
+        to_file=Std.ALL,
+        to_console=Std.NONE,
+    )
+    worker = procs.spawn(spec, template)
+    assert isinstance(worker.popen, subprocess.Popen) and _wait(worker) == 0
+    assert (tmp_path / "rank0" / "stdout.log").read_text() == "plain\n"
