@@ -63,6 +63,7 @@ from resilrun.rendezvous.sealed import SealedBackend, store_key
 from resilrun.storage.api import Storage
 from resilrun.tiers.authentic import durable_key
 from resilrun.tiers.captured.catalog import Catalog, MemoryBudget
+from resilrun.tiers.headroom import HEADROOM_BYTES, available_bytes
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer.wire import PeerKey
 from resilrun.tiers.slots import REPLICATED_SLOTS, SLOTS
@@ -80,8 +81,6 @@ logger = logging.getLogger(__name__)
 # nor this re-read happens. See rendezvous/executor.py and docs/benchmarks.md ("Control plane at scale").
 _STATE_REFRESH_S = 10.0
 
-# Captured files are not kept in node memory when fewer bytes than this would be left.
-_CAPTURE_HEADROOM_BYTES = 256 * 1024 * 1024
 
 # What the first agent seals at keys.secret_check (any constant: only its MAC matters).
 _SECRET_CHECK = b"resilrun job secret check"
@@ -529,9 +528,7 @@ def _forged_document(key: str) -> None:
 def _catalog() -> Catalog:
     """A captured-files catalog that keeps bytes only while the node has memory to spare (the same
     headroom the replica store keeps)."""
-    import psutil
-
-    return Catalog(MemoryBudget(lambda: psutil.virtual_memory().available, _CAPTURE_HEADROOM_BYTES))
+    return Catalog(MemoryBudget(available_bytes, HEADROOM_BYTES))
 
 
 def _metrics(config: Config) -> AgentMetrics | None:

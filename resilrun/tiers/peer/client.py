@@ -15,11 +15,10 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-import psutil
-
 from resilrun.errors import CheckpointCorruptError, CheckpointNotFoundError
 from resilrun.snapshot.layout import parse_header
 from resilrun.snapshot.selection import Selection, check_ranges
+from resilrun.tiers.headroom import fits
 from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot, spans
 from resilrun.tiers.peer.wire import (
     Announce,
@@ -37,8 +36,6 @@ from resilrun.tiers.peer.wire import (
 # Connecting, authenticating and the receiver allocating a fresh buffer take well under this on any
 # network a training job runs on; the Replicator adds an allowance for the transfer itself.
 DEFAULT_TIMEOUT = timedelta(seconds=10)
-# Never let a fetched snapshot take the node's last free memory (same margin as the replica store).
-_HEADROOM_BYTES = 256 * 1024 * 1024
 
 
 @contextlib.contextmanager
@@ -198,7 +195,7 @@ def fetch(
                 ranges = check_ranges(reply.get("ranges"), announce.nbytes)
             except ValueError as exc:
                 raise ReplicationError(f"step {step} of rank {rank}: {exc}") from None
-        if sum(e - b for b, e in ranges) + _HEADROOM_BYTES > psutil.virtual_memory().available:
+        if not fits(sum(e - b for b, e in ranges)):
             raise ReplicationError(f"node memory cannot hold a {announce.nbytes} byte snapshot")
         target = memoryview(bytearray(announce.nbytes)) if into is None else into(announce.nbytes)
         filled = spans(announce.nbytes, ranges)

@@ -22,10 +22,9 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-import psutil
-
 from resilrun.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from resilrun.tiers.captured.catalog import Catalog, FileVersion, check_path, digest
+from resilrun.tiers.headroom import fits
 from resilrun.tiers.peer.client import connection
 from resilrun.tiers.peer.stream import receive_snapshot, send_snapshot
 from resilrun.tiers.peer.wire import Credential, Deadline, ReplicationError, Session
@@ -35,8 +34,6 @@ logger = logging.getLogger(__name__)
 FILE_OPS = frozenset({"files", "put_file", "get_file", "drop_file"})
 # crc32 granularity of a file stream (a mismatch names the segment); a file has no inner layout.
 SEGMENT_BYTES = 64 * 1024 * 1024
-# Never let a received file take the node's last free memory (the replica store's margin).
-_HEADROOM_BYTES = 256 * 1024 * 1024
 
 
 def segment_bounds(size: int) -> list[int]:
@@ -127,7 +124,7 @@ def fetch_file(address: str, secret: Credential, version: FileVersion, timeout: 
             raise ReplicationError(f"peer {address}: {exc.message}") from None
         if (sent.path, sent.sha256, sent.size) != (version.path, version.sha256, version.size):
             raise ReplicationError(f"peer {address} sent another version of {version.path}")
-        if sent.size + _HEADROOM_BYTES > psutil.virtual_memory().available:
+        if not fits(sent.size):
             raise ReplicationError(f"node memory cannot hold the {sent.size} byte captured file {sent.path}")
         data, problem = _receive(session, deadline, sent)
     if problem is not None:
@@ -176,7 +173,7 @@ def _serve_put(session: Session, version: FileVersion, deadline: Deadline, catal
     if held is not None and held.order >= version.order:
         session.send({"ok": True, "newer": True}, deadline)  # not an error: both nodes saved the path
         return
-    if version.size + _HEADROOM_BYTES > psutil.virtual_memory().available:
+    if not fits(version.size):
         session.send({"ok": False, "error": f"no memory for {version.size} bytes on this node"}, deadline)
         return
     session.send({"ok": True}, deadline)

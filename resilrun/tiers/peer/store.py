@@ -30,15 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import psutil
-
 from resilrun.snapshot.crc import crc32
 from resilrun.snapshot.shm import SharedBuffer
+from resilrun.tiers.headroom import HEADROOM_BYTES, available_bytes
 from resilrun.tiers.peer.wire import ReplicationError
 
 SLOTS = 2
-# Never let peers' replicas take a node's last free memory: the workers and the agent need it more.
-_HEADROOM_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +135,8 @@ class ReplicaStore:
 
     def _allocate(self, rank: int, index: int, nbytes: int, old: SharedBuffer | None) -> SharedBuffer:
         reclaimable = old.nbytes if old is not None else 0
-        available = psutil.virtual_memory().available + reclaimable
-        if nbytes + _HEADROOM_BYTES > available:
+        available = available_bytes() + reclaimable
+        if nbytes + HEADROOM_BYTES > available:
             raise ReplicationError(
                 f"node memory cannot hold a {nbytes / 2**20:.0f} MiB replica of rank {rank} "
                 f"({available / 2**20:.0f} MiB available)"
