@@ -38,17 +38,15 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from resilrun.env import TEMPLATE_ROOM_ENV
+from resilrun.prctl import PR_SET_PDEATHSIG, Prctl, resolve_prctl
 
-Prctl = Callable[[int, int], int]
 # What a worker imports before its script's first line: torch (and what torch.distributed's
 # tensor package pulls in, about a third of resilrun's worker import) and resilrun's bootstrap.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "resilrun.worker_main", "resilrun.integrations")
-_PR_SET_PDEATHSIG = 1
 _MAX_REQUEST = 1 << 22
 # How long a new worker waits to be handed to the agent (the intermediate exits right after forking).
 _ADOPTION_TIMEOUT_S = 10.0
@@ -143,16 +141,6 @@ def _preload() -> list[str]:
     return failed
 
 
-def _prctl() -> Callable[[int, int], int] | None:
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = (ctypes.c_int, ctypes.c_ulong)
-    prctl.restype = ctypes.c_int
-    return prctl  # type: ignore[no-any-return]
-
-
 def _exit_code(exc: BaseException) -> int:
     """What the interpreter would exit with after ``exc`` reached the top (its message printed)."""
     if isinstance(exc, SystemExit):
@@ -189,7 +177,7 @@ def _become_worker(
                 os._exit(1)
             time.sleep(0.001)
         if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
         if os.getppid() != agent_pid:  # the agent died before prctl took effect
             os._exit(1)
         from resilrun import worker_main
@@ -248,7 +236,7 @@ def _fork_worker(
 
 
 def serve(sock: socket.socket, agent_pid: int, areas: StartAreas | None) -> None:
-    prctl = _prctl()
+    prctl = resolve_prctl()
     failed = _preload()
     try:
         sock.send(json.dumps({"ready": True, "pid": os.getpid(), "not_preloaded": failed}).encode())

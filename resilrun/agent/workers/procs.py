@@ -14,7 +14,6 @@ reused) under a ``wait_any_exit`` that selects on it. Other threads (the status 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import signal
@@ -25,7 +24,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from functools import cache
 from pathlib import Path
 from typing import IO
 
@@ -33,10 +31,10 @@ from resilrun.agent.workers.template import AdoptedProcess, WorkerTemplate
 from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE, python_exec
 from resilrun.errors import ConfigError
 from resilrun.option_values import Std
+from resilrun.prctl import PR_SET_PDEATHSIG, Prctl, resolve_prctl
 from resilrun.private_file import open_private_output
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-_PR_SET_PDEATHSIG = 1
 # Built before any fork so the child converts nothing (a set of plain ints for pthread_sigmask).
 _HANDLED_SIGNUMS = frozenset(int(s) for s in HANDLED_SIGNALS)
 _SIGKILL = int(signal.SIGKILL)
@@ -59,29 +57,12 @@ class WorkerSpec:
         return self.log_dir / "error.json"
 
 
-@cache
-def resolve_prctl() -> Callable[[int, int], int] | None:
-    """libc's prctl, looked up in the agent (None where there is none: not Linux).
-
-    Why here and not in the child: dlopen/dlsym take the loader lock, which another thread of the
-    agent (a tee, the channel, the status publisher) may hold at fork time; in the child no thread
-    would ever release it. Cached, so each spawn only calls an already resolved function.
-    """
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = (ctypes.c_int, ctypes.c_ulong)
-    prctl.restype = ctypes.c_int
-    return prctl  # type: ignore[no-any-return]
-
-
-def _child_setup(agent_pid: int, prctl: Callable[[int, int], int] | None) -> None:
+def _child_setup(agent_pid: int, prctl: Prctl | None) -> None:
     """Runs in the child between fork and exec: only calls resolved in the parent (no dlopen, no
     imports), each a thin wrapper of an async-signal-safe syscall (sigprocmask, prctl, getppid, _exit)."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED_SIGNUMS)
     if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, _SIGKILL)
+        prctl(PR_SET_PDEATHSIG, _SIGKILL)
     if os.getppid() != agent_pid:  # the agent died before prctl took effect
         os._exit(1)
 

@@ -27,11 +27,11 @@ from typing import IO
 
 from resilrun.config import Config
 from resilrun.env import TEMPLATE_ROOM_BYTES, TEMPLATE_ROOM_ENV, read_after_start
+from resilrun.prctl import PR_SET_CHILD_SUBREAPER, Prctl
 
 logger = logging.getLogger(__name__)
 
 ENTRY = ("-u", "-m", "resilrun.worker_main")
-_PR_SET_CHILD_SUBREAPER = 36
 # Its imports (torch) take seconds of CPU; on a loaded node much longer. Past this, workers start
 # as new processes and the template is given up.
 READY_TIMEOUT_S = 120.0
@@ -104,7 +104,7 @@ class WorkerTemplate:
         self,
         python: str,
         env: Mapping[str, str],
-        prctl: Callable[[int, int], int] | None,
+        prctl: Prctl | None,
         child_setup: Callable[[], None],
     ) -> None:
         """``prctl``: libc's, resolved by the caller (None: not Linux, no template);
@@ -176,7 +176,7 @@ class WorkerTemplate:
             if hello.get("not_preloaded"):
                 logger.info("worker template: not preloaded (the workers import them): %s", hello["not_preloaded"])
         request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": os.getcwd()}).encode()
-        if self._prctl(_PR_SET_CHILD_SUBREAPER, 1) != 0:
+        if self._prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
             raise _Unusable("the agent cannot adopt forked workers (PR_SET_CHILD_SUBREAPER refused)")
         try:
             try:
@@ -185,7 +185,7 @@ class WorkerTemplate:
                 raise _Unusable(f"the template is gone ({exc.strerror})") from exc
             reply = self._receive(sock, _FORK_TIMEOUT_S, "a fork")
         finally:
-            self._prctl(_PR_SET_CHILD_SUBREAPER, 0)
+            self._prctl(PR_SET_CHILD_SUBREAPER, 0)
         if "pid" not in reply:
             raise _Unusable(str(reply.get("error", "the template said nothing")))
         pid = int(reply["pid"])
