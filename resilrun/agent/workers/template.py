@@ -35,7 +35,9 @@ ENTRY = ("-u", "-m", "resilrun.worker_main")
 # Its imports (torch) take seconds of CPU; on a loaded node much longer. Past this, workers start
 # as new processes and the template is given up.
 READY_TIMEOUT_S = 120.0
-_FORK_TIMEOUT_S = 10.0
+# A fork takes milliseconds; one that has not answered by now is not waited for. Generous because a
+# worker forked after the deadline would run untracked (the reply naming it never read).
+_FORK_TIMEOUT_S = 60.0
 
 
 def uses_template(config: Config) -> bool:
