@@ -76,6 +76,10 @@ def make_snapshot(tensors: dict[str, Any], metadata: dict[str, str] | None = Non
     return bytes(buffer)
 
 
+# The storage tests' payload: 1 KiB holding every byte value (the contract and the per-backend files).
+STORAGE_DATA = bytes(range(256)) * 4
+
+
 # -- S3: a real moto server on loopback, and a fault-injecting proxy in front of it ------------------
 # Obviously fake credentials: tests grep every error message for them.
 FAKE_ACCESS_KEY_ID = "AKIARESILRUNFAKE0001"

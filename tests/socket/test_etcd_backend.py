@@ -138,12 +138,21 @@ def test_an_idle_watch_is_reopened_and_misses_no_change(etcd_server: Any, monkey
     monkeypatch.setattr("resilrun.rendezvous.etcd._WATCH_IDLE_S", 0.3)
     key = _key()
     backend = open_etcd(etcd_server.endpoint, timeout=timedelta(seconds=5))
+    opens = 0
+    open_stream = backend.open_stream
+
+    def counted(path: str, body: dict[str, Any]) -> tuple[Any, int]:
+        nonlocal opens
+        opens += 1
+        return open_stream(path, body)
+
+    backend.open_stream = counted  # type: ignore[method-assign]
     try:
         backend.add(key, 1)
         watch = backend.watch_key(key)
         assert watch is not None
         wait_until(lambda: _counter(watch) == 1, timeout=10)
-        time.sleep(1.0)  # a few re-opens
+        wait_until(lambda: opens >= 3, timeout=10, what="the stream re-opened twice")
         # Then changes made across them are followed
         for expected in (2, 3):
             backend.add(key, 1)
@@ -159,6 +168,18 @@ def test_a_watch_whose_etcd_is_gone_claims_no_value(tmp_path: Any) -> None:
     _require_etcd()
     cluster = EtcdCluster(tmp_path / "etcd").start()
     backend = EtcdBackend(parse_endpoints(cluster.endpoint), timeout=timedelta(seconds=1))
+    failed = 0  # requests that etcd did not answer (the watch's re-opens read the key first)
+    post = backend.post
+
+    def counted(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        nonlocal failed
+        try:
+            return post(path, body)
+        except Exception:
+            failed += 1
+            raise
+
+    backend.post = counted  # type: ignore[method-assign]
     try:
         key = _key()
         backend.add(key, 5)
@@ -168,7 +189,9 @@ def test_a_watch_whose_etcd_is_gone_claims_no_value(tmp_path: Any) -> None:
         # When etcd stops, the watch no longer claims a value: its readers poll, and hear the failure
         cluster.stop()
         wait_until(lambda: _counter(watch) is None, timeout=10)
-        time.sleep(0.5)
+        # and it claims none after trying to re-open the stream on the etcd that is gone
+        tried = failed
+        wait_until(lambda: failed > tried, timeout=10, what="a failed re-open")
         assert _counter(watch) is None
     finally:
         backend.close()

@@ -36,17 +36,19 @@ def test_errors_no_collective_raises_exit_at_once() -> None:
 
 def test_error_files_of_two_ranks_failing_in_one_second_order_them(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     # The root cause is the earliest failure: whole seconds would tie two ranks failing together
-    import time
+    from types import SimpleNamespace
 
     from resilrun.agent.workers.failures import collect_failure, root_cause
     from resilrun.worker_main import write_error_file
 
+    # The wall clock as each rank reads it when it writes its error file: the same whole second
+    wall = iter((1_700_000_000.25, 1_700_000_000.75))
+    monkeypatch.setattr("resilrun.worker_main.time", SimpleNamespace(time=lambda: next(wall)))
     failures = []
     for rank in (1, 0):  # rank 1 fails first, rank 0 (its peer) right after
         path = tmp_path / f"rank_{rank}.json"
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
         write_error_file(RuntimeError(f"rank {rank}"))
-        time.sleep(0.01)
         failures.append(collect_failure(global_rank=rank, local_rank=rank, node_rank=0, pid=rank, exit_code=1,
                                         observed_at=0.0, error_file=path))  # fmt: skip
     cause = root_cause(sorted(failures, key=lambda f: f.global_rank))

@@ -502,35 +502,11 @@ def test_bad_endpoint_is_reported_by_from_cli(script: str) -> None:
 
 
 # -- field metadata ------------------------------------------------------------------------------
-# resilrun's own flags have no torchrun (PET_*) spelling.
-_RESILRUN_ONLY = {
-    "capture_dir",
-    "capture_pattern",
-    "snapshot_every",
-    "max_overhead_pct",
-    "replicate_every",
-    "job_secret_file",
-    "require_auth",
-    "peer_encryption",
-    "spares",
-    "rerun_in_process",
-    "no_worker_template",
-    "hang_timeout_s",
-    "first_step_timeout_s",
-    "heartbeat_interval_s",
-    "heartbeat_timeout_s",
-    "exit_barrier_timeout_s",
-    "replicas",
-    "checkpoint_uri",
-    "persist_every",
-    "keep_last",
-    "no_snapshot_dedup",
-    "no_integrations",
-    "s3_endpoint_url",
-    "s3_expected_owner",
-    "metrics_port",
-    "metrics_addr",
-}
+# resilrun's own flags have no torchrun (PET_*) spelling: their field says so (option_meta's
+# pet=False), so the set is read from the fields rather than kept beside them.
+_RESILRUN_ONLY = {f.name for f in CONFIG_FIELDS if not any(env.startswith("PET_") for env in f.metadata["env"])}
+# torchrun's own options keep their PET_* spelling (a torchrun launch script's environment still works).
+_TORCHRUN_OPTIONS = {"nnodes", "nproc_per_node", "rdzv_endpoint", "rdzv_backend", "max_restarts"}
 
 
 def test_every_config_field_with_a_flag_has_resilrun_and_pet_env_names() -> None:
@@ -540,6 +516,7 @@ def test_every_config_field_with_a_flag_has_resilrun_and_pet_env_names() -> None
         assert f.metadata["env"] == [f"RESILRUN_{name}", *pet], f.name
         assert f.metadata["help"]
         assert f.metadata["panel"] in ("Rendezvous", "Processes", "Health", "Checkpoints", "Observability", "Security")
+    assert _TORCHRUN_OPTIONS.isdisjoint(_RESILRUN_ONLY)
 
 
 def test_config_fields_exclude_the_script_and_its_arguments() -> None:

@@ -267,19 +267,20 @@ class FakePresence:
 
 def test_readings_on_a_store_with_leases_come_from_watches_and_from_one_read_while_a_watch_is_not_current() -> None:
     store = LeasingStore()
-    now = time.monotonic()
+    clock = FakeClock()  # the watches' times and the reader's are on one monotonic clock
+    now = clock.monotonic()
     alive, gone, never, unknown = (store.watch_presence(keys.node_alive("job", n)) for n in ("a", "g", "n", "u"))
     alive.current, alive.last_present = (b"4", now), b"4"
     gone.current, gone.last_present = (None, now - 1.0), b"4"
     never.current = (None, now)
     store.set(keys.node_alive("job", "u"), b"4")  # its watch is not current: read, and found
-    readings = read_heartbeats(store, "job", ["a", "g", "n", "u"])
+    readings = read_heartbeats(store, "job", ["a", "g", "n", "u"], clock=clock)
     assert readings["a"].silent_s is None and readings["u"].silent_s is None
     assert readings["g"].silent_s == pytest.approx(5.0, abs=0.2)  # the TTL, and a second since
     assert readings["n"] == Reading(-1)  # never seen alive: a counter standing still
     assert store.reads == 1
-    time.sleep(0.002)
-    later = read_heartbeats(store, "job", ["a"])
+    clock.sleep(1.0)
+    later = read_heartbeats(store, "job", ["a"], clock=clock)
     assert later["a"].counter != readings["a"].counter  # present: a counter that moves at every look
     # A store without leases: counters, as ever
     plain = MemoryBackend()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -213,7 +212,13 @@ SILENT = -1
 
 
 def read_heartbeats(
-    backend: RendezvousBackend, run_id: str, nodes: Iterable[str], *, watch: bool = True, pushed_only: bool = False
+    backend: RendezvousBackend,
+    run_id: str,
+    nodes: Iterable[str],
+    *,
+    watch: bool = True,
+    pushed_only: bool = False,
+    clock: Clock | None = None,
 ) -> dict[str, Reading]:
     """The heartbeats of ``nodes``: their counters (one small read each), or on a store with
     leases their liveness keys, followed by watches (``watch``: no read per check; False: one
@@ -223,7 +228,8 @@ def read_heartbeats(
     current, and every node on a store without leases, are left out). Such a look is free, so a
     watcher can take it at every monitor tick, judging an expiry within a tick of hearing it
     rather than at its next heartbeat check; a store whose streams all broke (an etcd restart)
-    is then not asked N reads per tick."""
+    is then not asked N reads per tick. ``clock``: this process's monotonic clock, which the
+    watches' times are on (None: the system's; the unit tests pass a fake one)."""
     node_list = list(nodes)
     if not node_list:
         return {}
@@ -231,7 +237,7 @@ def read_heartbeats(
         if pushed_only:
             return {}
         return {node: Reading(backend.add(keys.node_heartbeat(run_id, node), 0)) for node in node_list}
-    now = time.monotonic()
+    now = (clock or SystemClock()).monotonic()
     moving = int(now * 1000)  # a counter that moves at every check: the node's key is present
     readings: dict[str, Reading] = {}
     unknown = []

@@ -133,7 +133,7 @@ def test_a_newer_replica_arriving_while_the_commit_waits_lets_the_older_one_go(
     committing = threading.Thread(target=commit_to_memory, args=(memory, 1, 6, _ddp_snapshot(weight + 1, own=1), None))
     started = time.monotonic()
     committing.start()
-    time.sleep(0.2)
+    committing.join(0.2)  # returns at once if the commit's answer does not wait
     assert committing.is_alive()  # the commit's answer waits for the replica of step 6...
     assert push_view(server.address, SECRET, _shared_announce(sent, 0, 6), memoryview(sent), Deadline.total(5))
     committing.join(5)
