@@ -38,6 +38,9 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--ckpt-dir", default="", help="DCP checkpoint directory (torchrun script)")
     parser.add_argument("--save-every", type=int, default=10, help="DCP save after every N completed steps")
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (paces a long fault)")
+    parser.add_argument(
+        "--setup", type=float, default=0.0, help="seconds of set-up before the model is built (a sleep: no CPU)"
+    )
     return parser.parse_args()
 
 

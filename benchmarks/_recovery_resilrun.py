@@ -4,7 +4,8 @@ Launched by ``recovery.py`` as ``resilrun --spares 1 ... _recovery_resilrun.py``
 resilrun's own fault plan (``RESILRUN_FAULTS=kill:rank=1,step=25``), so nothing in the training
 loop knows about it. Survivors re-run this file in their own process after a failure (that is
 resilrun's in-process recovery), so every stamp below is written again per generation, which is
-exactly what the benchmark's timeline wants. The hot spare runs it up to ``resilrun.init()``.
+exactly what the benchmark's timeline wants. A hot spare runs it ahead, up to its DDP (its first
+use of the rank), before any failure.
 """
 
 from __future__ import annotations
@@ -54,20 +55,32 @@ def stamp_planned_kill(log: EventLog) -> bool:
     return True
 
 
+def _set_up(mib: float, seconds: float) -> nn.Module:
+    """The script's set-up (``--setup`` seconds, then the model): what a hot spare with a head start
+    runs before any rank fails, and, under ``@resilrun.once``, what a survivor's re-run reuses."""
+    time.sleep(seconds)
+    return build_model(mib)
+
+
+# RECOVERY_SETUP_ONCE=0: the set-up is plain code, run again by every survivor (before issue 47).
+set_up = resilrun.once(_set_up) if os.environ.get("RECOVERY_SETUP_ONCE", "1") == "1" else _set_up
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    spare = os.environ.get("RESILRUN_SPARE") == "1"  # a hot spare gets its rank inside init()
+    spare = os.environ.get("RESILRUN_SPARE") == "1"  # resilrun's own variable: readable before a rank
     job = resilrun.init()
+    init_at = time.time()
+    model = set_up(args.mib, args.setup)  # needs no rank: a spare runs it ahead of the failure
+    ddp = nn.parallel.DistributedDataParallel(model)  # the first use of the rank: a spare waits here
     log = EventLog(args.events, job.rank)
     if not spare:  # a spare's start-up stamps are from long before any failure: meaningless here
         log.write("phase", "start", SCRIPT_START)
         log.write("phase", "imported", IMPORTED)
-    log.write("phase", "init")
+    log.write("phase", "init", init_at if not spare else None)
     precise = stamp_planned_kill(log) if job.rank == args.kill_rank else True
     if not precise:
         log.write("note", "kill-stamped-at-end-of-previous-step")
-    model = build_model(args.mib)
-    ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     job.track(model=ddp, optimizer=opt)
     log.write("phase", "ddp")

@@ -43,6 +43,7 @@ def main() -> None:
     log.write("phase", "imported", IMPORTED)
     dist.init_process_group("gloo")
     log.write("phase", "init")
+    time.sleep(args.setup)  # the script's set-up (--setup): paid again by every restarted worker
     model = build_model(args.mib)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)

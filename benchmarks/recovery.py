@@ -5,6 +5,13 @@
     python benchmarks/recovery.py --spares 0     # resilrun without a hot spare (a new process)
     python benchmarks/recovery.py --launchers resilrun --baseline ../old-checkout   # before/after
     python benchmarks/recovery.py --spares 0 --launchers resilrun,resilrun-spawn,torchrun-noshare  # template
+    python benchmarks/recovery.py --setup 10 --launchers resilrun,resilrun-setup-after,torchrun-noshare
+
+``--setup S``: every worker spends S seconds (a sleep) in its set-up before it builds its model.
+``resilrun`` runs it in a ``@resilrun.once`` function with the spare's head start (issue 47: the spare
+runs the set-up before any failure, a survivor's re-run reuses it); ``resilrun-setup-after`` is
+resilrun without either (``--no-spare-head-start``, plain set-up code), as before; torchrun's
+restarted workers pay it again.
 
 What it measures (DESIGN.md §3, issue 4): 4 ranks (``--standalone --nproc-per-node 4``, gloo), a
 toy MLP whose params + AdamW moments are ``--sizes`` MiB per rank, rank 1 SIGKILLed when step
@@ -67,6 +74,11 @@ LAUNCHERS: dict[str, tuple[list[str], dict[str, str], Path]] = {
 # Run only when --launchers names them: resilrun starting every worker as a new process, as it did
 # before the worker template (the template's effect, measured in the same run).
 OPTIONAL = {
+    "resilrun-setup-after": (
+        [sys.executable, "-m", "resilrun", "--no-spare-head-start", "--spares", "1"],
+        {"RECOVERY_SETUP_ONCE": "0"},
+        HERE / "_recovery_resilrun.py",
+    ),
     "resilrun-spawn": (
         [sys.executable, "-m", "resilrun", "--no-worker-template", "--spares", "1"],
         {},
@@ -178,7 +190,7 @@ def run_one(name: str, mib: int, killed: bool, args: argparse.Namespace, index: 
         env["RESILRUN_FAULTS"] = f"kill:rank=1,step={args.kill_step}"
     cmd = [*prefix, "--standalone", "--nproc-per-node", str(NPROC), str(script), "--mib", str(mib)]
     cmd += ["--steps", str(args.steps), "--events", str(events), "--ckpt-dir", str(ckpt)]
-    cmd += ["--kill-step", str(args.kill_step if killed else -1)]
+    cmd += ["--kill-step", str(args.kill_step if killed else -1), "--setup", str(args.setup)]
     try:
         cwd = args.baseline if name == "resilrun-baseline" else None
         if cwd is not None:
@@ -299,9 +311,11 @@ def main() -> None:
     )
     parser.add_argument("--baseline", type=Path, default=None, help="also run the resilrun of this checkout")
     parser.add_argument("--launchers", default="", help="comma-separated subset of the launchers (default: all)")
+    parser.add_argument("--setup", type=float, default=0.0, help="seconds of set-up in every worker (a sleep)")
     args = parser.parse_args()
     LAUNCHERS["resilrun"][0][-1] = str(args.spares)
-    OPTIONAL["resilrun-spawn"][0][-1] = str(args.spares)
+    for name in OPTIONAL:
+        OPTIONAL[name][0][-1] = str(args.spares)
     if args.baseline is not None:
         if not (args.baseline / "resilrun" / "__init__.py").is_file():
             parser.error(f"--baseline {args.baseline}: no resilrun package there (give a checkout's root)")
@@ -329,7 +343,8 @@ def main() -> None:
                 runs.append(run_one(name, mib, killed, args, len(runs)))
     print(
         f"{NPROC} ranks, --standalone, gloo, {os.cpu_count()} cores; {args.steps} steps, rank 1 SIGKILLed when "
-        f"step {args.kill_step} starts; DCP every 10 steps (torchrun); {args.kills} kill(s) per row; "
+        f"step {args.kill_step} starts; set-up {args.setup:g} s; DCP every 10 steps (torchrun); "
+        f"{args.kills} kill(s) per row; "
         f"total {time.time() - started:.0f} s; logs in {args.out_dir}\n"
     )
     print(report(runs, sizes, args.kill_step))

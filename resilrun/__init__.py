@@ -1,7 +1,7 @@
 """resilrun: a torchrun-compatible launcher for distributed PyTorch training that survives failures.
 
 Importing this package is cheap (no torch): the worker bootstrap and the CLI rely on that. The
-worker API (``resilrun.init``, ``resilrun.Job``) is loaded on first use.
+worker API (``resilrun.init``, ``resilrun.Job``, ``resilrun.once``) is loaded on first use.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Job", "__version__", "init"]
+__all__ = ["Job", "__version__", "init", "once"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from resilrun.worker import job
 
         return job.Job
+    if name == "once":
+        from resilrun.worker.once import once
+
+        return once
     raise AttributeError(f"module 'resilrun' has no attribute {name!r}")

@@ -298,13 +298,23 @@ class Config:
             pet=False,
         ),
     )
-    # Off only where forking from a process that imported torch is not wanted (docs/launching.md).
+    # Off only where forking from a process that imported torch is not wanted (docs/recovery.md, "the worker template").
     no_worker_template: bool = field(
         default=False,
         metadata=option_meta(
             "--no-worker-template",
             P,
             "Start each worker as a new process instead of forking it from the node's template.",
+            pet=False,
+        ),
+    )
+    # Off for a script that does what must not run twice before it reads its rank (docs/recovery.md).
+    no_spare_head_start: bool = field(
+        default=False,
+        metadata=option_meta(
+            "--no-spare-head-start",
+            P,
+            "Hot spares wait for a rank before the script's first line instead of running its set-up ahead.",
             pet=False,
         ),
     )

@@ -287,6 +287,15 @@ def error_file() -> str | None:
     return os.environ.get("TORCHELASTIC_ERROR_FILE") or None
 
 
+# --no-spare-head-start as the workers inherit it: a spare waits before the script's first line.
+NO_HEAD_START_ENV = "RESILRUN_NO_HEAD_START"
+
+
+def head_start_wanted() -> bool:
+    """Whether a hot spare runs its script ahead until it reads its rank (``worker/pending.py``)."""
+    return os.environ.get(NO_HEAD_START_ENV) != "1"
+
+
 def is_spare() -> bool:
     """Whether this process is a hot spare, with no rank yet (``spare_environ``)."""
     return os.environ.get("RESILRUN_SPARE") == "1"

@@ -50,6 +50,7 @@ from resilrun.env import (
     apply_assignment,
     current_round,
     error_file,
+    head_start_wanted,
     is_spare,
     recovery_wait_s,
     rerun_wanted,
@@ -137,6 +138,29 @@ def script_imports(target: str, as_module: bool) -> list[str]:
     return found
 
 
+def uses_resilrun_api(target: str, as_module: bool) -> bool:
+    """Whether the script imports resilrun anywhere (the worker API: ``resilrun.init()``).
+
+    Why a spare runs only such scripts ahead: their training waits for the rank by construction
+    (``job.steps()``, the process group), while a script that never reads its rank (a single-process
+    one) would run whole in the spare, as a job of its own beside the real one.
+    """
+    path = _script_path(target) if as_module else target
+    if path is None:
+        return False
+    try:
+        with open(path, "rb") as handle:
+            tree = ast.parse(handle.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.partition(".")[0] == "resilrun" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").partition(".")[0] == "resilrun":
+            return True
+    return False
+
+
 def _script_path(module: str) -> str | None:
     try:
         spec = importlib.util.find_spec(module)
@@ -167,6 +191,26 @@ def _stand_by(target: str, as_module: bool) -> None:
         except BaseException as exc:  # noqa: BLE001 - the script imports it again, with its rank, and reports then
             sys.stderr.write(f"resilrun: spare could not preload {name}: {type(exc).__name__}: {exc}\n")
     membership.stand_by()
+
+
+def _run_ahead(target: str, as_module: bool) -> bool:
+    """A hot spare with a head start (``worker/pending.py``): the script runs now and its first read
+    of a rank-dependent value waits for the assignment. Returns False where it cannot (the script's
+    kind, the option, or this torch): the spare then stands by before the script's first line."""
+    if not head_start_wanted() or not uses_resilrun_api(target, as_module):
+        return False
+    import torch  # noqa: F401 - before the membership module, which needs it anyway
+    import torch.distributed  # noqa: F401
+
+    from resilrun.worker import membership
+
+    return membership.run_ahead()
+
+
+def _ended_without_a_rank() -> bool:
+    """Whether this process ran its script to the end as a spare that never took a seat."""
+    pending = sys.modules.get("resilrun.worker.pending")
+    return pending is not None and pending.current() is not None
 
 
 def _may_be_a_broken_collective(exc: BaseException) -> bool:
@@ -338,7 +382,8 @@ def main(argv: list[str]) -> None:
         _install_rerun_hook()
     if is_spare():
         try:
-            _stand_by(target, as_module)
+            if not _run_ahead(target, as_module):
+                _stand_by(target, as_module)
         except BaseException as exc:
             # A spare that cannot wait any more (its agent gone, an error of its own) says why: the
             # agent logs this traceback and starts another spare.
@@ -347,6 +392,11 @@ def main(argv: list[str]) -> None:
     while True:
         try:
             _run(target, list(args), as_module)
+            if _ended_without_a_rank():
+                raise RuntimeError(
+                    "the script ran to its end in a hot spare before it read its rank (its head start); "
+                    "run it with --no-spare-head-start"
+                )
             _tell_agent_finished()
             exit_now(0)
         except SystemExit as exc:

@@ -47,7 +47,7 @@ from resilrun.agent.workers.procs import Processes, start_template
 from resilrun.agent.workers.specs import NodeSetup, process_env
 from resilrun.agent.workers.template import WorkerTemplate, uses_template
 from resilrun.config import Config
-from resilrun.env import CAPTURE_DIR_ENV, RERUN_ENV, agent_environ, agent_secrets
+from resilrun.env import CAPTURE_DIR_ENV, NO_HEAD_START_ENV, RERUN_ENV, agent_environ, agent_secrets
 from resilrun.errors import (
     ConfigError,
     RendezvousClosedError,
@@ -435,6 +435,7 @@ def build_node(
                 **({"RESILRUN_NO_INTEGRATIONS": "1"} if config.no_integrations else {}),
                 **({CAPTURE_DIR_ENV: str(captured.root)} if captured is not None else {}),
                 **({RERUN_ENV: "1"} if config.rerun_in_process else {}),
+                **({NO_HEAD_START_ENV: "1"} if config.no_spare_head_start else {}),
             },
             agent_socket=channel.path,
         )

@@ -120,6 +120,11 @@ def forget_all() -> None:
     """Drop what a failed generation left pending: its DDPs belong to a process group now gone."""
     for ddp in list(_PENDING):
         _forget(ddp)
+    for ddp in list(_BUILT):
+        try:
+            _torch_compat.detach_ddp(ddp)
+        except Exception as exc:  # noqa: BLE001 - a reducer already torn down has no hooks left
+            logger.debug("detaching a failed generation's DDP: %s", exc)
     _BUILT.clear()
 
 

@@ -19,6 +19,10 @@ What resilrun does when a probe fails:
   snapshotted (a TypeError at the first commit names it); every other placement is public API.
 - ``dataloader_workers``: the DataLoader worker processes of a failed generation end only when the
   iterator that started them is garbage-collected (a framework's reference cycle can delay that).
+- ``ddp_hook_removal``: a failed generation's DDP keeps its gradient hooks on the parameters; a
+  model kept across a re-run (``@resilrun.once``) then depends on that DDP being garbage-collected.
+- ``default_group_read``: a hot spare gets no head start (it waits for its rank before the script's
+  first line, as it did before the head start existed).
 
 Every probe holds on the torch versions ``pyproject.toml`` declares (``TESTED_TORCH``).
 """
@@ -60,6 +64,8 @@ _FALLBACKS = {
     "group_registry": "only the default NCCL group is aborted: a rank blocked in a subgroup waits for its timeout",
     "strided_shard": "DTensors with strided shards (FSDP over tensor parallel on one dim) cannot be snapshotted",
     "dataloader_workers": "a failed generation's DataLoader workers end only when their iterator is collected",
+    "ddp_hook_removal": "a failed generation's DDP keeps its hooks on a model kept across a re-run until collected",
+    "default_group_read": "hot spares wait for their rank before the script's first line (no head start)",
 }
 _WARNED: set[str] = set()
 
@@ -125,6 +131,21 @@ def _loader_iterator_probe() -> type | None:
     return iterator
 
 
+@functools.cache
+def _hook_removal_probe() -> bool:
+    return callable(getattr(DistributedDataParallel, "_remove_autograd_hooks", None))
+
+
+@functools.cache
+def _default_group_probe() -> property | None:
+    """torch reads its default group through one property of its process-group registry."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    prop = getattr(type(world), "default_pg", None)
+    if world is None or not isinstance(prop, property) or prop.fset is None or not hasattr(world, "_default_pg"):
+        return None
+    return prop
+
+
 _PROBES: dict[str, Callable[[], Any]] = {
     "deferred_ddp_sync": _sync_helpers,
     "ddp_bucket_rebuild": _bucket_rebuild_probe,
@@ -133,6 +154,8 @@ _PROBES: dict[str, Callable[[], Any]] = {
     "group_registry": _group_registry_probe,
     "strided_shard": _strided_shard_probe,
     "dataloader_workers": _loader_iterator_probe,
+    "ddp_hook_removal": _hook_removal_probe,
+    "default_group_read": _default_group_probe,
 }
 
 
@@ -287,3 +310,51 @@ def stop_dataloader_workers() -> int:
                 logger.debug("shutting down a DataLoader iterator's workers: %s", exc)
     _LOADER_ITERATORS.clear()
     return stopped
+
+
+def can_wait_on_default_group() -> bool:
+    """Whether ``wait_on_default_group`` can hold torch's reads of the default group."""
+    if _default_group_probe() is None:
+        _fall_back("default_group_read")
+        return False
+    return True
+
+
+def wait_on_default_group(wait: Callable[[], None], passes: Callable[[], bool]) -> Callable[[], None] | None:
+    """Make every read of torch.distributed's default group call ``wait`` first while none exists
+    and ``passes()`` is false; returns what undoes it (None: not possible on this torch).
+
+    Why the registry's property: ``is_initialized``, ``get_rank``, ``_get_default_group`` (DDP,
+    DistributedSampler, DeviceMesh, FSDP) all read it, including through names other modules
+    imported before this runs, which patching the functions would miss.
+    """
+    prop = _default_group_probe()
+    if prop is None:
+        _fall_back("default_group_read")
+        return None
+    registry = type(dist.distributed_c10d._world)
+    original_get = prop.fget
+    assert original_get is not None
+
+    def read(world: Any) -> Any:
+        if world._default_pg is None and not passes():
+            wait()
+        return original_get(world)
+
+    setattr(registry, "default_pg", property(read, prop.fset, prop.fdel, prop.__doc__))  # noqa: B010
+
+    def undo() -> None:
+        setattr(registry, "default_pg", prop)  # noqa: B010
+
+    return undo
+
+
+def detach_ddp(ddp: DistributedDataParallel) -> bool:
+    """Take a DDP's gradient hooks off its module's parameters (its generation is over); whether it
+    could. Why: a module kept across a re-run gets a new DDP, and the old one's hooks would still
+    all-reduce on the failed generation's group at every backward until it is collected."""
+    if not _hook_removal_probe():
+        _fall_back("ddp_hook_removal")
+        return False
+    ddp._remove_autograd_hooks()
+    return True

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,50 +70,82 @@ class RngState:
             np.random.set_state(state["numpy"])
 
 
-class Job:
-    """This worker's handle on the job; see ``resilrun.init``."""
+@dataclass(frozen=True)
+class Seat:
+    """This worker's place in its generation: what a ``Job`` needs that depends on the rank."""
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        local_rank: int,
-        device: torch.device,
-        snapshotter: Snapshotter | None,
-        faults: tuple[Fault, ...] = (),
-        attempt: int = 0,
-        round: int = 0,
-        dedup: bool = True,
-        snapshot_every: int = 1,
-        max_overhead: float = 0.03,
-        replicate_auto: bool = False,
-    ) -> None:
-        self._rank = rank
-        self._world_size = world_size
-        self._local_rank = local_rank
-        self._device = device
-        self._snapshotter = snapshotter
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    snapshotter: Snapshotter | None
+    faults: tuple[Fault, ...] = ()
+    attempt: int = 0
+    round: int = 0
+    dedup: bool = True
+    snapshot_every: int = 1
+    max_overhead: float = 0.03
+    replicate_auto: bool = False
+
+
+class Job:
+    """This worker's handle on the job; see ``resilrun.init``.
+
+    ``seat``: this worker's place, or what waits for it and returns it: a hot spare running the
+    script ahead (``worker/pending.py``) gets its Job before it has a rank; the Job takes its seat
+    when first asked for anything that depends on it (``rank``, ``device``, ``steps()``, ...).
+    ``track()`` and ``job[name]`` do not, so the set-up around them runs ahead.
+    """
+
+    def __init__(self, seat: Seat | Callable[[], Seat]) -> None:
         self._tracked: dict[str, Any] = {"_rng": RngState()}
         self._values: dict[str, Any] = {}
         self._step = -1
-        self._faults = faults
-        self._attempt = attempt
-        self._round = round
-        self._dedup = dedup
-        gather = lambda row: _all_gather_ints(row, world_size, device)  # noqa: E731
-        self._schedule = Schedule(snapshot_every, budget=max_overhead, replicas=replicate_auto, gather=gather)
         self._done = -1  # the newest step finished (committed), snapshotted or not
         self._unsaved: int | None = None  # a finished step left out by --snapshot-every, if newest
         self._reported_first_step = False
         self._watchdog: GenerationWatchdog | None = None
         self._sharding = Sharding()
         self._kinds: dict[str, str] = {}  # what each tracked object is, for export (resilrun.checkpoint)
+        self._awaiting: Callable[[], Seat] | None = None
+        if isinstance(seat, Seat):
+            self._bind(seat)
+        else:
+            self._awaiting = seat
 
-    rank = property(lambda self: self._rank, doc="Global rank of this worker.")
-    world_size = property(lambda self: self._world_size, doc="Number of workers in the job.")
-    local_rank = property(lambda self: self._local_rank, doc="Rank of this worker on its node.")
-    device = property(lambda self: self._device, doc="The device this worker trains on.")
+    def _bind(self, seat: Seat) -> None:
+        self._rank = seat.rank
+        self._world_size = seat.world_size
+        self._local_rank = seat.local_rank
+        self._device = seat.device
+        self._snapshotter = seat.snapshotter
+        self._faults = seat.faults
+        self._attempt = seat.attempt
+        self._round = seat.round
+        self._dedup = seat.dedup
+        world_size, device = seat.world_size, seat.device
+        gather = lambda row: _all_gather_ints(row, world_size, device)  # noqa: E731
+        self._schedule = Schedule(
+            seat.snapshot_every, budget=seat.max_overhead, replicas=seat.replicate_auto, gather=gather
+        )
+
+    def _seated(self) -> Job:
+        """Take this worker's seat first if it is still awaited (a spare running ahead)."""
+        awaiting = self._awaiting
+        if awaiting is not None:
+            self._awaiting = None
+            self._bind(awaiting())
+        return self
+
+    @property
+    def seated(self) -> bool:
+        """Whether this worker has its rank (False only in a hot spare running the script ahead)."""
+        return self._awaiting is None
+
+    rank = property(lambda self: self._seated()._rank, doc="Global rank of this worker.")
+    world_size = property(lambda self: self._seated()._world_size, doc="Number of workers in the job.")
+    local_rank = property(lambda self: self._seated()._local_rank, doc="Rank of this worker on its node.")
+    device = property(lambda self: self._seated()._device, doc="The device this worker trains on.")
     step = property(lambda self: self._step, doc="The step in progress (or last finished); -1 before.")
     done = property(lambda self: self._done, doc="The newest finished step (committed); -1 before.")
 
@@ -141,6 +174,7 @@ class Job:
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the steps still to run, restoring first and committing after each one."""
+        self._seated()
         for step in range(self.resume() + 1, total):
             self.begin(step)
             yield step
@@ -151,6 +185,7 @@ class Job:
     def resume(self) -> int:
         """Restore the newest step every rank holds into the tracked objects; returns it (-1: a
         fresh start). Every rank must call it at the same point: it agrees through collectives."""
+        self._seated()
         fix_bucket_layouts(self._tracked.values())
         last = self._restore()
         _ddp_sync.settle(self._tracked.values() if last >= 0 else ())
@@ -159,6 +194,7 @@ class Job:
 
     def begin(self, step: int) -> None:
         """Step ``step`` starts (injected faults fire here)."""
+        self._seated()
         self._step = step
         if self._faults:
             fire(self._faults, rank=self._rank, step=step, attempt=self._attempt)
@@ -168,6 +204,7 @@ class Job:
         says so (``--snapshot-every``: every N-th step, N-1, 2N-1, ..., or ``auto``; all ranks
         snapshot the same steps). Under ``auto`` the last step of a measuring window also agrees
         the next interval with every rank (one small all-gather)."""
+        self._seated()
         self._done = step
         saved = self._schedule.due(step)
         blocked = 0.0
@@ -190,19 +227,20 @@ class Job:
     @property
     def snapshot_interval(self) -> int:
         """Steps between snapshots now (``auto`` changes it as it measures)."""
-        return self._schedule.interval
+        return self._seated()._schedule.interval
 
     @property
     def replica_interval(self) -> int | None:
         """About how many steps apart the snapshots copied to peers are now, under ``--replicate-every
         auto``; None when the agent's ``--replicate-every N`` chooses them."""
-        schedule = self._schedule
+        schedule = self._seated()._schedule
         return schedule.interval * schedule.replicate_every if schedule.replicas else None
 
     def finish(self) -> None:
         """Training is done: its last step is snapshotted (also when ``--snapshot-every`` left it
         out: it is what the persistent tier and ``resilrun export`` should hold), and acknowledged
         before the script goes on."""
+        self._seated()
         if self._unsaved is not None:
             step, self._unsaved = self._unsaved, None
             self._commit(step, last=True)
@@ -450,6 +488,12 @@ class Job:
         return sum(t.numel() * t.element_size() for t in views.values())
 
     def _apply(self, views: dict[str, torch.Tensor], meta: Any, join: Joiner, step: int) -> None:
+        """Put ``step`` into the tracked objects, gradients cleared as a rebuilt model has them.
+
+        Why clear them: a survivor's re-run may keep its model (``@resilrun.once``), whose gradients
+        hold the failed step's partial backward; snapshots never hold gradients, so the state a
+        step starts from is always "none yet", as in a process that built its model afresh.
+        """
         copies = _Copies(views, self._device)
         for name, obj in self._tracked.items():
             if isinstance(obj, torch.Tensor):
@@ -457,8 +501,11 @@ class Job:
                     obj.copy_(unflatten(meta["objects"][name], views, join))
             elif isinstance(obj, torch.nn.Module):
                 obj.load_state_dict(unflatten(meta["objects"][name], views, join))
+                obj.zero_grad(set_to_none=True)
             else:
                 obj.load_state_dict(unflatten(meta["objects"][name], copies, join))
+                if isinstance(obj, torch.optim.Optimizer):
+                    obj.zero_grad(set_to_none=True)
         self._values.update({name: unflatten(tree, copies) for name, tree in meta["values"].items()})
         self._step = step
 

@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from resilrun.channel_protocol import AwaitAssignment, AwaitGeneration, Beat, HelloApi, HelloRerun
 from resilrun.env import agent_socket_path, apply_assignment, ensure_rendezvous_defaults, read_worker_variables
-from resilrun.worker import _ddp_sync, _torch_compat
+from resilrun.worker import _ddp_sync, _torch_compat, pending
 from resilrun.worker._abort import GenerationWatchdog, SetupGuard, opened_since, peer_hosts, shut_down, tcp_sockets
 from resilrun.worker._channel import AgentClient
 from resilrun.worker.faults import parse_faults
-from resilrun.worker.job import Job
+from resilrun.worker.job import Job, Seat
 from resilrun.worker.snapshot import Snapshotter
 
 logger = logging.getLogger(__name__)
@@ -53,24 +53,39 @@ _SPARE_POLL_S = 60.0
 def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
     """Join the job: set up torch.distributed's default group and this rank's snapshots.
 
-    A hot spare (started by ``resilrun --spares N``) never gets here before it has a rank: it waits
-    in resilrun's worker bootstrap, before the script's first line (see ``stand_by``).
+    A hot spare running the script ahead (``worker/pending.py``) gets a Job that joins when first
+    asked for anything that depends on its rank; the set-up between here and that moment runs
+    before any rank has failed. A spare without a head start never gets here before it has a rank:
+    it waits in resilrun's worker bootstrap, before the script's first line (see ``stand_by``).
 
     Args:
         backend: ``nccl`` when CUDA is available, else ``gloo``, unless given.
         timeout: collective timeout passed to ``init_process_group``.
     """
-    global _JOB, _API_JOINING
+    global _JOB
     if _JOB is not None:
         return _JOB
-    variables = read_worker_variables()
-    if variables.spare:
+    head_start = pending.current()
+    if head_start is not None:
+        job = _JOB = Job(lambda: _join(job, backend, timeout))
+        head_start.on_seat(job._seated)  # a rank read elsewhere (RANK, DDP(model)) joins it too
+        return job
+    if read_worker_variables().spare:
         # Spares wait in resilrun's worker bootstrap, before the script runs; getting here means the
         # script was started some other way with a spare's environment.
         raise RuntimeError(
             "resilrun.init() was called in a hot spare that has no rank yet; spares wait in resilrun's "
             "worker bootstrap (python -m resilrun.worker_main SCRIPT), which --no-python skips"
         )
+    job = _JOB = Job(lambda: _join(job, backend, timeout))
+    job._seated()
+    return job
+
+
+def _join(job: Job, backend: str | None, timeout: timedelta | None) -> Seat:
+    """Join this process's generation for ``job``: its process group, snapshots, heartbeat."""
+    global _API_JOINING
+    variables = read_worker_variables()
     client = AgentClient(variables.agent_socket) if variables.agent_socket else None
     use_cuda = torch.cuda.is_available() and (backend in (None, "nccl"))
     device = torch.device("cuda", variables.local_rank) if use_cuda else torch.device("cpu")
@@ -107,7 +122,7 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         snapshotter = Snapshotter(client, variables.rank, group, variables.round)
     else:
         logger.warning("not started by resilrun: training runs, but steps are not snapshotted")
-    _JOB = Job(
+    seat = Seat(
         rank=variables.rank,
         world_size=variables.world_size,
         local_rank=variables.local_rank,
@@ -121,14 +136,22 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
         max_overhead=variables.max_overhead,
         replicate_auto=variables.replicate_auto,
     )
-    if pg_seconds is not None:
-        _JOB._report("collectives_rebuilt", seconds=round(pg_seconds, 6))
     if variables.agent_socket:
         _ddp_sync.install()
-        _JOB._watchdog = _follow_generations(
+        job._watchdog = _follow_generations(
             variables.agent_socket, variables.round, before, group_sockets, variables.heartbeat_interval_s
         )
-    return _JOB
+    if pg_seconds is not None and snapshotter is not None:
+        _report_joined(snapshotter, variables.round, pg_seconds)
+    return seat
+
+
+def _report_joined(snapshotter: Snapshotter, generation: int, seconds: float) -> None:
+    """The process group's set-up time, for the agent's recovery timeline (informational)."""
+    try:
+        snapshotter.report("collectives_rebuilt", round=generation, at=time.time(), seconds=round(seconds, 6))
+    except Exception as exc:  # noqa: BLE001 - the timeline is informational
+        logger.debug("could not report collectives_rebuilt to the agent: %s", exc)
 
 
 def _follow_generations(
@@ -225,7 +248,7 @@ def refuse_rerun(reason: str) -> bool:
         _RERUN_REFUSED = None
         return False
     if reason != _RERUN_REFUSED:
-        rank = os.environ.get("RANK", "?")
+        rank = read_worker_variables().rank
         sys.stderr.write(
             f"resilrun: rank {rank} cannot re-run its script in-process: {reason}; a failure restarts the job\n"
         )
@@ -318,25 +341,49 @@ def _abort_for(before: dict[int, int], group_sockets: dict[int, int]) -> Callabl
 
 
 def stand_by() -> None:
-    """A hot spare: pay the first-DDP cost, then block until the agent gives this process a rank
-    and adopt that rank's environment (called by the worker bootstrap before the script runs).
+    """A hot spare without a head start: pay the first-DDP cost, then block until the agent gives
+    this process a rank and adopt that rank's environment (called by the worker bootstrap before
+    the script runs).
 
     Raises:
         CheckpointError: the agent is gone (the spare then exits; a new agent starts new spares).
     """
-    global _TOOK_PART
-    socket_path = agent_socket_path() or ""
     _prewarm()
-    client = AgentClient(socket_path)
+    _take_assignment(_await_assignment())
+
+
+def run_ahead() -> bool:
+    """A hot spare with a head start: pay the first-DDP cost, then let the script run while every
+    read of a rank-dependent value waits for the assignment (``worker/pending.py``). Returns False
+    where this torch cannot hold those reads (the caller then stands by instead)."""
+    if not _torch_compat.can_wait_on_default_group():
+        return False
+    _prewarm()
+    # What the script builds ahead must be built as the survivors build theirs: a DDP that skips its
+    # start-up broadcast (theirs do: a spare broadcasting alone would wait forever), DataLoader
+    # iterators that stop with the generation.
+    _ddp_sync.install()
+    _torch_compat.track_dataloader_workers()
+    pending.start(pending.HeadStart(_await_assignment, _take_assignment, _torch_compat.wait_on_default_group))
+    return True
+
+
+def _await_assignment() -> dict[str, str]:
+    """Block until the agent gives this spare a rank; that rank's environment."""
+    client = AgentClient(agent_socket_path() or "")
     try:
         while True:
             reply, _ = client.call(AwaitAssignment(pid=os.getpid(), timeout_s=_SPARE_POLL_S))
             if reply.env:
-                _TOOK_PART = True
-                apply_assignment(reply.env)
-                return
+                return dict(reply.env)
     finally:
         client.close()
+
+
+def _take_assignment(env: Mapping[str, str]) -> None:
+    global _TOOK_PART
+    _TOOK_PART = True
+    apply_assignment(env)
 
 
 def _prewarm() -> None:
@@ -381,8 +428,9 @@ def reset_for_reentry() -> None:
     if _RERUN_WATCHDOG is not None:
         _RERUN_WATCHDOG.disarm()
         _RERUN_WATCHDOG = None
-    if job is not None and job._snapshotter is not None:
-        job._snapshotter.close()
+    snapshotter = getattr(job, "_snapshotter", None)  # a spare's Job that never took its seat has none
+    if snapshotter is not None:
+        snapshotter.close()
     if dist.is_initialized():
         for step in (dist.destroy_process_group,):
             try:
@@ -405,6 +453,8 @@ def is_active() -> bool:
     """Whether this process is part of the job through ``resilrun.init()``, now or in an earlier
     generation (or as an assigned spare), or runs a plain script it can re-run
     (``--rerun-in-process``): its failures can be recovered in-process."""
+    if pending.current() is not None:
+        return False  # a spare running ahead has no generation yet: its own error is the failure
     if _JOB is None and _RERUN_REFUSED is not None:
         return False  # a plain script holding what cannot be reset: it fails the torchrun way
     return _JOB is not None or _TOOK_PART or _RERUN_WATCHDOG is not None

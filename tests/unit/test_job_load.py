@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from resilrun.snapshot.restore import Tier
-from resilrun.worker.job import Job, _holdings
+from resilrun.worker.job import Job, Seat, _holdings
 
 
 class _NodeMemory:
@@ -45,7 +45,7 @@ def _trained() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
 
 
 def _job(memory: _NodeMemory, model: nn.Module, opt: torch.optim.Optimizer, extra: torch.Tensor) -> Job:
-    job = Job(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), snapshotter=memory)  # type: ignore[arg-type]
+    job = Job(Seat(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), snapshotter=memory))  # type: ignore[arg-type]
     job.track(model=model, optimizer=opt, extra=extra, progress={"seen": 3})
     return job
 

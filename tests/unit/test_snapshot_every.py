@@ -13,7 +13,7 @@ from resilrun.config import Config
 from resilrun.env import WorkerEnv, read_worker_variables
 from resilrun.errors import ConfigError
 from resilrun.tiers.slots import Committed
-from resilrun.worker.job import Job
+from resilrun.worker.job import Job, Seat
 
 
 class _Saves:
@@ -49,7 +49,7 @@ class _Saves:
 
 def _job(every: int, *, replicate_auto: bool = False) -> tuple[Job, _Saves]:
     saves = _Saves()
-    job = Job(
+    seat = Seat(
         rank=0,
         world_size=1,
         local_rank=0,
@@ -58,6 +58,7 @@ def _job(every: int, *, replicate_auto: bool = False) -> tuple[Job, _Saves]:
         snapshot_every=every,
         replicate_auto=replicate_auto,
     )
+    job = Job(seat)
     job.track(weights=torch.zeros(3))
     return job, saves
 

@@ -61,6 +61,8 @@ def test_the_report_names_every_probe_with_its_fallback() -> None:
         "group_registry",
         "strided_shard",
         "dataloader_workers",
+        "ddp_hook_removal",
+        "default_group_read",
     ]
     assert [p.name for p in probes] == names
     assert all(p.fallback for p in probes)
