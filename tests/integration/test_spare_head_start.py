@@ -21,11 +21,13 @@ SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "setup_ahead.py"
 ARGS = ["--setup", "1.5", "--steps", "30"]
 
 
-def _train(launcher, tmp_path: Path, name: str, *flags: str, faults: str = "") -> tuple[object, Path, str]:  # noqa: ANN001
+def _train(  # noqa: ANN001
+    launcher, tmp_path: Path, name: str, *flags: str, faults: str = "", script: tuple[str, ...] = ()
+) -> tuple[object, Path, str]:
     trace, target = tmp_path / f"{name}.trace", tmp_path / f"{name}.sha"
     run = launcher(
         "resilrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", *flags,
-        str(SCRIPT), *ARGS, "--trace", str(trace), "--checksum-file", str(target),
+        str(SCRIPT), *ARGS, *script, "--trace", str(trace), "--checksum-file", str(target),
         env={"RESILRUN_FAULTS": faults} if faults else {},
     )  # fmt: skip
     assert run.wait(150) == 0, run.stderr()[-3000:]
@@ -41,11 +43,22 @@ def _set_ups(trace: Path) -> dict[int, list[float]]:
     return runs
 
 
-def test_the_spare_ran_the_set_up_before_the_failure_and_no_one_runs_it_again(launcher, tmp_path: Path) -> None:
-    # Given a failure-free run's result
-    _, _, clean = _train(launcher, tmp_path, "clean", "--spares", "0")
+@pytest.mark.parametrize(
+    "script",
+    [(), ("--compile", "aot_eager", "--workers", "2")],
+    ids=["plain", "compiled-with-dataloader-workers"],
+)
+def test_the_spare_ran_the_set_up_before_the_failure_and_no_one_runs_it_again(
+    launcher,
+    tmp_path: Path,
+    script: tuple[str, ...],  # noqa: ANN001
+) -> None:
+    # Given a failure-free run's result (the model compiled in the set-up, batches from DataLoader workers)
+    _, _, clean = _train(launcher, tmp_path, "clean", "--spares", "0", script=script)
     # When rank 1 is SIGKILLed at step 15 of a job with a hot spare (head start: the default)
-    run, trace, faulty = _train(launcher, tmp_path, "faulty", "--spares", "1", faults="kill:rank=1,step=15")
+    run, trace, faulty = _train(
+        launcher, tmp_path, "faulty", "--spares", "1", faults="kill:rank=1,step=15", script=script
+    )
     # Then the spare took rank 1 in-process, nobody restarted
     (promoted,) = events(run, kind="spare_promoted")
     (failed,) = events(run, kind="failure_detected")
