@@ -257,7 +257,7 @@ def _next_generation(exc: BaseException) -> dict[str, str] | None:
     raised = _may_be_a_broken_collective(exc)
     wait_s = recovery_wait_s() if raised else 0.0
     from resilrun.channel_protocol import AwaitGeneration
-    from resilrun.worker._channel import AgentClient
+    from resilrun.worker.agent_client import AgentClient
 
     try:
         client = AgentClient(socket_path)
@@ -280,9 +280,9 @@ def _install_rerun_hook() -> None:
     the script's ``from torch.distributed import init_process_group`` binds the name): the script
     never calls resilrun, and the group must exist before its collectives can be aborted.
     """
-    from resilrun.integrations import _import_hooks
+    from resilrun.integrations import import_hooks
 
-    _import_hooks.install({"torch.distributed": _wrap_init_process_group})
+    import_hooks.install({"torch.distributed": _wrap_init_process_group})
 
 
 def _wrap_init_process_group(module: ModuleType) -> None:
@@ -356,7 +356,7 @@ def _tell_agent_finished() -> None:
     if not socket_path or "resilrun.worker.membership" not in sys.modules:
         return
     from resilrun.channel_protocol import Finished
-    from resilrun.worker._channel import AgentClient
+    from resilrun.worker.agent_client import AgentClient
 
     try:
         client = AgentClient(socket_path)

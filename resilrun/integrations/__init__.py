@@ -44,9 +44,9 @@ def install_import_hooks(environ: Mapping[str, str] | None = None) -> bool:
     """Adapt each supported framework when the script imports it; False when integrations are off."""
     if not enabled(environ):
         return False
-    from resilrun.integrations import _import_hooks
+    from resilrun.integrations import import_hooks
 
-    _import_hooks.install({module: _deferred(*target) for module, target in _HOOKS.items()})
+    import_hooks.install({module: _deferred(*target) for module, target in _HOOKS.items()})
     return True
 
 

@@ -27,7 +27,7 @@ from resilrun.channel_protocol import AwaitAssignment, AwaitGeneration, Beat, He
 from resilrun.env import agent_socket_path, apply_assignment, ensure_rendezvous_defaults, read_worker_variables
 from resilrun.worker import _ddp_sync, _torch_compat, pending
 from resilrun.worker._abort import GenerationWatchdog, SetupGuard, opened_since, peer_hosts, shut_down, tcp_sockets
-from resilrun.worker._channel import AgentClient
+from resilrun.worker.agent_client import AgentClient
 from resilrun.worker.faults import parse_faults
 from resilrun.worker.job import Job, Seat
 from resilrun.worker.snapshot import Snapshotter

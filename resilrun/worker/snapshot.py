@@ -42,7 +42,7 @@ from resilrun.snapshot.restore import world_of
 from resilrun.snapshot.selection import Selection
 from resilrun.snapshot.shm import SeqCounters, SharedBuffer
 from resilrun.worker import _torch_compat
-from resilrun.worker._channel import AgentClient
+from resilrun.worker.agent_client import AgentClient
 
 R = TypeVar("R", bound=Reply)
 

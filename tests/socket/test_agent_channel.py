@@ -29,7 +29,7 @@ from resilrun.snapshot.shm import SharedBuffer
 from resilrun.storage import LocalStorage
 from resilrun.tiers import durable
 from resilrun.tiers.memory import NodeMemoryTier
-from resilrun.worker._channel import AgentClient
+from resilrun.worker.agent_client import AgentClient
 from tests.conftest import make_snapshot, wait_until
 
 

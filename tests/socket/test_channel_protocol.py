@@ -25,7 +25,7 @@ from resilrun.snapshot.selection import Selection
 from resilrun.storage import LocalStorage
 from resilrun.tiers import durable
 from resilrun.tiers.memory import NodeMemoryTier
-from resilrun.worker._channel import AgentClient
+from resilrun.worker.agent_client import AgentClient
 from resilrun.worker.snapshot import Snapshotter
 from tests.conftest import make_snapshot
 

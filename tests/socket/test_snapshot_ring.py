@@ -19,7 +19,7 @@ from resilrun.env import SNAPSHOT_AUTO
 from resilrun.tiers import memory as memory_module
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.slots import REPLICATED_SLOTS
-from resilrun.worker._channel import AgentClient
+from resilrun.worker.agent_client import AgentClient
 from resilrun.worker.snapshot import Snapshotter
 
 

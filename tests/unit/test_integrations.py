@@ -13,8 +13,8 @@ from types import ModuleType
 import pytest
 
 from resilrun import integrations
-from resilrun.integrations import _import_hooks
 from resilrun.integrations import _support as support
+from resilrun.integrations import import_hooks
 from resilrun.integrations import transformers as hf
 from tests.unit import fake_frameworks as fake
 
@@ -38,7 +38,7 @@ def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 def test_the_hook_runs_once_the_module_has_executed(package: str) -> None:
     # Given a hook on the package's module, installed before anything imports it
     seen: list[int] = []
-    _import_hooks.install({f"{package}.core": lambda module: seen.append(module.Thing.value)})
+    import_hooks.install({f"{package}.core": lambda module: seen.append(module.Thing.value)})
     # When the script imports it (as a lazy package would: importlib by name)
     module = importlib.import_module(f"{package}.core")
     # Then the hook saw the executed module, once, and the module is the real one
@@ -51,7 +51,7 @@ def test_the_hook_runs_once_the_module_has_executed(package: str) -> None:
 def test_a_module_imported_already_is_adapted_at_once(package: str) -> None:
     importlib.import_module(f"{package}.core")
     seen: list[str] = []
-    _import_hooks.install({f"{package}.core": lambda module: seen.append(module.__name__)})
+    import_hooks.install({f"{package}.core": lambda module: seen.append(module.__name__)})
     assert seen == [f"{package}.core"]
 
 
@@ -59,7 +59,7 @@ def test_a_failing_hook_leaves_the_import_working(package: str, caplog: pytest.L
     def broken(module: ModuleType) -> None:
         raise AttributeError("Trainer has no attribute train")
 
-    _import_hooks.install({f"{package}.core": broken})
+    import_hooks.install({f"{package}.core": broken})
     with caplog.at_level(logging.WARNING):
         module = importlib.import_module(f"{package}.core")
     assert module.Thing.value == 1

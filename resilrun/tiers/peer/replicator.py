@@ -60,7 +60,7 @@ _IDLE_WAIT_S = 1.0
 # The commit gate waits this long at most for a deduplicated snapshot to become complete: it borrows
 # bytes from local ranks that commit the same step within milliseconds unless they are failing.
 _COMPLETE_WAIT_S = 1.0
-# and this long at most in all: well inside the worker's channel timeout (worker/_channel.py), so a
+# and this long at most in all: well inside the worker's channel timeout (worker/agent_client.py), so a
 # push slower than this lets the replica fall behind by more than a step instead of failing the worker.
 GATE_MAX_S = 30.0
 
