@@ -38,10 +38,21 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--ckpt-dir", default="", help="DCP checkpoint directory (torchrun script)")
     parser.add_argument("--save-every", type=int, default=10, help="DCP save after every N completed steps")
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (paces a long fault)")
-    parser.add_argument(
-        "--setup", type=float, default=0.0, help="seconds of set-up before the model is built (a sleep: no CPU)"
-    )
+    parser.add_argument("--setup", type=float, default=0.0, help="seconds of set-up before the model is built")
+    parser.add_argument("--setup-cpu", action="store_true", help="the set-up computes (one core) instead of sleeping")
     return parser.parse_args()
+
+
+def set_up_work(seconds: float, cpu: bool) -> None:
+    """Stand for a script's set-up: ``seconds`` asleep, or of one core's work (``cpu``), which a spare
+    running it beside training competes with the survivors for."""
+    if not cpu:
+        time.sleep(seconds)
+        return
+    end = time.thread_time() + seconds
+    a = torch.randn(128, 128)
+    while time.thread_time() < end:
+        a = torch.tanh(a @ a)
 
 
 def hidden_for(mib: float) -> int:

@@ -18,7 +18,7 @@ import os  # noqa: E402 - the stamp above must precede the imports
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from _recovery_common import EventLog, build_model, checksum, parse_args, state_mib, train_step  # noqa: E402
+from _recovery_common import EventLog, build_model, checksum, parse_args, set_up_work, state_mib, train_step  # noqa: E402
 from torch import nn  # noqa: E402
 
 import resilrun  # noqa: E402
@@ -55,10 +55,10 @@ def stamp_planned_kill(log: EventLog) -> bool:
     return True
 
 
-def _set_up(mib: float, seconds: float) -> nn.Module:
+def _set_up(mib: float, seconds: float, cpu: bool) -> nn.Module:
     """The script's set-up (``--setup`` seconds, then the model): what a hot spare with a head start
     runs before any rank fails, and, under ``@resilrun.once``, what a survivor's re-run reuses."""
-    time.sleep(seconds)
+    set_up_work(seconds, cpu)
     return build_model(mib)
 
 
@@ -67,11 +67,13 @@ set_up = resilrun.once(_set_up) if os.environ.get("RECOVERY_SETUP_ONCE", "1") ==
 
 
 def main() -> None:
+    if os.environ.get("RECOVERY_READ_RANK_FIRST") == "1":
+        int(os.environ["RANK"])  # as torchrun scripts do at their top: a spare waits here for its rank
     args = parse_args(__doc__.splitlines()[0])
     spare = os.environ.get("RESILRUN_SPARE") == "1"  # resilrun's own variable: readable before a rank
     job = resilrun.init()
     init_at = time.time()
-    model = set_up(args.mib, args.setup)  # needs no rank: a spare runs it ahead of the failure
+    model = set_up(args.mib, args.setup, args.setup_cpu)  # needs no rank: a spare runs it ahead of the failure
     ddp = nn.parallel.DistributedDataParallel(model)  # the first use of the rank: a spare waits here
     log = EventLog(args.events, job.rank)
     if not spare:  # a spare's start-up stamps are from long before any failure: meaningless here

@@ -21,7 +21,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from _recovery_common import EventLog, build_model, checksum, parse_args, state_mib, train_step  # noqa: E402
+from _recovery_common import EventLog, build_model, checksum, parse_args, set_up_work, state_mib, train_step  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
@@ -43,7 +43,7 @@ def main() -> None:
     log.write("phase", "imported", IMPORTED)
     dist.init_process_group("gloo")
     log.write("phase", "init")
-    time.sleep(args.setup)  # the script's set-up (--setup): paid again by every restarted worker
+    set_up_work(args.setup, args.setup_cpu)  # the script's set-up: paid again by every restarted worker
     model = build_model(args.mib)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)

@@ -10,8 +10,11 @@
 ``--setup S``: every worker spends S seconds (a sleep) in its set-up before it builds its model.
 ``resilrun`` runs it in a ``@resilrun.once`` function with the spare's head start (issue 47: the spare
 runs the set-up before any failure, a survivor's re-run reuses it); ``resilrun-setup-after`` is
-resilrun without either (``--no-spare-head-start``, plain set-up code), as before; torchrun's
-restarted workers pay it again.
+resilrun without either (``--no-spare-head-start``, plain set-up code), as before;
+``resilrun-rank-first`` is ``resilrun`` with a script that reads ``RANK`` at its first line (no head
+start for the spare; the survivors still reuse their set-up); torchrun's restarted workers pay it
+again. ``--setup-cpu``: the set-up computes on one core instead of sleeping (the spare refilled after
+a take-over then competes with the survivors: see their step time after the recovery).
 
 What it measures (DESIGN.md §3, issue 4): 4 ranks (``--standalone --nproc-per-node 4``, gloo), a
 toy MLP whose params + AdamW moments are ``--sizes`` MiB per rank, rank 1 SIGKILLed when step
@@ -74,6 +77,11 @@ LAUNCHERS: dict[str, tuple[list[str], dict[str, str], Path]] = {
 # Run only when --launchers names them: resilrun starting every worker as a new process, as it did
 # before the worker template (the template's effect, measured in the same run).
 OPTIONAL = {
+    "resilrun-rank-first": (
+        [sys.executable, "-m", "resilrun", "--spares", "1"],
+        {"RECOVERY_READ_RANK_FIRST": "1"},
+        HERE / "_recovery_resilrun.py",
+    ),
     "resilrun-setup-after": (
         [sys.executable, "-m", "resilrun", "--no-spare-head-start", "--spares", "1"],
         {"RECOVERY_SETUP_ONCE": "0"},
@@ -169,6 +177,15 @@ def analyze(res: dict[str, Any], kill_step: int) -> None:
     if res.get("exited") is not None and res["status"] == "ok":
         timeline[EXITED] = res["exited"] - kill
     res["timeline"] = timeline
+    # The survivors' pace before the kill and after the recovery, while the node refills its spare
+    # (a new process whose start, and with a head start its set-up, competes for the node's cores).
+    res["step_before"] = _median_interval([t for n, t in steps if 2 <= n < kill_step and t < kill])
+    res["step_after"] = _median_interval([t for _, t in after])
+
+
+def _median_interval(times: list[float]) -> float | None:
+    times = sorted(times)
+    return statistics.median(b - a for a, b in pairwise(times)) if len(times) > 2 else None
 
 
 def timeline_rows() -> list[str]:
@@ -191,6 +208,7 @@ def run_one(name: str, mib: int, killed: bool, args: argparse.Namespace, index: 
     cmd = [*prefix, "--standalone", "--nproc-per-node", str(NPROC), str(script), "--mib", str(mib)]
     cmd += ["--steps", str(args.steps), "--events", str(events), "--ckpt-dir", str(ckpt)]
     cmd += ["--kill-step", str(args.kill_step if killed else -1), "--setup", str(args.setup)]
+    cmd += ["--setup-cpu"] if args.setup_cpu else []
     try:
         cwd = args.baseline if name == "resilrun-baseline" else None
         if cwd is not None:
@@ -283,6 +301,17 @@ def report(runs: list[dict[str, Any]], sizes: list[int], kill_step: int) -> str:
         md.append(f"| {label} | " + " | ".join(cells) + " |")
     md += [
         "",
+        "| survivors' step time (ms, median) | MiB/rank | before the kill | after the recovery (spare refilling) |",
+        "|---|---|---|---|",
+    ]
+    for mib in sizes:
+        for name in names:
+            ok = [r for r in runs if r["launcher"] == name and r["mib"] == mib and r["killed"] and r["status"] == "ok"]
+            before = [r["step_before"] * 1e3 for r in ok if r.get("step_before")]
+            after = [r["step_after"] * 1e3 for r in ok if r.get("step_after")]
+            md.append(f"| {name} | {mib} | {fmt(before)} | {fmt(after)} |")
+    md += [
+        "",
         "| failure-free run | MiB/rank | status | wall (s) | step time (ms, median) | last step → launcher exit (s) |",
         "|---|---|---|---|---|---|",
     ]
@@ -312,6 +341,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, default=None, help="also run the resilrun of this checkout")
     parser.add_argument("--launchers", default="", help="comma-separated subset of the launchers (default: all)")
     parser.add_argument("--setup", type=float, default=0.0, help="seconds of set-up in every worker (a sleep)")
+    parser.add_argument("--setup-cpu", action="store_true", help="the set-up computes on one core instead")
     args = parser.parse_args()
     LAUNCHERS["resilrun"][0][-1] = str(args.spares)
     for name in OPTIONAL:

@@ -108,6 +108,7 @@ class Job:
         self._sharding = Sharding()
         self._kinds: dict[str, str] = {}  # what each tracked object is, for export (resilrun.checkpoint)
         self._awaiting: Callable[[], Seat] | None = None
+        self._joining = False
         if isinstance(seat, Seat):
             self._bind(seat)
         else:
@@ -130,11 +131,21 @@ class Job:
         )
 
     def _seated(self) -> Job:
-        """Take this worker's seat first if it is still awaited (a spare running ahead)."""
+        """Take this worker's seat first if it is still awaited (a spare running ahead).
+
+        Once: joining reads the rank, which (in a spare running ahead) takes the process's seat,
+        whose callbacks ask this Job again; that inner call returns at once. A join that fails
+        leaves the seat awaited, so the error is raised where the rank was asked for.
+        """
         awaiting = self._awaiting
-        if awaiting is not None:
+        if awaiting is not None and not self._joining:
+            self._joining = True
+            try:
+                seat = awaiting()
+            finally:
+                self._joining = False
+            self._bind(seat)
             self._awaiting = None
-            self._bind(awaiting())
         return self
 
     @property

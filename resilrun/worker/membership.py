@@ -77,8 +77,8 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> Job:
             "resilrun.init() was called in a hot spare that has no rank yet; spares wait in resilrun's "
             "worker bootstrap (python -m resilrun.worker_main SCRIPT), which --no-python skips"
         )
-    job = _JOB = Job(lambda: _join(job, backend, timeout))
-    job._seated()
+    job = Job(lambda: _join(job, backend, timeout))
+    _JOB = job._seated()  # only a job that joined is this process's (a failed join raises here)
     return job
 
 

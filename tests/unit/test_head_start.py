@@ -176,6 +176,27 @@ def test_a_pending_job_tracks_without_a_seat_and_takes_it_when_asked_for_the_ran
     assert job.device == torch.device("cpu") and taken == [1]
 
 
+def test_a_failed_join_raises_where_the_rank_is_asked_and_joining_again_asks_once() -> None:
+    # Given a Job whose first join fails (its generation superseded while it joined, say)
+    tries: list[int] = []
+
+    def seat() -> Seat:
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("generation superseded")
+        job._seated()  # what the seat's callbacks do while the join reads the rank: no second join
+        return Seat(rank=5, world_size=8, local_rank=1, device=torch.device("cpu"), snapshotter=None)
+
+    job = Job(seat)
+    # When the script asks for its rank, the join's error is raised there, and the seat stays awaited
+    with pytest.raises(RuntimeError, match="superseded"):
+        _ = job.rank
+    assert not job.seated
+    # Then the next ask joins again, once
+    assert job.local_rank == 1 and job.rank == 5 and job.seated
+    assert len(tries) == 2
+
+
 _SCRIPT = """
 import resilrun
 
