@@ -340,6 +340,7 @@ def build_node(
                 on_replicated=telemetry.replicated,
                 every=config.replicate_every,
                 captured=catalog,
+                on_health=telemetry.replica_health,
             )
             opened_so_far.callback(peers.close)
         me = NodeInfo(

@@ -49,6 +49,8 @@ KINDS = (
     "recovered",
     "snapshot_persisted",
     "snapshot_interval",
+    "replica_behind",
+    "replica_caught_up",
     "restart",
     "node_lost",
     "file_captured",

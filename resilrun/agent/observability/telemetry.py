@@ -83,6 +83,9 @@ class Telemetry:
     def replicated(self, rank: int, step: int, nbytes: int, seconds: float) -> None:
         """A snapshot reached a peer replica."""
 
+    def replica_health(self, peer: str, keeps_up: bool, why: str) -> None:
+        """Replication to ``peer`` started failing (its replicas fall behind) or caught up again."""
+
     def persisted(self, rank: int, step: int, nbytes: int, seconds: float, complete: bool) -> None:
         """A rank's snapshot was uploaded; ``complete``: this upload completed the step for all ranks."""
 
@@ -420,6 +423,14 @@ class AgentTelemetry(Telemetry):
     def replicated(self, rank: int, step: int, nbytes: int, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.on_snapshot("peer", nbytes, seconds)
+
+    def replica_health(self, peer: str, keeps_up: bool, why: str) -> None:
+        # Why an event and not only the status's lag: a replica that falls behind widens what a
+        # node loss costs; the events file is where an operator reads, afterwards, when and why.
+        if keeps_up:
+            self.events.record("replica_caught_up", peer=peer)
+        else:
+            self.events.record("replica_behind", peer=peer, reason=why)
 
     def persisted(self, rank: int, step: int, nbytes: int, seconds: float, complete: bool) -> None:
         if self.metrics is not None:

@@ -63,6 +63,7 @@ class PeerTier:
         on_replicated: Callable[[int, int, int, float], None] | None = None,
         every: int = 1,
         captured: Catalog | None = None,
+        on_health: Callable[[str, bool, str], None] | None = None,
     ) -> None:
         """``generation``: the newest generation this node follows: the fencing token its pushes carry,
         and the server's bar (it refuses pushes from senders that follow an older one).
@@ -82,6 +83,7 @@ class PeerTier:
             on_replicated=on_replicated,
             push_delay_s=delay_s(REPLICATION_DELAY_ENV, "every replica push, before its bytes,"),
             every=every,
+            on_health=on_health,
         )
         self._peers = peers
 

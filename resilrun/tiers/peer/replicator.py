@@ -109,6 +109,7 @@ class Replicator:
         on_replicated: Callable[[int, int, int, float], None] | None = None,
         push_delay_s: float = 0.0,
         every: int = 1,
+        on_health: Callable[[str, bool, str], None] | None = None,
     ) -> None:
         """Start replicating what ``on_commit`` is given (node memory's announcements, wired by
         whoever composes them: the agent's commit pipeline); ``hold_commit`` is the commit gate
@@ -121,6 +122,9 @@ class Replicator:
                 (see ``ReplicaServer``); None sends "unknown".
             timeout: per push, on top of the transfer's allowance at 50 MB/s.
             on_replicated: ``(rank, step, bytes, seconds)`` after each confirmed push (metrics).
+            on_health: ``(peer, keeps_up, why)`` when a peer starts failing (its replicas fall
+                behind and the commit gate stops waiting for it) and when it catches up again
+                (the events); called outside the replicator's lock.
             push_delay_s: a fault hook for tests: each push waits this long before its bytes.
             every: replicate the first snapshot at or past each multiple of this many steps
                 (``--replicate-every``; ``Committed.crosses``), the same steps on every node; a
@@ -135,6 +139,7 @@ class Replicator:
         self._timeout = timeout.total_seconds()
         self._refresh = refresh.total_seconds()
         self._on_replicated = on_replicated
+        self._on_health = on_health
         self._cond = threading.Condition()
         self._latest: dict[int, _Source] = {}
         self._rank_memory: dict[int, RankMemory] = {}
@@ -278,10 +283,13 @@ class Replicator:
                 if replicated:
                     target.acked[source.rank] = source.committed.step
                 target.failures, target.retry_at = 0, 0.0
-                if target.healthy is False:
+                recovered = target.healthy is False
+                if recovered:
                     logger.info("replication to %s recovered", target.address)
                 target.healthy = True
                 self._cond.notify_all()  # the commit gate
+            if recovered:
+                self._tell_health(target.address, True, "")
 
     def _next_source(self, target: _Target) -> _Source | None:
         """The next rank (round robin) whose newest commit this target has not handled; None to wait."""
@@ -298,10 +306,21 @@ class Replicator:
         with self._cond:
             target.failures += 1
             target.retry_at = time.monotonic() + min(_RETRY_MAX_S, _RETRY_MIN_S * 2 ** (target.failures - 1))
-            if target.healthy is not False and not self._closed:
+            newly = target.healthy is not False and not self._closed
+            if newly:
                 logger.warning("replication to %s failing, replicas will lag: %s", target.address, why)
             target.healthy = False
             self._cond.notify_all()  # the commit gate no longer waits for this target
+        if newly:
+            self._tell_health(target.address, False, why)
+
+    def _tell_health(self, address: str, keeps_up: bool, why: str) -> None:
+        if self._on_health is None:
+            return
+        try:
+            self._on_health(address, keeps_up, why)
+        except Exception:  # noqa: BLE001 - reporting must never stop a peer's replication
+            logger.exception("reporting replication health for %s failed", address)
 
     def _replicate(self, target: _Target, source: _Source) -> bool:
         """Push ``source`` to ``target``; False when it was overwritten first (nothing to retry).

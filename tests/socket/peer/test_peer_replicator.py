@@ -22,6 +22,7 @@ import torch
 
 from resilrun.tiers.memory import NodeMemoryTier
 from resilrun.tiers.peer import ReplicaServer, ReplicaStore, Replicator
+from resilrun.tiers.peer.wire import ReplicationError
 from tests.conftest import free_port, make_snapshot, wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -218,6 +219,37 @@ def test_lag_grows_while_a_peer_is_down_and_closes_on_a_new_peer(
     eventually(lambda: lags(replicator)[0] == {"committed": 4, "replicated": 4, "lag_steps": 0})
     assert second.store.steps(0) == [4]
     assert first.store.steps(0) == [2, 1]
+
+
+def test_a_peer_that_fails_then_keeps_up_again_is_reported_behind_then_caught_up(
+    memory: NodeMemoryTier,
+    make_peer: Callable[[], Peer],
+    replicators: list[Replicator],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a peer whose first two pushes fail (a connection reset), with the agent's health hook
+    peer = make_peer()
+    health: list[tuple[str, bool, str]] = []
+    replicator = fed_by(
+        memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH,
+        on_health=lambda *change: health.append(change),
+    )  # fmt: skip
+    replicators.append(replicator)
+    push = replicator._replicate
+    resets = [2]
+
+    def flaky(target: Any, source: Any) -> bool:
+        if resets[0]:
+            resets[0] -= 1
+            raise ReplicationError("connection reset by peer")
+        return push(target, source)
+
+    monkeypatch.setattr(replicator, "_replicate", flaky)
+    # When a step is committed, the pushes fail twice, then the retry lands
+    commit(memory, 0, 1, snapshot(1))
+    eventually(lambda: replicator.status()[0]["replicated"] == 1)
+    # Then the change is told once each way (the events' replica_behind and replica_caught_up)
+    assert health == [(peer.server.address, False, "connection reset by peer"), (peer.server.address, True, "")]
 
 
 def test_a_peer_slower_than_the_steps_still_gets_complete_replicas(
