@@ -9,6 +9,7 @@ with a hint.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from enum import IntEnum
@@ -145,6 +146,17 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     if low > high:
         raise ConfigError(f"--nnodes min ({low}) must be <= max ({high})")
     return low, high
+
+
+def nproc_without_devices(value: str) -> int | None:
+    """``--nproc-per-node`` where it can be told without asking torch for devices (a number or
+    ``cpu``); None for ``gpu``/``cuda``/``auto``, which need torch's device count."""
+    value = value.strip().lower()
+    if value.isdecimal():
+        return int(value)
+    if value == "cpu":
+        return os.cpu_count() or 1
+    return None
 
 
 def parse_endpoint(value: str, default_port: int = DEFAULT_RDZV_PORT) -> tuple[str, int]:

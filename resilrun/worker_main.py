@@ -14,10 +14,11 @@ Why an entry point (the worker bootstrap) at all:
   moved to a new generation; if so it adopts the new environment and runs the script again in
   this same process (torch and the user's imports stay loaded; state comes back from node memory);
 - it is where a hot spare waits (``RESILRUN_SPARE=1``): torch and the script's imports are loaded
-  and the first-DDP cost paid, but no line of the script runs until the agent has given the spare
-  a rank, so the script sees the complete torchrun environment of the rank it replaces, exactly
-  like a worker started with it (scripts read ``RANK`` before anything else; a plain torchrun
-  script must never run as a world of one beside the real job).
+  and the first-DDP cost paid. A script that imports resilrun runs ahead at once (the head start,
+  ``worker/pending.py``): its set-up runs before any failure, and its first read of its rank waits
+  for the agent's assignment, so it still sees the complete torchrun environment of the rank it
+  replaces. A plain torchrun script runs no line until the spare is given a rank: it might never
+  read one and must never run as a world of one beside the real job.
 
 It imports nothing heavy itself: torch is imported by the user's script.
 

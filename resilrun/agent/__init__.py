@@ -42,16 +42,14 @@ def __getattr__(name: str) -> Any:
 def _early_template(config: Config) -> WorkerTemplate | None:
     """The worker template, started before the agent imports torch, where its environment is
     known without torch (``--nproc-per-node`` a number or ``cpu``); else build_node starts it."""
-    import os
-
     from resilrun.agent.workers.procs import start_template
     from resilrun.agent.workers.template import uses_template
     from resilrun.env import agent_environ, worker_base_env
+    from resilrun.option_values import nproc_without_devices
 
-    value = config.nproc_per_node.strip().lower()
-    if not uses_template(config) or not (value.isdecimal() or value == "cpu"):
+    nproc = nproc_without_devices(config.nproc_per_node)
+    if not uses_template(config) or nproc is None:
         return None
-    nproc = int(value) if value.isdecimal() else os.cpu_count() or 1
     return start_template(worker_base_env(agent_environ(), nproc))
 
 

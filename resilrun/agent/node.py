@@ -56,6 +56,7 @@ from resilrun.errors import (
     WorkerGroupFailed,
 )
 from resilrun.job_secret import SECRET_ENV, external_secret, random_secret
+from resilrun.option_values import nproc_without_devices
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.factory import open_backend
 from resilrun.rendezvous.protocol import NodeInfo
@@ -129,11 +130,10 @@ class RunResult:
 
 def resolve_nproc(value: str) -> int:
     """torchrun's ``--nproc-per-node``: a number, ``cpu``, ``gpu`` or ``auto``."""
+    known = nproc_without_devices(value)
+    if known is not None:
+        return known
     value = value.strip().lower()
-    if value.isdecimal():
-        return int(value)
-    if value == "cpu":
-        return os.cpu_count() or 1
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from pathlib import Path
@@ -15,6 +16,7 @@ from resilrun.option_values import (
     DEFAULT_RDZV_PORT,
     RdzvConf,
     Std,
+    nproc_without_devices,
     parse_endpoint,
     parse_nnodes,
     parse_rdzv_conf,
@@ -560,3 +562,13 @@ def test_every_option_that_takes_a_value_says_what_it_takes_on_its_own_field() -
             assert value is None, flag
         else:
             assert isinstance(value, str) and value, flag
+
+
+@pytest.mark.parametrize(("value", "expected"), [("4", 4), (" 8 ", 8), ("CPU", os.cpu_count() or 1)])
+def test_nproc_told_without_torch_is_the_number_or_the_cpu_count(value: str, expected: int) -> None:
+    assert nproc_without_devices(value) == expected
+
+
+@pytest.mark.parametrize("value", ["gpu", "cuda", "auto"])
+def test_nproc_that_needs_the_device_count_is_left_to_torch(value: str) -> None:
+    assert nproc_without_devices(value) is None
