@@ -83,6 +83,12 @@ from tests.helpers.netns_cluster import Cluster, available, nft_available  # noq
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]
 LOST_MARK = {"resilrun": "node lost: no heartbeat", "torchrun": "failed (exitcode"}
+# resilrun's variants for --loss, by the flags they add: the defaults, and the intervals chosen under
+# --max-overhead (which counts a replica's wait at the commit gate in its cost).
+RESILRUN_VARIANTS = {"resilrun": [], "resilrun-auto": ["--snapshot-every", "auto", "--replicate-every", "auto"]}
+# --loss also reports training time from this step on: the first steps allocate node memory's slots
+# and replica buffers, and a spare's head start (its set-up) shares the cores with them.
+STEADY_FROM = 5
 FAULTS = ("kill", "partition", "one-way", "data-plane", "store-host")
 HEALED = ("partition", "one-way", "data-plane")  # faults that end after --heal-after seconds
 
@@ -178,8 +184,9 @@ def run_one(
     common += ["--rdzv-endpoint", f"h0:{port}" if cluster is not None else f"127.0.0.1:{port}"]
     script_args = ["--mib", str(args.mib), "--steps", str(args.steps), "--events", str(events), "--ckpt-dir", str(ckpt)]
     script_args += ["--sleep", str(args.sleep)] if args.sleep else []
-    if launcher == "resilrun":
+    if launcher in RESILRUN_VARIANTS:
         cmd = [sys.executable, "-m", "resilrun", *common, "--replicas", "1", "--heartbeat-timeout", str(timeout_s)]
+        cmd += RESILRUN_VARIANTS[launcher]
         if tier == "persistent":
             cmd += ["--checkpoint-uri", str(run_dir / "persistent"), "--persist-every", "5"]
         cmd += [str(HERE / "_recovery_resilrun.py"), *script_args]
@@ -436,28 +443,40 @@ def loss_report(runs: list[dict[str, Any]]) -> str:
     """Training time (first to last step) per launcher and loss, against no loss and against torchrun."""
     md = [
         "| launcher | packet loss on every link | finished | training s (median, range) | vs no loss | "
-        "final params equal |",
-        "|---|---|---|---|---|---|",
+        f"from step {STEADY_FROM} s | final params equal |",
+        "|---|---|---|---|---|---|---|",
     ]
     seconds: dict[tuple[str, float], list[float]] = {}
+    steady: dict[tuple[str, float], list[float]] = {}
     clean = {r["launcher"]: r["checksum"] for r in runs if r["loss"] == 0 and r["status"] == "ok"}
     for r in runs:
         steps = [t for _, t in r["steps"]]
         if r["status"] == "ok" and len(steps) > 1:
             seconds.setdefault((r["launcher"], r["loss"]), []).append(max(steps) - min(steps))
+            later = [t for step, t in r["steps"] if step >= STEADY_FROM]
+            if len(later) > 1:
+                steady.setdefault((r["launcher"], r["loss"]), []).append(max(later) - min(later))
     for launcher, loss in sorted({(r["launcher"], r["loss"]) for r in runs}):
         rows = [r for r in runs if (r["launcher"], r["loss"]) == (launcher, loss)]
         ok = seconds.get((launcher, loss), [])
         base = seconds.get((launcher, 0.0))
         ratio = f"{statistics.median(ok) / statistics.median(base):.2f}×" if ok and base else "—"
         equal = sum(r["checksum"] == clean.get(launcher) for r in rows if r["status"] == "ok")
-        md.append(f"| {launcher} | {loss:g} % | {len(ok)}/{len(rows)} | {fmt(ok)} | {ratio} | {equal}/{len(rows)} |")
+        later = fmt(steady.get((launcher, loss), []))
+        md.append(
+            f"| {launcher} | {loss:g} % | {len(ok)}/{len(rows)} | {fmt(ok)} | {ratio} | {later} | {equal}/{len(rows)} |"
+        )
     md.append("")
     for loss in sorted({r["loss"] for r in runs}):
-        ours, theirs = seconds.get(("resilrun", loss)), seconds.get(("torchrun", loss))
-        if ours and theirs:
-            ratio = statistics.median(ours) / statistics.median(theirs)
-            md.append(f"- {loss:g} % loss: resilrun / torchrun training time {ratio:.2f}×")
+        for variant in RESILRUN_VARIANTS:
+            ours, theirs = seconds.get((variant, loss)), seconds.get(("torchrun", loss))
+            if ours and theirs:
+                ratio = statistics.median(ours) / statistics.median(theirs)
+                line = f"- {loss:g} % loss: {variant} / torchrun training time {ratio:.2f}×"
+                ours, theirs = steady.get((variant, loss)), steady.get(("torchrun", loss))
+                if ours and theirs:
+                    line += f", from step {STEADY_FROM} {statistics.median(ours) / statistics.median(theirs):.2f}×"
+                md.append(line)
     return "\n".join(md)
 
 
@@ -498,6 +517,10 @@ def main() -> int:
         parser.error(f"--netns: {why}")
     if args.loss is not None and not args.netns:
         parser.error("--loss needs --netns")
+    known = {*RESILRUN_VARIANTS, "torchrun"} if args.loss is not None else {"resilrun", "torchrun"}
+    if unknown_launchers := set(args.launchers.split(",")) - known:
+        choices = ", ".join(sorted(known))
+        parser.error(f"--launchers: unknown {', '.join(sorted(unknown_launchers))} (choose from {choices})")
     if args.loss is not None and (why := nft_available()) is not None:
         parser.error(f"--loss: {why}")
     faults = args.faults.split(",")
@@ -523,12 +546,12 @@ def main() -> int:
         runs = []
         for i in range(args.runs):
             for name, loss in plan[i % len(plan) :] + plan[: i % len(plan)]:  # rotate against drift
-                timeout = timeouts[0] if name == "resilrun" else None
+                timeout = timeouts[0] if name in RESILRUN_VARIANTS else None
                 runs.append(run_one(name, timeout, None, args, f"{len(runs):03d}-{name}-loss{loss:g}", loss=loss))
         print("Three hosts in network namespaces (two train), packet loss on every link:\n\n" + loss_report(runs))
         if args.json:
             args.json.write_text(json.dumps(runs, indent=1, default=str), encoding="utf-8")
-        return 0 if all(r["status"] == "ok" for r in runs if r["launcher"] == "resilrun") else 1
+        return 0 if all(r["status"] == "ok" for r in runs if r["launcher"] in RESILRUN_VARIANTS) else 1
     runs = [run_one(name, timeouts[0] if name == "resilrun" else None, None, args, f"00{i}-{name}-clean")
             for i, name in enumerate(launchers)]  # fmt: skip
     index = len(runs)

@@ -233,6 +233,9 @@ class StatusPublisher:
                 "lag_steps": _lag(memory_step, step),
                 "at_risk_steps": _at_risk(done, step),
                 "waited_s": round(held, 3),
+                # Peers the commit gate stopped waiting for (failing, or slower than their usual
+                # pace): replicas there lag more than a step until they catch up.
+                "behind": [{"peer": peer, "reason": why} for peer, why in sorted(self.telemetry.behind.items())],
             }
         if self.config.checkpoint_uri:
             uploaded = [self.telemetry.uploaded.get(rank) for rank in ranks]

@@ -64,7 +64,9 @@ def _tier(info: dict[str, Any] | None) -> str:
     lag = info.get("lag_steps")
     shown = step if not lag else f"{step} (-{lag})"
     waited = info.get("waited_s") or 0.0
-    return shown if waited < 0.1 else f"{shown}, waited {waited:.1f} s"  # training held for its replicas
+    shown = shown if waited < 0.1 else f"{shown}, waited {waited:.1f} s"  # training held for its replicas
+    behind = info.get("behind") or []
+    return shown if not behind else f"{shown}, {len(behind)} peer(s) behind"  # not waited for: lag grows
 
 
 # -- the pieces, as rows ---------------------------------------------------------------------------------

@@ -228,7 +228,7 @@ def test_a_node_cut_from_its_replica_peer_only_trains_on_and_replicates_again_on
     cut_wall = time.time()
     cluster.block("h0", "h1", port=port)
     cut_at = newest_step(first)
-    # Then training goes on (one push waits out its timeout, then h0 stops waiting for that peer),
+    # Then training goes on (the commit gate waits about a step for the cut peer, then no longer),
     wait_for(lambda: newest_step(first) >= cut_at + 25, 120, "training to go on with the replica peer cut")
     behind = lambda: [e for e in events(first, kind="replica_behind") if e["wall"] >= cut_wall]  # noqa: E731
     wait_for(behind, 60, "the push to the cut peer to fail")  # its deadline may end after the gate's wait

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from resilrun import keys
-from resilrun.cli._status_render import node_rows, store_line
+from resilrun.cli._status_render import NODE_COLUMNS, node_rows, store_line
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 from resilrun.status import records
@@ -50,7 +50,7 @@ def node_doc(node_id: str, node_rank: int, ranks: list[int], *, round: int = 1, 
         "spares": {"configured": 1, "alive": 1, "ready": 1, "pids": [2000 + node_rank]},
         "tiers": {
             "memory": {"step": step, "bytes": 1024, "at_risk_steps": 0},
-            "peer": {"step": step - 1, "lag_steps": 1, "at_risk_steps": 1, "waited_s": 0.5},
+            "peer": {"step": step - 1, "lag_steps": 1, "at_risk_steps": 1, "waited_s": 0.5, "behind": []},
             "persistent": {
                 "step": 19,
                 "lag_steps": 1,
@@ -351,3 +351,13 @@ def test_a_live_nodes_old_document_is_shown_stale_with_its_age() -> None:
     records.publish_node(backend, RUN, "a", closed)
     assert not compose(read_raw(backend, RUN), now=1042.0)["nodes"][0]["status_stale"]
     assert compose(read_raw(backend, RUN))["nodes"][0]["status_age_s"] is None
+
+
+def test_a_node_whose_replica_peer_is_behind_says_so_in_its_peer_column() -> None:
+    backend = MemoryBackend()
+    job(backend)
+    doc = node_doc("a", 0, [0, 1])
+    doc["tiers"]["peer"]["behind"] = [{"peer": "198.18.0.2:29500", "reason": "slower than training: ..."}]
+    records.publish_node(backend, RUN, "a", doc)
+    rows = {row[1]: row[NODE_COLUMNS.index("peer")] for row in node_rows(status(backend))}
+    assert rows == {"host0": "19 (-1), waited 0.5 s, 1 peer(s) behind", "host1": "19 (-1), waited 0.5 s"}

@@ -147,6 +147,7 @@ class AgentTelemetry(Telemetry):
         self.progress: dict[int, dict[str, float]] = {}
         self.persisted_step: int | None = None  # newest step whose COMPLETE.json this agent wrote
         self.uploaded: dict[int, int] = {}  # rank -> newest step of it uploaded by this agent
+        self.behind: dict[str, str] = {}  # replica peer -> why the commit gate no longer waits for it
         # The newest --snapshot-every auto decision rank 0 reported (this node's copy when rank 0 is
         # here; every rank took the same one): interval, measured step time, cost, overhead.
         self.interval: dict[str, Any] | None = None
@@ -427,6 +428,11 @@ class AgentTelemetry(Telemetry):
     def replica_health(self, peer: str, keeps_up: bool, why: str) -> None:
         # Why an event and not only the status's lag: a replica that falls behind widens what a
         # node loss costs; the events file is where an operator reads, afterwards, when and why.
+        with self._lock:
+            if keeps_up:
+                self.behind.pop(peer, None)
+            else:
+                self.behind[peer] = why
         if keeps_up:
             self.events.record("replica_caught_up", peer=peer)
         else:

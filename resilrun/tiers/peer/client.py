@@ -31,6 +31,7 @@ from resilrun.tiers.peer.wire import (
     parse_address,
     parse_announce,
     snapshot_bounds,
+    tune,
 )
 
 # Connecting, authenticating and the receiver allocating a fresh buffer take well under this on any
@@ -60,7 +61,7 @@ def connection(
     try:
         if on_socket is not None:
             on_socket(sock)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(sock)
         yield client_handshake(sock, secret, deadline)
     except OSError as exc:
         raise ReplicationError(f"connection to peer {address} failed: {exc}") from exc

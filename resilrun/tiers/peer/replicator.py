@@ -6,7 +6,10 @@ step s waits (the commit gate) until s is on every target that keeps up, and a w
 answer before it writes step s+1, so a replica lags at most one step behind its rank's newest
 commit; the survivors of a node loss keep three steps (tiers/slots.py), which covers that lag.
 This costs training time only when a push takes longer than a step; a target that fails is not
-waited for until a push to it succeeds again (its lag shows in ``status``). The Replicator sends
+waited for until a push to it succeeds again, nor one that the gate gave up on because it was far
+slower than its own usual pace (``GATE_FACTOR``: a lost segment, a cut link) until a push at that
+pace lands: while either lasts its replicas may lag more than a step (``status``, the events'
+``replica_behind``), so a node loss then may resume from an older step or tier. The Replicator sends
 the newest commit of each rank, skipping steps only when it fell behind; the bytes it sends are
 exactly one committed step, checked against the crc32s the commit recorded (a slot rewritten
 meanwhile is aborted, never sent as complete; the sequence counter only ends such a push early) and
@@ -19,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,6 +68,16 @@ _COMPLETE_WAIT_S = 1.0
 # and this long at most in all: well inside the worker's channel timeout (worker/agent_client.py), so a
 # push slower than this lets the replica fall behind by more than a step instead of failing the worker.
 GATE_MAX_S = 30.0
+# Once a few pushes have been timed, the gate waits for a peer at most this many times what the
+# newest steps should take at the peer's usual pace (its median seconds per byte), and never less
+# than the rank's usual commit period (about a step) nor GATE_MIN_S: a peer as slow as it always
+# is keeps setting the pace (replicas then lag one step at most, as the user asked for), while one
+# slower than itself (a lost segment, a lost SYN, a cut link) costs training about a step, not the
+# push's deadline. The factor sits above the scatter of push times on a busy host.
+GATE_FACTOR = 4.0
+GATE_MIN_S = 0.02
+_LEARN_AFTER = 4  # timed pushes before the gate trusts them
+_HISTORY = 32  # pushes and commit periods remembered
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +98,9 @@ class _Target:
         self.acked: dict[int, int] = {}  # rank -> newest step the peer confirmed
         self.done: dict[int, int] = {}  # rank -> generation last handled (replicated or skipped)
         self.healthy: bool | None = None
+        # Slower than its usual pace: the gate gave up on it; not waited for until a push at its
+        # usual pace lands (an outage shorter than a failure, which ``healthy`` records).
+        self.lagging = False
         self.stopped = False
         self.retry_at = 0.0
         self.failures = 0
@@ -91,6 +109,11 @@ class _Target:
         self.last_rank = -1
         self.sock: socket.socket | None = None
         self.thread: threading.Thread | None = None
+
+
+def _keeps_up(target: _Target) -> bool:
+    """Whether the commit gate waits for ``target`` (what the health reports tell)."""
+    return target.healthy is not False and not target.lagging
 
 
 class Replicator:
@@ -151,6 +174,9 @@ class Replicator:
         self._held_s: dict[int, float] = {}  # rank -> seconds its commits waited at the gate
         self._every = max(1, every)
         self._skipped: dict[int, int] = {}  # rank -> its newest step left out by ``every``
+        self._pace: deque[float] = deque(maxlen=_HISTORY)  # seconds per byte of recent pushes
+        self._periods: dict[int, deque[float]] = {}  # rank -> seconds between its recent commits
+        self._gated_at: dict[int, float] = {}  # rank -> when its newest commit reached the gate
         self._manager = threading.Thread(target=self._manage, name="resilrun-replicator", daemon=True)
         self._manager.start()
 
@@ -178,38 +204,80 @@ class Replicator:
     def hold_commit(self, rank: int, step: int) -> float:
         """The commit gate: wait until ``rank``'s ``step`` is on every target that keeps up.
 
-        Returns the seconds waited. Not waited for: a target failing (until a push to it succeeds),
-        stopped (the round moved on), or a step that did not become complete (a failing owner).
-        Bounded anyway by the time pushing every local rank's newest step may take.
+        Returns the seconds waited. Not waited for: a target failing (until a push to it succeeds)
+        or lagging (until a push at its usual pace lands), stopped (the round moved on), or a step
+        that did not become complete (a failing owner). Bounded by the time pushing every local
+        rank's newest step may take: learned from the pushes timed so far (see GATE_FACTOR), a
+        target still pushing at the end then counting as lagging; before that, the push deadline.
         """
         started = time.monotonic()
+        slowed: list[tuple[str, str]] = []
         with self._cond:
-            sources = list(self._latest.values())
-            budget = self._timeout + sum(s.committed.nbytes for s in sources) / _MIN_RATE_BYTES_S
-            budget = min(budget, GATE_MAX_S)
+            self._note_period(rank, started)
+            total = sum(s.committed.nbytes for s in self._latest.values())
+            budget = min(self._timeout + total / _MIN_RATE_BYTES_S, GATE_MAX_S)
+            learned = self._learned_budget(rank, total)
+            if learned is not None:
+                budget = min(budget, learned)
             end, complete_by = started + budget, started + _COMPLETE_WAIT_S
             while not self._closed:
                 now = time.monotonic()
                 source = self._latest.get(rank)
                 if self._skipped.get(rank) == step:
                     break  # a step the replica interval leaves out: nothing to wait for
+                pushing = None
                 if source is None or source.committed.step < step:
                     wait_until = min(end, complete_by)
                 elif any(self._holds_back(t, source, now) for t in self._targets.values()):
-                    wait_until = end
+                    wait_until, pushing = end, source
                 else:
                     break
                 if now >= wait_until:
+                    if pushing is not None and learned is not None:
+                        slowed = self._lagging(pushing, now, budget)
                     break
                 self._cond.wait(wait_until - now)
             waited = time.monotonic() - started
             self._held_s[rank] = self._held_s.get(rank, 0.0) + waited
+        for address, why in slowed:
+            self._tell_health(address, False, why)
         return waited
+
+    def _note_period(self, rank: int, now: float) -> None:
+        """Time this rank's commits (cond held): the gate's floor is about one of its steps."""
+        previous = self._gated_at.get(rank)
+        self._gated_at[rank] = now
+        if previous is not None:
+            self._periods.setdefault(rank, deque(maxlen=_HISTORY)).append(now - previous)
+
+    def _learned_budget(self, rank: int, total_bytes: int) -> float | None:
+        """How long the gate waits for ``rank``'s step, from the pushes timed so far (cond held);
+        None until there are enough of them."""
+        if len(self._pace) < _LEARN_AFTER:
+            return None
+        usual = GATE_FACTOR * statistics.median(self._pace) * total_bytes
+        periods = self._periods.get(rank)
+        period = statistics.median(periods) if periods else 0.0
+        return max(usual, period, GATE_MIN_S)
+
+    def _lagging(self, source: _Source, now: float, budget: float) -> list[tuple[str, str]]:
+        """Mark the targets the gate gave up on as lagging (cond held); those newly behind, with why."""
+        newly = []
+        for target in self._targets.values():
+            if self._holds_back(target, source, now):
+                target.lagging = True
+                step = source.committed.step
+                why = f"slower than training: rank {source.rank}'s step {step} not there after {budget * 1000:.0f} ms"
+                logger.info(
+                    "replication to %s %s; the commit gate stops waiting for it until it keeps up", target.address, why
+                )
+                newly.append((target.address, why))
+        return newly
 
     @staticmethod
     def _holds_back(target: _Target, source: _Source, now: float) -> bool:
         """Whether ``target`` has yet to handle ``source`` and is one that training waits for (cond held)."""
-        if target.stopped or target.healthy is False or target.retry_at > now:
+        if target.stopped or target.healthy is False or target.lagging or target.retry_at > now:
             return False
         return target.done.get(source.rank, 0) < source.generation
 
@@ -268,8 +336,8 @@ class Replicator:
             try:
                 started = time.monotonic()
                 replicated = self._replicate(target, source)
+                seconds = time.monotonic() - started
                 if replicated and self._on_replicated is not None:
-                    seconds = time.monotonic() - started
                     self._on_replicated(source.rank, source.committed.step, source.committed.nbytes, seconds)
             except ReplicationError as exc:
                 self._failed(target, exc.message)
@@ -279,16 +347,22 @@ class Replicator:
                 self._failed(target, repr(exc))
                 continue
             with self._cond:
+                was_keeping_up = _keeps_up(target)
                 target.done[source.rank] = source.generation
+                nbytes = source.committed.nbytes
                 if replicated:
                     target.acked[source.rank] = source.committed.step
+                    if target.lagging and self._at_usual_pace(seconds, nbytes):
+                        target.lagging = False
+                    if nbytes > 0:
+                        self._pace.append(seconds / nbytes)
                 target.failures, target.retry_at = 0, 0.0
-                recovered = target.healthy is False
-                if recovered:
+                if target.healthy is False:
                     logger.info("replication to %s recovered", target.address)
                 target.healthy = True
+                caught_up = not was_keeping_up and _keeps_up(target)
                 self._cond.notify_all()  # the commit gate
-            if recovered:
+            if caught_up:
                 self._tell_health(target.address, True, "")
 
     def _next_source(self, target: _Target) -> _Source | None:
@@ -302,6 +376,10 @@ class Replicator:
         target.last_rank = source.rank
         return source
 
+    def _at_usual_pace(self, seconds: float, nbytes: int) -> bool:
+        """Whether a push took no longer than the gate allows one of its size (cond held)."""
+        return not self._pace or seconds <= max(GATE_FACTOR * statistics.median(self._pace) * nbytes, GATE_MIN_S)
+
     def _failed(self, target: _Target, why: str) -> None:
         with self._cond:
             target.failures += 1
@@ -309,9 +387,10 @@ class Replicator:
             newly = target.healthy is not False and not self._closed
             if newly:
                 logger.warning("replication to %s failing, replicas will lag: %s", target.address, why)
+            tell = _keeps_up(target) and not self._closed
             target.healthy = False
             self._cond.notify_all()  # the commit gate no longer waits for this target
-        if newly:
+        if tell:
             self._tell_health(target.address, False, why)
 
     def _tell_health(self, address: str, keeps_up: bool, why: str) -> None:

@@ -64,6 +64,7 @@ from resilrun.tiers.peer.wire import (
     parse_announce,
     server_handshake,
     snapshot_bounds,
+    tune,
 )
 from resilrun.tiers.priority import yield_to_training
 
@@ -208,7 +209,7 @@ class ReplicaServer:
     def _serve(self, conn: socket.socket, peer: str) -> None:
         slot = False
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(conn)
             try:
                 session = server_handshake(conn, self._secret, Deadline.total(AUTH_TIMEOUT_S))
             finally:

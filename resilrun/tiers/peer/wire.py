@@ -41,12 +41,14 @@ and an on-path party cannot strip the encryption by rewriting the hello.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
 import os
 import socket
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -129,6 +131,39 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"peer address {address!r} is not host:port")
     return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+# -- socket options ---------------------------------------------------------------------------------
+# The retransmission timeout's floor on this tier's connections. Linux's default floor is 200 ms, set
+# for the wide-area Internet: between nodes whose round trip is tens of microseconds it turns one lost
+# segment of a push (a tail segment, an ack, a handshake message: anything fast retransmit cannot
+# repair) into a 200 ms stall of the commit gate, a step's time several times over (docs/benchmarks.md,
+# packet loss). The kernel still keeps the timeout above the measured round trip plus four
+# deviations, so a slower network gets a longer one; only the floor moves.
+RTO_MIN_US = 5_000
+
+
+@functools.cache
+def _rto_floor_option() -> int | None:
+    """TCP_RTO_MIN_US where this kernel takes it (Linux 6.15+; Python names it from 3.14 on), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    option = getattr(socket, "TCP_RTO_MIN_US", 45)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.IPPROTO_TCP, option, RTO_MIN_US)
+    except OSError:  # ENOPROTOOPT/EINVAL: an older kernel keeps its own floor
+        return None
+    return option
+
+
+def tune(sock: socket.socket) -> None:
+    """Options every connection of this tier takes: no Nagle delay for its small control messages,
+    and the lower retransmission floor where the kernel offers it."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    option = _rto_floor_option()
+    if option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, option, RTO_MIN_US)
 
 
 # -- raw I/O ----------------------------------------------------------------------------------------

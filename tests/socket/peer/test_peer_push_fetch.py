@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 import zlib
 
 import pytest
 
 from resilrun.errors import CheckpointNotFoundError
 from resilrun.tiers.memory import NodeMemoryTier
-from resilrun.tiers.peer import ReplicaServer, ReplicaStore, fetch, held, push
+from resilrun.tiers.peer import ReplicaServer, ReplicaStore, fetch, held, push, wire
+from resilrun.tiers.peer import client as client_module
+from resilrun.tiers.peer import server as server_module
 from resilrun.tiers.peer.wire import (
     CHUNK_BYTES,
 )
@@ -90,3 +93,21 @@ def test_pushing_a_step_again_replaces_the_older_copy(server: ReplicaServer, sto
 
     assert store.steps(0) == [2]  # step 1's slot took the new copy, the stale copy of 2 was dropped
     assert store.read(0, 2) == (snapshot(20), "again")
+
+
+@pytest.mark.skipif(wire._rto_floor_option() is None, reason="this kernel has no TCP_RTO_MIN_US (Linux 6.15+)")
+def test_both_ends_of_a_transfer_retransmit_a_lost_segment_after_the_lower_floor(
+    server: ReplicaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A lost tail segment or ack would otherwise stall the push (and the commit gate) for 200 ms
+    floors = []
+
+    def tuned(sock: socket.socket) -> None:
+        wire.tune(sock)
+        floors.append(sock.getsockopt(socket.IPPROTO_TCP, wire._rto_floor_option() or 0))
+
+    monkeypatch.setattr(client_module, "tune", tuned)
+    monkeypatch.setattr(server_module, "tune", tuned)
+    push(server.address, SECRET, 0, 1, None, snapshot(4), None, timeout=SHORT)
+    # (the kernel keeps it in clock ticks, so it reads back rounded up to one; its default is 200 ms)
+    assert len(floors) == 2 and all(wire.RTO_MIN_US <= floor < 200_000 for floor in floors), floors

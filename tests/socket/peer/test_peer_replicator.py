@@ -252,6 +252,51 @@ def test_a_peer_that_fails_then_keeps_up_again_is_reported_behind_then_caught_up
     assert health == [(peer.server.address, False, "connection reset by peer"), (peer.server.address, True, "")]
 
 
+def test_a_peer_slower_than_its_usual_pace_holds_a_commit_about_a_step_then_is_not_waited_for_until_it_keeps_up(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    # Given a peer whose pushes the gate has timed at its usual pace (each commit waited for its push)
+    peer = make_peer()
+    relay = SlowRelay(peer.server.port, bytes_per_second=None)
+    health: list[tuple[str, bool, str]] = []
+    deadline = timedelta(seconds=5)  # a push's own deadline: what the gate waited before it learned
+    replicator = fed_by(
+        memory, SECRET, lambda: [relay.address], timeout=deadline, refresh=REFRESH,
+        on_health=lambda *change: health.append(change),
+    )  # fmt: skip
+    replicators.append(replicator)
+    try:
+        eventually(lambda: relay.address in replicator._targets)
+        for step in range(1, 9):
+            commit(memory, 0, step, snapshot(step))
+            memory.pass_gates(0, step)
+            assert lags(replicator)[0]["lag_steps"] == 0
+            time.sleep(0.01)  # the worker's step
+        # When the link slows to a crawl (a step's push would take seconds)
+        relay.rate = 2_000
+        commit(memory, 0, 9, snapshot(9))
+        held = memory.pass_gates(0, 9)
+        # Then that commit waited about a step, not the push's deadline, and the peer is reported behind
+        assert 0.01 < held < 1.0
+        assert [(address, keeps_up) for address, keeps_up, _ in health] == [(relay.address, False)]
+        assert "slower than training" in health[0][2]
+        # and the next commits do not wait for it: its replica lags more than one step meanwhile
+        commit(memory, 0, 10, snapshot(10))
+        assert memory.pass_gates(0, 10) < 0.05
+        assert lags(replicator)[0]["replicated"] == 8
+        # When the link is fast again, a push at the usual pace lands: caught up, waited for again
+        relay.rate = None
+        eventually(lambda: len(health) == 2)
+        assert health[1] == (relay.address, True, "")
+        eventually(lambda: lags(replicator)[0]["replicated"] == 10)
+        commit(memory, 0, 11, snapshot(11))
+        memory.pass_gates(0, 11)
+        assert lags(replicator)[0]["lag_steps"] == 0
+    finally:
+        replicator.close()
+        relay.close()
+
+
 def test_a_peer_slower_than_the_steps_still_gets_complete_replicas(
     memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
 ) -> None:
@@ -278,11 +323,12 @@ def test_a_peer_slower_than_the_steps_still_gets_complete_replicas(
 
 
 class SlowRelay:
-    """Forwards every connection to a port at a limited rate (client to server only)."""
+    """Forwards every connection to a port at a limited rate (client to server only); ``rate`` may
+    change at any time (None: unlimited), taking effect at the next chunk of every connection."""
 
-    def __init__(self, port: int, bytes_per_second: int) -> None:
+    def __init__(self, port: int, bytes_per_second: int | None) -> None:
         self._port = port
-        self._rate = bytes_per_second
+        self.rate = bytes_per_second
         self._listener = socket.socket()
         # A small receive buffer, so that the sender feels the limited rate instead of filling buffers.
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
@@ -301,12 +347,12 @@ class SlowRelay:
             except TimeoutError:
                 continue
             upstream = socket.create_connection(("127.0.0.1", self._port), timeout=5)
-            for source, sink, rate in ((client, upstream, self._rate), (upstream, client, None)):
-                thread = threading.Thread(target=self._pump, args=(source, sink, rate), daemon=True)
+            for source, sink, limited in ((client, upstream, True), (upstream, client, False)):
+                thread = threading.Thread(target=self._pump, args=(source, sink, limited), daemon=True)
                 thread.start()
                 self._threads.append(thread)
 
-    def _pump(self, source: socket.socket, sink: socket.socket, rate: int | None) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, limited: bool) -> None:
         source.settimeout(0.2)
         try:
             while not self._stop.is_set():
@@ -316,9 +362,9 @@ class SlowRelay:
                     continue
                 if not chunk:
                     break
-                sink.sendall(chunk)
-                if rate:
+                if limited and (rate := self.rate):
                     time.sleep(len(chunk) / rate)
+                sink.sendall(chunk)
         except OSError:
             pass
         finally:
