@@ -259,6 +259,7 @@ def test_an_unmodified_script_reruns_in_the_survivors_process_and_a_spare_takes_
     assert entered[-1]["pids"][0] in before["0"], (entered, before)
     assert entered[-1]["pids"][1] in before.get("spare", set()), (entered, before)
     assert "recovering in-process into generation 1" in job.stderr()
+    assert [e["rerun"] for e in events(job, kind="spare_promoted")] == [True]  # the survivors re-ran the script
     # and both ranks resumed from the same snapshot, the one saved before the kill
     resumes = re.findall(r"\[rank (\d)\] Resuming training from snapshot at Epoch (\d+)", job.stdout())
     assert sorted(r for r, _ in resumes) == ["0", "1"], job.stdout()[-3000:]
@@ -279,6 +280,7 @@ def test_a_save_torn_by_the_writers_death_is_put_back_before_the_survivor_reruns
     assert job.wait(200) == 0, job.stderr()[-4000:]
     assert "restarting the job" not in job.stderr(), job.stderr()[-4000:]
     assert "the survivors re-run the script in their processes" in job.stderr()
+    assert [e["rerun"] for e in events(job, kind="spare_promoted")] == [True]
     assert resumed_at(job) == [2, 2], job.stdout()[-3000:]
     assert set(finished(job)) == {0, 1} and len({d for _, d in finished(job).values()}) == 1
     assert_nothing_left(job)

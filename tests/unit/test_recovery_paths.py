@@ -193,14 +193,16 @@ class Recorded(Telemetry):
     """The telemetry hooks the decisions call, kept for the assertions."""
 
     calls: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    reruns: list[bool] = dataclasses.field(default_factory=list)  # each recovery's ``rerun``
 
     def failures(self, round: int, failures: list[ProcessFailure]) -> None:
         self.calls.append(("failures", (round, [f.global_rank for f in failures])))
 
     def recovery_decided(
-        self, new: RdzvState, failed: list[Any], replacements: dict[int, Any], decided_s: float
+        self, new: RdzvState, failed: list[Any], replacements: dict[int, Any], decided_s: float, *, rerun: bool = False
     ) -> None:
         self.calls.append(("recovery", (new.round, {k: v.pid for k, v in replacements.items()})))
+        self.reruns.append(rerun)
 
     def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure]) -> None:
         self.calls.append(("nodes_replaced", new.round))
@@ -418,6 +420,7 @@ def test_a_plain_script_that_can_rerun_recovers_in_process_with_the_spare(tmp_pa
     # The folder is put back (a torn save replaced) before the survivor learns the new generation.
     assert captured.calls == [("restore", 0), ("worker_failed", 0), ("restore", 0)]  # round start, then recovery
     assert job.processes.stopped == []
+    assert job.telemetry.reruns == [True]  # recorded as a re-run (events, status history)
 
 
 def test_a_plain_script_restarts_without_rerun_in_process_even_when_its_workers_could(tmp_path: Path) -> None:

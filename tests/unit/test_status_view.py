@@ -104,6 +104,7 @@ def recovery_record() -> dict[str, Any]:
         "decided_s": 0.05,
         "failed_ranks": [1],
         "replacements": [{"rank": 1, "failed_pid": 1001, "spare_pid": 2000}],
+        "rerun": False,
         "cause": {"rank": 1, "node_rank": 0, "host": "host0", "exit_code": -9, "failed_at": 1000.0, "message": "m"},
     }
 

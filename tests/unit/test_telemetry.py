@@ -102,6 +102,7 @@ def test_an_in_process_recovery_leaves_events_a_history_record_and_a_complete_ti
     (entry,) = doc["history"]
     assert entry["failed_ranks"] == [1]
     assert entry["replacements"] == [{"rank": 1, "failed_pid": 11, "spare_pid": 12, "warm": True}]
+    assert entry["rerun"] is False  # the survivors resumed through the API
     assert entry["complete"] and entry["duration_s"] == 0.7 and entry["steps_redone"] == 0
     assert entry["timeline"]["replacement_chosen"] == 0.05 and entry["timeline"]["state_bytes"] == 200
 

@@ -58,9 +58,16 @@ class Telemetry:
         """A hot spare died while it waited for a rank; ``alive`` spares are left on this node."""
 
     def recovery_decided(
-        self, new: RdzvState, failed: list[WorkerProcess], replacements: dict[int, WorkerProcess], decided_s: float
+        self,
+        new: RdzvState,
+        failed: list[WorkerProcess],
+        replacements: dict[int, WorkerProcess],
+        decided_s: float,
+        *,
+        rerun: bool = False,
     ) -> None:
-        """This agent decided an in-process recovery into ``new.round`` with these spares."""
+        """This agent decided an in-process recovery into ``new.round`` with these spares; ``rerun``:
+        the survivors run a plain script again from its first line (``--rerun-in-process``)."""
 
     def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure]) -> None:
         """This agent gave lost nodes' places (``failures``, one per node) to spare nodes in ``new``."""
@@ -219,7 +226,13 @@ class AgentTelemetry(Telemetry):
         )
 
     def recovery_decided(
-        self, new: RdzvState, failed: list[WorkerProcess], replacements: dict[int, WorkerProcess], decided_s: float
+        self,
+        new: RdzvState,
+        failed: list[WorkerProcess],
+        replacements: dict[int, WorkerProcess],
+        decided_s: float,
+        *,
+        rerun: bool = False,
     ) -> None:
         detected_at = min((w.exit_observed_at or time.time()) for w in failed) if failed else time.time()
         promoted = []
@@ -233,7 +246,12 @@ class AgentTelemetry(Telemetry):
                     {"rank": worker.spec.global_rank, "failed_pid": worker.pid, "spare_pid": spare.pid, "warm": warm}
                 )
                 self.events.record(
-                    "spare_promoted", round=new.round, rank=worker.spec.global_rank, spare_pid=spare.pid, warm=warm
+                    "spare_promoted",
+                    round=new.round,
+                    rank=worker.spec.global_rank,
+                    spare_pid=spare.pid,
+                    warm=warm,
+                    rerun=rerun,
                 )
         record = {
             "kind": "recovery",
@@ -246,6 +264,10 @@ class AgentTelemetry(Telemetry):
             "failed_ranks": sorted(w.spec.global_rank for w in failed),
             "exit_codes": {str(w.spec.global_rank): w.popen.returncode for w in failed},
             "replacements": promoted,
+            # Why: a re-run redoes the script's own set-up and resumes from its own checkpoint
+            # (its save interval), not from resilrun's snapshot: an operator reading a slower
+            # recovery, or more steps redone, needs to know which path it took.
+            "rerun": rerun,
             "cause": _cause(new.failure),
         }
         self._append_once(f"round-{new.round}", record)
@@ -273,6 +295,7 @@ class AgentTelemetry(Telemetry):
             "decided_s": round(time.time() - detected_at, 6),
             "failed_ranks": failed_ranks,
             "replacements": replaced,
+            "rerun": False,  # a spare node takes a lost node's ranks only for scripts on the API
             "cause": _cause(new.failure),
         }
         self._append_once(f"round-{new.round}", record)

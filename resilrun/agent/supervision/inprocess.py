@@ -125,7 +125,8 @@ class InProcessRecovery:
         round_.recovered_at_step = newest
         round_.recovered_ranks = ranks
         replacements = dict(zip([w.spec.local_rank for w in failed], ready, strict=False))
-        self._telemetry.recovery_decided(new, failed, replacements, self._clock.monotonic() - started)
+        decided_s = self._clock.monotonic() - started
+        self._telemetry.recovery_decided(new, failed, replacements, decided_s, rerun=self._reruns(pids))
         self.enter_generation(round_, new, replacements)
         logger.info("recovery decided in %.3f s", self._clock.monotonic() - started)
         return True
