@@ -228,6 +228,7 @@ class StatusPublisher:
             step = None if not replicated or None in replicated else min(s for s in replicated if s is not None)
             # The longest any local rank's training waited for its replicas (the commit gate), in all.
             held = max((float(status.get(rank, {}).get("held_s") or 0.0) for rank in ranks), default=0.0)
+            behind = sorted(self.telemetry.replicas_behind().items())
             tiers["peer"] = {
                 "step": step,
                 "lag_steps": _lag(memory_step, step),
@@ -235,7 +236,7 @@ class StatusPublisher:
                 "waited_s": round(held, 3),
                 # Peers the commit gate stopped waiting for (failing, or slower than their usual
                 # pace): replicas there lag more than a step until they catch up.
-                "behind": [{"peer": peer, "reason": why} for peer, why in sorted(self.telemetry.behind.items())],
+                "behind": [{"peer": peer, "reason": why} for peer, why in behind],
             }
         if self.config.checkpoint_uri:
             uploaded = [self.telemetry.uploaded.get(rank) for rank in ranks]

@@ -461,6 +461,11 @@ class AgentTelemetry(Telemetry):
         else:
             self.events.record("replica_behind", peer=peer, reason=why)
 
+    def replicas_behind(self) -> dict[str, str]:
+        """The replica peers the commit gate no longer waits for, with why (a copy: status reads it)."""
+        with self._lock:
+            return dict(self.behind)
+
     def persisted(self, rank: int, step: int, nbytes: int, seconds: float, complete: bool) -> None:
         if self.metrics is not None:
             self.metrics.on_snapshot("persistent", nbytes, seconds)
