@@ -7,7 +7,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from resilrun import keys
+from resilrun.agent.observability.metrics import StatusCollector
 from resilrun.cli._status_render import NODE_COLUMNS, node_rows, store_line
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
@@ -362,3 +365,15 @@ def test_a_node_whose_replica_peer_is_behind_says_so_in_its_peer_column() -> Non
     records.publish_node(backend, RUN, "a", doc)
     rows = {row[1]: row[NODE_COLUMNS.index("peer")] for row in node_rows(status(backend))}
     assert rows == {"host0": "19 (-1), waited 0.5 s, 1 peer(s) behind", "host1": "19 (-1), waited 0.5 s"}
+
+
+def test_the_peers_behind_are_a_gauge_for_alerting_and_absent_without_replicas() -> None:
+    def scraped(tiers: dict[str, Any]) -> float | None:
+        registry = CollectorRegistry()
+        registry.register(StatusCollector(lambda: {"tiers": tiers}))
+        return registry.get_sample_value("resilrun_replica_peers_behind")
+
+    peer = {"step": 9, "lag_steps": 4, "behind": [{"peer": "198.18.0.2:29500", "reason": "slower than training"}]}
+    assert scraped({"peer": peer}) == 1
+    assert scraped({"peer": {**peer, "behind": []}}) == 0
+    assert scraped({"memory": {"step": 9}}) is None  # no replicas: nothing to be behind

@@ -91,6 +91,12 @@ class StatusCollector(Collector):
         yield step
         yield lag
         yield risk
+        peer = tiers.get("peer") or {}
+        yield _gauge(
+            "replica_peers_behind",
+            "Replica peers the commit gate no longer waits for (failing, or far slower than their usual pace).",
+            len(peer["behind"]) if "behind" in peer else None,
+        )
         snapshots = doc.get("snapshots", {})
         yield _gauge(
             "snapshot_interval_steps", "Steps between snapshots now (auto: as decided).", snapshots.get("interval")
