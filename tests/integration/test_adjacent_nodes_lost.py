@@ -5,6 +5,9 @@ without one it stops at once with a clear message instead of restarting."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import time
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import pytest
 from tests.integration.conftest import (
     PORT,
     Launch,
+    active_workers,
     clean_checksum,
     drop_off,
     newest_step,
@@ -27,34 +31,74 @@ pytestmark = pytest.mark.integration
 TRAIN = [str(EXAMPLE), "--steps", "30", "--hidden", "64", "--sleep", "0.15"]
 
 
-def _start_and_lose_two(cluster_of, tmp_path: Path, *extra: str) -> tuple[Launch, list[Launch]]:  # noqa: ANN001
+GATED = Path(__file__).resolve().parents[1] / "helpers" / "gated.py"
+
+
+def _gated(tmp_path: Path, *train: str) -> tuple[list[str], Path]:
+    """``train`` run once the returned gate file exists: training starts when the test opens it,
+    after the spare hosts stand by (they took longer than a 30-step job under load in CI)."""
+    gate = tmp_path / "gate"
+    return [str(GATED), str(gate), *train], gate
+
+
+def _persisted(nodes: list[Launch]) -> int:
+    """The newest step logged as persisted for every rank (-1: none yet): by the agent whose upload
+    completed the step, any of them."""
+    steps = re.findall(r"step (\d+) persisted for all", "".join(n.stderr() for n in nodes))
+    return max(map(int, steps), default=-1)
+
+
+def _start_and_lose_two(cluster_of, tmp_path: Path, *extra: str, persisted: bool) -> tuple[Launch, list[Launch], int]:  # noqa: ANN001
     """Hosts h0-h2 run 3 nodes x 1 worker (h0, node rank 0, hosts the store), h3 and h4 stand by as
-    spare nodes; once step 11 is done, h1 and h2 drop off the network with their processes (in a
-    ring of three, any two nodes are adjacent)."""
+    spare nodes; training starts once they do; then h1 and h2 drop off the network with their
+    processes (in a ring of three, any two nodes are adjacent). With ``persisted``, the drop comes 2
+    to 8 steps after the newest step persisted for every rank (--persist-every 10), which is
+    returned; otherwise once step 11 is done.
+
+    The surviving worker is frozen while both hosts are cut off: every step needs its all-reduce, so
+    no rank gets further than the step in flight however long the drop takes under load (timing the
+    drop against the steps' pace, and the spare hosts' start against training, both lost in CI). The
+    freeze lasts two `ip` calls, far inside the 3 s heartbeat timeout."""
     cluster, start = cluster_of(5)
     flags = [
         "--nnodes", "3", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{PORT}", "--replicas", "1",
         "--heartbeat-timeout", "3", "--max-restarts", "1", *extra,
     ]  # fmt: skip
-    train = [*TRAIN, "--progress", "--checksum-file", str(tmp_path / "out.sha")]  # every step's line
+    train, gate = _gated(tmp_path, *TRAIN, "--progress", "--checksum-file", str(tmp_path / "out.sha"))
     active = [start(f"h{i}", *flags, "--node-rank", str(i), *train) for i in range(3)]
     wait_for(lambda: any("round 0 formed" in n.stderr() for n in active), 150, "the round to form")
     spares = [start(f"h{i}", *flags, *train) for i in (3, 4)]
     wait_for(lambda: all("standing by as a spare node" in n.stderr() for n in spares), 150, "two spare hosts")
-    # Steps 10 and 11 done (at least two past the step persisted with --persist-every 10, so the
-    # restore reports them lost) and the hosts dropped at once: steps take >= 0.15 s, so the drop
-    # has 1.2 s before step 19 would be persisted (a fixed sleep here lost that race under load).
-    wait_for(lambda: newest_step(active[0]) >= 11, 150, "training to pass step 11")
+    gate.touch()
+    newest = -1
+
+    def in_window() -> bool:
+        nonlocal newest
+        if not persisted:
+            return newest_step(active[0]) >= 11
+        newest = _persisted(active)
+        return newest >= 0 and newest + 2 <= newest_step(active[0]) <= newest + 8
+
+    wait_for(in_window, 150, "training 2 steps past a persisted step")
+    frozen = active_workers(active[0])
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        cluster.cut("h1")
+        cluster.cut("h2")
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
     for name, node in (("h1", active[1]), ("h2", active[2])):
         drop_off(cluster, name, node)
-    return active[0], spares
+    return active[0], spares, newest
 
 
 @pytest.mark.timeout(400)
 def test_two_adjacent_hosts_lost_resume_from_the_persistent_tier(cluster_of, launcher, tmp_path: Path) -> None:
     # Given snapshots persisted every 10 steps
-    host, spares = _start_and_lose_two(
-        cluster_of, tmp_path, "--checkpoint-uri", str(tmp_path / "ckpt"), "--persist-every", "10"
+    host, spares, persisted = _start_and_lose_two(
+        cluster_of, tmp_path, "--checkpoint-uri", str(tmp_path / "ckpt"), "--persist-every", "10", persisted=True
     )
     # Then both spare hosts take the places, the job resumes from the newest persisted step, says
     # which steps were lost, and ends bitwise equal to a failure-free run
@@ -65,8 +109,9 @@ def test_two_adjacent_hosts_lost_resume_from_the_persistent_tier(cluster_of, lau
     assert "(persistent storage)" in err
     lost = next(line for line in err.splitlines() if "are lost, the newest step held by every rank" in line)
     first, last = (int(x) for x in lost.split("steps ")[1].split(" ")[0].split("-"))
-    # step 9 is the newest persisted one; at most --persist-every steps (+ the one in flight) are lost
-    assert first == 10 and 2 <= last - first + 1 <= 10 + 1
+    # the restore starts after the newest persisted step; at most --persist-every steps (+ the one
+    # in flight) are lost
+    assert first == persisted + 1 and 2 <= last - first + 1 <= 10 + 1
     assert (tmp_path / "out.sha").read_text() == clean_checksum(launcher, tmp_path, 3, *TRAIN[1:-2])
 
 
@@ -74,7 +119,7 @@ def test_two_adjacent_hosts_lost_resume_from_the_persistent_tier(cluster_of, lau
 def test_two_adjacent_hosts_lost_without_a_persistent_tier_stop_the_job_with_a_clear_message(
     cluster_of, tmp_path: Path
 ) -> None:
-    host, spares = _start_and_lose_two(cluster_of, tmp_path)
+    host, spares, _ = _start_and_lose_two(cluster_of, tmp_path, persisted=False)
     started = time.monotonic()
     # Then the job stops (exit 4, checkpoint) without spending its restart, and says why
     for node in (host, *spares):
@@ -103,13 +148,14 @@ def test_a_second_host_lost_while_the_first_ones_generation_forms_is_recovered_i
         "--heartbeat-timeout", "3", "--max-restarts", "0", "--checkpoint-uri", str(tmp_path / "ckpt"),
         "--persist-every", "5",
     ]  # fmt: skip
-    train = [*TRAIN, "--progress", "--checksum-file", str(tmp_path / "out.sha")]  # every step's line
+    train, gate = _gated(tmp_path, *TRAIN, "--progress", "--checksum-file", str(tmp_path / "out.sha"))
     # h0 is node rank 0 and hosts the store: the hosts lost below never include it (losing the
     # c10d store's host ends any job)
     active = [start(f"h{i}", *flags, "--node-rank", str(i), *train) for i in range(4)]
     wait_for(lambda: any("round 0 formed" in n.stderr() for n in active), 200, "the round to form")
     spares = [start(f"h{i}", *flags, *train) for i in (4, 5)]
     wait_for(lambda: all("standing by as a spare node" in n.stderr() for n in spares), 200, "two spare hosts")
+    gate.touch()
     wait_for(lambda: newest_step(active[0]) >= 10, 200, "training to pass step 10")
     drop_off(cluster, "h1", active[1])
     time.sleep(1.5)
