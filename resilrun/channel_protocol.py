@@ -247,6 +247,7 @@ class Commit(Request[Committed]):
     layout: int = 0
     previous: int | None = None
     replicate: bool | None = None
+    compute_s: float | None = None  # mean seconds per step to the rank's last gradient (stragglers)
 
 
 @dataclass(frozen=True, slots=True)

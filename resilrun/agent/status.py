@@ -189,6 +189,9 @@ class StatusPublisher:
             "step": step if step >= 0 else None,
             "step_time_s": round(step_time, 6) if step_time else None,
             "steps_per_s": round(1.0 / step_time, 3) if step_time else None,
+            # to the rank's last gradient, without its waits for the others (smoothed): the slowest
+            # rank's is the longest (issue 48)
+            "compute_s": round(compute, 6) if (compute := progress.get("compute_s")) is not None else None,
             "heartbeat_age_s": round(silent, 3) if silent is not None else None,
             "since_commit_s": round(stalled, 3) if stalled is not None else None,
         }

@@ -32,6 +32,13 @@ def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
 
+def _duration(seconds: float | None) -> str:
+    """A rank's compute time per step: milliseconds below a second, where steps usually are."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:.2f}s"
+
+
 def _bytes(n: int | None) -> str:
     if not n:
         return "0 B"
@@ -116,7 +123,7 @@ def node_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
-RANK_COLUMNS = ("rank", "node", "local", "pid", "state", "step", "steps/s", "heartbeat")
+RANK_COLUMNS = ("rank", "node", "local", "pid", "state", "step", "steps/s", "compute", "heartbeat")
 
 
 def rank_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -129,6 +136,7 @@ def rank_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
             r["state"] if r.get("exit_code") in (None, 0) else f"{r['state']} ({r['exit_code']})",
             _num(r.get("step")),
             _num(r.get("steps_per_s"), "{:.2f}"),
+            _duration(r.get("compute_s")),
             _age(r.get("heartbeat_age_s")),
         )
         for r in doc["ranks"]

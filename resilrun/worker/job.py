@@ -26,6 +26,7 @@ from resilrun.snapshot.restore import MEMORY_STEPS, PEER_STEPS, ReshardPlan, Res
 from resilrun.snapshot.tree import Joiner, flatten, unflatten
 from resilrun.worker import _ddp_sync, _resize, _torch_compat
 from resilrun.worker._abort import GenerationWatchdog
+from resilrun.worker._compute_probe import ComputeProbe
 from resilrun.worker._dtensor import Sharding
 from resilrun.worker._interval import Decision, Schedule
 from resilrun.worker._replicated import replicated_names
@@ -109,6 +110,7 @@ class Job:
         self._kinds: dict[str, str] = {}  # what each tracked object is, for export (resilrun.checkpoint)
         self._awaiting: Callable[[], Seat] | None = None
         self._joining = False
+        self._probe = ComputeProbe()  # each step's compute time, for straggler detection (issue 48)
         if isinstance(seat, Seat):
             self._bind(seat)
         else:
@@ -209,6 +211,8 @@ class Job:
         self._step = step
         if self._faults:
             fire(self._faults, rank=self._rank, step=step, attempt=self._attempt)
+        self._probe.watch(self._tracked.values())
+        self._probe.started()
 
     def commit(self, step: int) -> None:
         """Step ``step`` is done and all tracked state is consistent: snapshot it if the schedule
@@ -216,6 +220,7 @@ class Job:
         snapshot the same steps). Under ``auto`` the last step of a measuring window also agrees
         the next interval with every rank (one small all-gather)."""
         self._seated()
+        self._probe.ended()
         self._done = step
         saved = self._schedule.due(step)
         blocked = 0.0
@@ -322,7 +327,15 @@ class Job:
         replicate = self._schedule.replicates()
         if last and replicate is not None:
             replicate = True
-        self._snapshotter.save(step, tensors, meta, replicated, previous=self._schedule.last_saved, replicate=replicate)
+        self._snapshotter.save(
+            step,
+            tensors,
+            meta,
+            replicated,
+            previous=self._schedule.last_saved,
+            replicate=replicate,
+            compute_s=self._probe.take(),
+        )
 
     def _restore(self) -> int:
         """Restore the newest step every rank holds in some tier; returns it (or -1: fresh start).

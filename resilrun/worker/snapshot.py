@@ -242,6 +242,7 @@ class Snapshotter:
         *,
         previous: int | None = None,
         replicate: bool | None = None,
+        compute_s: float | None = None,
     ) -> None:
         """Copy ``tensors`` into the free slot, then commit ``step`` with ``values``.
 
@@ -249,7 +250,8 @@ class Snapshotter:
         every rank: the agent's tiers pick the steps they copy by it (``--persist-every``,
         ``--replicate-every``) when snapshots are not evenly spaced (``--snapshot-every auto``).
         ``replicate``: whether the peers get this snapshot (``--replicate-every auto``: every rank
-        says the same); None leaves it to the agent's ``--replicate-every N``.
+        says the same); None leaves it to the agent's ``--replicate-every N``. ``compute_s``: the
+        rank's mean compute time per step since its previous commit (worker/_compute_probe.py).
 
         The commit message is posted, not awaited: its answer is read at the next request, so a
         refused commit raises one call later (``flush`` waits for it). Of the ``replicated``
@@ -301,6 +303,7 @@ class Snapshotter:
                 layout=self._layout_crc,
                 previous=previous,
                 replicate=replicate,
+                compute_s=None if compute_s is None else round(compute_s, 6),
             )
         )
         self.held[slot] = (step, values)

@@ -91,12 +91,17 @@ def test_status_shows_the_running_job_and_a_killed_workers_recovery_with_its_tim
         assert {r["pid"] for r in ranks} <= kids and len(ranks) == 2
         assert set(node["spares"]["pids"]) <= kids and len(node["spares"]["pids"]) == 1
     assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3] and doc["history"] == []
+    # and each rank's compute time per step (measured from the second step on), without the
+    # script's 0.25 s sleep after its step, which its step time includes
+    timed = poll(port, lambda d: all(r.get("compute_s") for r in d["ranks"]), 60, "compute times", nodes)
+    assert all(0 < r["compute_s"] < r["step_time_s"] for r in timed["ranks"]), timed["ranks"]
     # and each agent serves its own node's metrics
     events = logs / "st1" / "events.jsonl"
     urls = [e["metrics"] for e in read_events(events) if e["event"] == "agent_started"]
     assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
     metrics = scrape(urls[0])
     assert {s.labels["rank"] for s in metrics["resilrun_rank_step"]} in ({"0", "1"}, {"2", "3"})
+    assert {s.labels["rank"] for s in metrics["resilrun_rank_compute_seconds"]} in ({"0", "1"}, {"2", "3"})
     memory = [s for s in metrics["resilrun_snapshot_bytes"] if s.labels.get("tier") == "memory"]
     assert memory and memory[0].value > 0
 

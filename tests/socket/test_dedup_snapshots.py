@@ -63,7 +63,7 @@ class _Copies(Telemetry):
         super().__init__()
         self.copied: dict[tuple[int, int], int] = {}
 
-    def committed(self, rank: int, step: int, nbytes: int, copy_s: float | None) -> None:
+    def committed(self, rank: int, step: int, nbytes: int, copy_s: float | None, compute_s: float | None) -> None:
         self.copied[(rank, step)] = nbytes
 
 

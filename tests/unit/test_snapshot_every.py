@@ -34,6 +34,7 @@ class _Saves:
         *,
         previous: int | None = None,
         replicate: bool | None = None,
+        compute_s: float | None = None,
     ) -> None:
         self.steps.append(step)
         self.previous.append(previous)

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from resilrun import keys
 from resilrun.agent.observability.metrics import StatusCollector
-from resilrun.cli._status_render import NODE_COLUMNS, node_rows, store_line
+from resilrun.cli._status_render import NODE_COLUMNS, RANK_COLUMNS, node_rows, rank_rows, store_line
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 from resilrun.status import records
@@ -45,6 +45,7 @@ def node_doc(node_id: str, node_rank: int, ranks: list[int], *, round: int = 1, 
                 "step": step,
                 "step_time_s": 0.25,
                 "steps_per_s": 4.0,
+                "compute_s": 0.2,
                 "heartbeat_age_s": 0.2,
                 "since_commit_s": 0.1,
             }
@@ -377,3 +378,20 @@ def test_the_peers_behind_are_a_gauge_for_alerting_and_absent_without_replicas()
     assert scraped({"peer": peer}) == 1
     assert scraped({"peer": {**peer, "behind": []}}) == 0
     assert scraped({"memory": {"step": 9}}) is None  # no replicas: nothing to be behind
+
+
+def test_each_ranks_compute_time_is_a_column_and_a_gauge_where_it_was_measured() -> None:
+    backend = MemoryBackend()
+    job(backend)
+    a, b = node_doc("a", 0, [0, 1]), node_doc("b", 1, [2, 3])
+    a["ranks"][0]["compute_s"] = 0.0423
+    a["ranks"][1]["compute_s"] = None  # nothing measured (a plain script)
+    b["ranks"][0]["compute_s"] = 1.5
+    records.publish_node(backend, RUN, "a", a)
+    records.publish_node(backend, RUN, "b", b)
+    column = RANK_COLUMNS.index("compute")
+    assert [row[column] for row in rank_rows(status(backend))] == ["42ms", "-", "1.50s", "200ms"]
+    registry = CollectorRegistry()
+    registry.register(StatusCollector(lambda: a))
+    assert registry.get_sample_value("resilrun_rank_compute_seconds", {"rank": "0"}) == 0.0423
+    assert registry.get_sample_value("resilrun_rank_compute_seconds", {"rank": "1"}) is None

@@ -161,3 +161,14 @@ def test_step_rate_is_smoothed_from_commit_times(telemetry: AgentTelemetry, monk
         now[0] += 0.5
     assert telemetry.progress[0]["step"] == 4
     assert telemetry.progress[0]["step_time_s"] == pytest.approx(0.5)
+
+
+def test_compute_time_is_smoothed_and_kept_through_commits_that_carry_none(telemetry: AgentTelemetry) -> None:
+    telemetry.committed(0, 0, 10, None)
+    assert "compute_s" not in telemetry.progress[0]  # nothing measured yet (no step timed)
+    telemetry.committed(0, 1, 10, None, 0.1)
+    assert telemetry.progress[0]["compute_s"] == pytest.approx(0.1)
+    telemetry.committed(0, 2, 10, None, 0.6)
+    assert telemetry.progress[0]["compute_s"] == pytest.approx(0.1 + 0.2 * 0.5)  # one step moves it a fifth
+    telemetry.committed(0, 3, 10, None)  # a step whose gradients the probe did not see
+    assert telemetry.progress[0]["compute_s"] == pytest.approx(0.2)

@@ -49,6 +49,10 @@ class StatusCollector(Collector):
             "rank_step": ("Newest step the rank committed.", "step"),
             "rank_steps_per_second": ("Steps per second of the rank (smoothed).", "steps_per_s"),
             "rank_step_seconds": ("Seconds per step of the rank (smoothed).", "step_time_s"),
+            "rank_compute_seconds": (
+                "Seconds per step the rank computes before its last gradient, without waiting (smoothed).",
+                "compute_s",
+            ),
             "worker_heartbeat_age_seconds": ("Seconds since the worker's last heartbeat.", "heartbeat_age_s"),
         }
         for name, (help_text, field) in per_rank.items():

@@ -81,8 +81,11 @@ class Telemetry:
     def node_lost(self, state: RdzvState, failures: list[ProcessFailure], lost: tuple[str, ...]) -> None:
         """Nodes stopped heartbeating; ``failures`` describes each (rank and host)."""
 
-    def committed(self, rank: int, step: int, nbytes: int, copy_s: float | None) -> None:
-        """A worker committed ``step`` into node memory, copying ``nbytes`` (called per step: O(1))."""
+    def committed(
+        self, rank: int, step: int, nbytes: int, copy_s: float | None, compute_s: float | None = None
+    ) -> None:
+        """A worker committed ``step`` into node memory, copying ``nbytes`` (called per step: O(1));
+        ``compute_s``: its mean compute time per step since its previous commit, if measured."""
 
     def worker_report(self, pid: int, report: dict[str, Any]) -> None:
         """A worker's recovery milestone, sent over the agent channel."""
@@ -363,7 +366,9 @@ class AgentTelemetry(Telemetry):
         self.events.record("exit", outcome=outcome, message=message)
 
     # -- channel, tiers -----------------------------------------------------------------------------
-    def committed(self, rank: int, step: int, nbytes: int, copy_s: float | None) -> None:
+    def committed(
+        self, rank: int, step: int, nbytes: int, copy_s: float | None, compute_s: float | None = None
+    ) -> None:
         now = time.monotonic()
         with self._lock:
             self.newest_committed = max(self.newest_committed, step)
@@ -376,6 +381,12 @@ class AgentTelemetry(Telemetry):
                 self.progress[rank] = {"step": step, "at": now, "step_time_s": smoothed}
             else:
                 self.progress[rank] = {"step": step, "at": now, **({} if seen is None else _keep_rate(seen))}
+            earlier = None if seen is None else seen.get("compute_s")
+            if compute_s is not None:
+                smoothed = compute_s if earlier is None else earlier + _STEP_EWMA * (compute_s - earlier)
+                self.progress[rank]["compute_s"] = smoothed
+            elif earlier is not None:
+                self.progress[rank]["compute_s"] = earlier
         if self.metrics is not None:
             self.metrics.on_commit(rank, step, nbytes, copy_s, step_time)
 

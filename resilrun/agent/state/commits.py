@@ -75,5 +75,5 @@ class CommitPipeline:
         self.memory.pass_gates(rank, step)
         # 4. telemetry
         copied = nbytes if request.copied is None else request.copied  # less when the snapshot borrows
-        self.telemetry.committed(rank, step, copied, request.copy_s)
+        self.telemetry.committed(rank, step, copied, request.copy_s, request.compute_s)
         return Committed(whole=whole, next=self.memory.next_slot(rank))
