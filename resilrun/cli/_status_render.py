@@ -143,6 +143,16 @@ def rank_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
     ]
 
 
+def straggler_line(doc: dict[str, Any]) -> str:
+    """The ranks the others wait for, with the evidence (status/stragglers.py says the rule)."""
+    said = [
+        f"rank {s['rank']} (node {_num(s.get('node_rank'))}, {s.get('host') or '?'}) computes "
+        f"{s['ratio']:.1f}x the others' median ({_duration(s['compute_s'])} vs {_duration(s['others_median_s'])})"
+        for s in doc["stragglers"]
+    ]
+    return "stragglers: " + "; ".join(said)
+
+
 def snapshot_line(doc: dict[str, Any]) -> str:
     parts = [f"{tier} {_held(info)}" for tier, info in doc["snapshots"].items()]
     line = "snapshots (newest step every rank holds, steps a failure would redo): " + (
@@ -327,6 +337,7 @@ def text_lines(doc: dict[str, Any]) -> list[str]:
     lines = [summary(doc), f"endpoint {doc['endpoint']} ({doc['backend']})", store_line(doc), "", "NODES"]
     lines += _table(NODE_COLUMNS, node_rows(doc))
     lines += ["", "RANKS"] + (_table(RANK_COLUMNS, rank_rows(doc)) if doc["ranks"] else ["(no ranks running)"])
+    lines += [straggler_line(doc)] if doc.get("stragglers") else []
     lines += ["", snapshot_line(doc)]
     capturing = captured_nodes(doc)
     if capturing:
@@ -366,6 +377,8 @@ def rich_view(doc: dict[str, Any]) -> Any:
     parts.append(Text(store_line(doc), style="bold red" if refused else "dim"))
     parts.append(table("Nodes", NODE_COLUMNS, node_rows(doc), 2))
     parts.append(table("Ranks", RANK_COLUMNS, rank_rows(doc), 4))
+    if doc.get("stragglers"):
+        parts.append(Text(straggler_line(doc), style="bold yellow"))
     parts.append(Text(snapshot_line(doc)))
     for node in captured_nodes(doc):
         title = f"Captured checkpoints, {captured_header(node)}"

@@ -27,6 +27,7 @@ from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.rendezvous.document import Documents
 from resilrun.rendezvous.protocol import RdzvState
 from resilrun.status import records as history
+from resilrun.status.stragglers import stragglers
 
 SCHEMA = 1
 TERMINAL = ("succeeded", "failed", "stopped")
@@ -178,6 +179,7 @@ def compose(
             # Spares that died while they waited for a rank (each one was logged and started again).
             "processes_exited": sum(int(n["spares"].get("exited") or 0) for n in nodes),
         },
+        "stragglers": _stragglers(ranks),
         "snapshots": _snapshots(nodes, ranks),
         "snapshot_policy": _policy([live[n["node_id"]] for n in nodes if n["state"] != "lost"]),
         "history": [_entry(record, raw["parts"].get(record.get("round"), [])) for record in raw["history"]],
@@ -230,6 +232,23 @@ def _job(rdzv: RdzvState | None, nodes: list[dict[str, Any]], ranks: list[dict[s
         "step": min(steps) if steps and len(steps) == len(ranks) else None,
         "newest_step": max(steps) if steps else None,
     }
+
+
+def _stragglers(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The running ranks the others wait for (status/stragglers.py), with the evidence."""
+    compute = {r["rank"]: float(r["compute_s"]) for r in ranks if r["state"] == "running" and r.get("compute_s")}
+    where = {r["rank"]: r for r in ranks}
+    return [
+        {
+            "rank": s.rank,
+            "node_rank": where[s.rank].get("node_rank"),
+            "host": where[s.rank].get("host"),
+            "compute_s": round(s.compute_s, 6),
+            "others_median_s": round(s.others_median_s, 6),
+            "ratio": round(s.ratio, 2),
+        }
+        for s in stragglers(compute)
+    ]
 
 
 def _snapshots(nodes: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> dict[str, Any]:

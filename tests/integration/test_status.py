@@ -264,3 +264,27 @@ def test_with_snapshot_every_auto_status_and_metrics_show_the_interval_and_the_s
     assert "at risk" in text and "auto: every" in text and "budget 1%" in text, text
     os.kill(node.pid, signal.SIGTERM)
     node.wait(60)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_slowed_down_is_named_a_straggler_and_the_others_are_not(launcher) -> None:  # noqa: ANN001
+    # Given three workers of a DDP script, rank 2's forward passes 40 ms slower (a throttled device)
+    port = free_port()
+    flags = [
+        "--nnodes", "1", "--nproc-per-node", "3", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "slow",
+        str(ROOT / "tests" / "helpers" / "slow_rank.py"), str(EXAMPLE), "--steps", "400", "--hidden", "64",
+        "--sleep", "0.05",
+    ]  # fmt: skip
+    node = launcher("resilrun", *flags, env={"SLOW_RANK": "2", "SLOW_S": "0.02"})
+    # When every rank has been timed for a few steps
+    doc = poll(port, lambda d: d["ranks"] and all((r["step"] or 0) >= 10 for r in d["ranks"]), 200, "steps", [node])
+    # Then status names rank 2, with its compute time against the others' median, and no other rank
+    assert [s["rank"] for s in doc["stragglers"]] == [2], doc["ranks"]
+    straggler = doc["stragglers"][0]
+    assert straggler["ratio"] >= 1.5 and straggler["compute_s"] >= 0.04 > straggler["others_median_s"]
+    assert straggler["node_rank"] == 0
+    text = subprocess.run(
+        [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"127.0.0.1:{port}"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "NO_COLOR": "1"},
+    ).stdout  # fmt: skip
+    assert "stragglers: rank 2 (node 0, " in text, text

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from resilrun import keys
 from resilrun.agent.observability.metrics import StatusCollector
-from resilrun.cli._status_render import NODE_COLUMNS, RANK_COLUMNS, node_rows, rank_rows, store_line
+from resilrun.cli._status_render import NODE_COLUMNS, RANK_COLUMNS, node_rows, rank_rows, store_line, text_lines
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 from resilrun.status import records
@@ -395,3 +395,20 @@ def test_each_ranks_compute_time_is_a_column_and_a_gauge_where_it_was_measured()
     registry.register(StatusCollector(lambda: a))
     assert registry.get_sample_value("resilrun_rank_compute_seconds", {"rank": "0"}) == 0.0423
     assert registry.get_sample_value("resilrun_rank_compute_seconds", {"rank": "1"}) is None
+
+
+def test_a_rank_the_others_wait_for_is_listed_with_its_evidence_under_the_ranks() -> None:
+    backend = MemoryBackend()
+    job(backend)
+    b = node_doc("b", 1, [2, 3])
+    b["ranks"][1]["compute_s"] = 0.45  # rank 3: the others compute 0.2 s per step
+    records.publish_node(backend, RUN, "b", b)
+    doc = status(backend)
+    assert doc["stragglers"] == [
+        {"rank": 3, "node_rank": 1, "host": "host1", "compute_s": 0.45, "others_median_s": 0.2, "ratio": 2.25}
+    ]
+    assert "stragglers: rank 3 (node 1, host1) computes 2.2x the others' median (450ms vs 200ms)" in text_lines(doc)
+    b["ranks"][1]["compute_s"] = 0.22
+    records.publish_node(backend, RUN, "b", b)
+    doc = status(backend)
+    assert doc["stragglers"] == [] and not any(line.startswith("stragglers") for line in text_lines(doc))
