@@ -341,6 +341,7 @@ def build_node(
                 every=config.replicate_every,
                 captured=catalog,
                 on_health=telemetry.replica_health,
+                on_dropped=telemetry.replica_dropped,
             )
             opened_so_far.callback(peers.close)
         me = NodeInfo(

@@ -172,3 +172,13 @@ def test_compute_time_is_smoothed_and_kept_through_commits_that_carry_none(telem
     assert telemetry.progress[0]["compute_s"] == pytest.approx(0.1 + 0.2 * 0.5)  # one step moves it a fifth
     telemetry.committed(0, 3, 10, None)  # a step whose gradients the probe did not see
     assert telemetry.progress[0]["compute_s"] == pytest.approx(0.2)
+
+
+def test_a_peer_behind_that_is_no_longer_a_target_leaves_status_and_says_so_once(telemetry: AgentTelemetry) -> None:
+    telemetry.replica_health("198.18.0.2:29500", False, "connection reset by peer")
+    assert telemetry.replicas_behind() == {"198.18.0.2:29500": "connection reset by peer"}
+    telemetry.replica_dropped("198.18.0.2:29500")  # its node was lost; a spare node's peer replaces it
+    telemetry.replica_dropped("198.18.0.3:29500")  # one that was never behind: nothing to say
+    assert telemetry.replicas_behind() == {}
+    kinds = [(e["event"], e.get("peer")) for e in read_events(telemetry.events.path)]
+    assert kinds == [("replica_behind", "198.18.0.2:29500"), ("replica_dropped", "198.18.0.2:29500")]

@@ -51,6 +51,7 @@ KINDS = (
     "snapshot_interval",
     "replica_behind",
     "replica_caught_up",
+    "replica_dropped",
     "restart",
     "node_lost",
     "file_captured",

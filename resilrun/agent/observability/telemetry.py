@@ -96,6 +96,9 @@ class Telemetry:
     def replica_health(self, peer: str, keeps_up: bool, why: str) -> None:
         """Replication to ``peer`` started failing (its replicas fall behind) or caught up again."""
 
+    def replica_dropped(self, peer: str) -> None:
+        """``peer``, told behind, is no longer a replica target (the replica peers were chosen again)."""
+
     def persisted(self, rank: int, step: int, nbytes: int, seconds: float, complete: bool) -> None:
         """A rank's snapshot was uploaded; ``complete``: this upload completed the step for all ranks."""
 
@@ -471,6 +474,13 @@ class AgentTelemetry(Telemetry):
             self.events.record("replica_caught_up", peer=peer)
         else:
             self.events.record("replica_behind", peer=peer, reason=why)
+
+    def replica_dropped(self, peer: str) -> None:
+        # A lost node's replica server stays "behind" for ever otherwise: no push to it will land
+        with self._lock:
+            was = self.behind.pop(peer, None)
+        if was is not None:
+            self.events.record("replica_dropped", peer=peer, reason="no longer a replica target")
 
     def replicas_behind(self) -> dict[str, str]:
         """The replica peers the commit gate no longer waits for, with why (a copy: status reads it)."""

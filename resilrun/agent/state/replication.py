@@ -64,6 +64,7 @@ class PeerTier:
         every: int = 1,
         captured: Catalog | None = None,
         on_health: Callable[[str, bool, str], None] | None = None,
+        on_dropped: Callable[[str], None] | None = None,
     ) -> None:
         """``generation``: the newest generation this node follows: the fencing token its pushes carry,
         and the server's bar (it refuses pushes from senders that follow an older one).
@@ -84,6 +85,7 @@ class PeerTier:
             push_delay_s=delay_s(REPLICATION_DELAY_ENV, "every replica push, before its bytes,"),
             every=every,
             on_health=on_health,
+            on_dropped=on_dropped,
         )
         self._peers = peers
 

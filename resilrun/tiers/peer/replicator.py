@@ -133,6 +133,7 @@ class Replicator:
         push_delay_s: float = 0.0,
         every: int = 1,
         on_health: Callable[[str, bool, str], None] | None = None,
+        on_dropped: Callable[[str], None] | None = None,
     ) -> None:
         """Start replicating what ``on_commit`` is given (node memory's announcements, wired by
         whoever composes them: the agent's commit pipeline); ``hold_commit`` is the commit gate
@@ -148,6 +149,9 @@ class Replicator:
             on_health: ``(peer, keeps_up, why)`` when a peer starts failing (its replicas fall
                 behind and the commit gate stops waiting for it) and when it catches up again
                 (the events); called outside the replicator's lock.
+            on_dropped: ``(peer)`` when a peer told behind stops being a target (the peers were
+                chosen again: a lost node's replacement), so that it is not reported behind for
+                ever; called outside the replicator's lock.
             push_delay_s: a fault hook for tests: each push waits this long before its bytes.
             every: replicate the first snapshot at or past each multiple of this many steps
                 (``--replicate-every``; ``Committed.crosses``), the same steps on every node; a
@@ -163,6 +167,7 @@ class Replicator:
         self._refresh = refresh.total_seconds()
         self._on_replicated = on_replicated
         self._on_health = on_health
+        self._on_dropped = on_dropped
         self._cond = threading.Condition()
         self._latest: dict[int, _Source] = {}
         self._rank_memory: dict[int, RankMemory] = {}
@@ -288,9 +293,11 @@ class Replicator:
             with self._cond:
                 if self._closed:
                     return
-                if wanted is not None:
-                    self._reconcile(wanted)
+                dropped = self._reconcile(wanted) if wanted is not None else []
                 until = time.monotonic() + self._refresh
+            for address in dropped:
+                self._tell_dropped(address)
+            with self._cond:
                 while not self._closed and (left := until - time.monotonic()) > 0:
                     self._cond.wait(left)
 
@@ -307,9 +314,15 @@ class Replicator:
         self._targets_broken = False
         return wanted
 
-    def _reconcile(self, wanted: list[str]) -> None:
+    def _reconcile(self, wanted: list[str]) -> list[str]:
+        """Start replicating to the new targets and stop the others; returns the stopped ones that
+        had been told behind (they are to be told dropped, outside the lock)."""
+        dropped = []
         for address in [a for a in self._targets if a not in wanted]:
-            self._targets.pop(address).stopped = True
+            target = self._targets.pop(address)
+            target.stopped = True
+            if not _keeps_up(target):
+                dropped.append(address)
         for address in wanted:
             if address not in self._targets:
                 target = _Target(address)
@@ -320,6 +333,7 @@ class Replicator:
                 self._threads.append(target.thread)
                 target.thread.start()
         self._cond.notify_all()
+        return dropped
 
     # -- one target's loop --------------------------------------------------------------------------
     def _run_target(self, target: _Target) -> None:
@@ -392,6 +406,14 @@ class Replicator:
             self._cond.notify_all()  # the commit gate no longer waits for this target
         if tell:
             self._tell_health(target.address, False, why)
+
+    def _tell_dropped(self, address: str) -> None:
+        if self._on_dropped is None:
+            return
+        try:
+            self._on_dropped(address)
+        except Exception:  # noqa: BLE001 - reporting must never stop replication
+            logger.exception("reporting that %s is no longer a replica target failed", address)
 
     def _tell_health(self, address: str, keeps_up: bool, why: str) -> None:
         if self._on_health is None:

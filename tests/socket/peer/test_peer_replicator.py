@@ -655,3 +655,26 @@ def test_without_the_gate_commits_are_never_held(memory: NodeMemoryTier, replica
     with replicating_to_a_silent_peer(memory, replicators, timeout=timedelta(seconds=5), hold_commits=False):
         commit(memory, 0, 1, snapshot(1))
         assert memory.pass_gates(0, 1) == 0
+
+
+def test_a_peer_behind_that_stops_being_a_target_is_told_dropped_not_left_behind(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    # Given a peer reported behind (its server gone: a lost node) and a new peer replacing it
+    gone, new = make_peer(), make_peer()
+    targets = [gone.server.address]
+    health: list[tuple[str, bool, str]] = []
+    dropped: list[str] = []
+    replicator = fed_by(
+        memory, SECRET, lambda: list(targets), timeout=TIMEOUT, refresh=REFRESH,
+        on_health=lambda *change: health.append(change), on_dropped=dropped.append,
+    )  # fmt: skip
+    replicators.append(replicator)
+    gone.server.close()
+    commit(memory, 0, 1, snapshot(1))
+    eventually(lambda: [keeps_up for _, keeps_up, _ in health] == [False])
+    # When the replica peers are chosen again without it (the spare node took the lost one's place)
+    targets[:] = [new.server.address]
+    # Then it is told dropped once (status no longer lists it behind), and never caught up
+    eventually(lambda: dropped == [gone.server.address])
+    assert [keeps_up for _, keeps_up, _ in health] == [False]
