@@ -425,6 +425,8 @@ def reset_for_reentry() -> None:
     _ddp_sync.uninstall()  # the next generation's init() installs it again
     if job is not None and job._watchdog is not None:
         job._watchdog.disarm()
+    if job is not None:
+        job._probe.close()  # a model kept across the re-run gets the next job's hook, not one more
     if _RERUN_WATCHDOG is not None:
         _RERUN_WATCHDOG.disarm()
         _RERUN_WATCHDOG = None

@@ -1,7 +1,9 @@
 """Runs a training script with one rank slowed down: ``slow_rank.py SCRIPT ARGS...`` with
 ``SLOW_RANK`` (the rank) and ``SLOW_S`` (seconds added to each ``nn.Linear`` forward of that rank)
-in the environment: a throttled device or a noisy neighbour, as straggler tests need it. The script
-itself runs unmodified; every other rank runs at its own pace."""
+in the environment: a throttled device or a noisy neighbour, as straggler tests need it. With
+``SLOW_AFTER_S`` the slow-down starts that many seconds after the script does, and its first
+slowed forward writes the time (``time.time()``) to ``SLOW_MARK`` if given. The script itself runs
+unmodified; every other rank runs at its own pace."""
 
 from __future__ import annotations
 
@@ -9,15 +11,23 @@ import os
 import runpy
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 if os.environ.get("RANK") == os.environ["SLOW_RANK"]:
     _forward = torch.nn.Linear.forward
     _delay = float(os.environ["SLOW_S"])
+    _from = time.monotonic() + float(os.environ.get("SLOW_AFTER_S", "0"))
+    _mark = os.environ.get("SLOW_MARK", "")
 
     def _slow_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(_delay)
+        global _mark
+        if time.monotonic() >= _from:
+            if _mark:
+                Path(_mark).write_text(f"{time.time()}\n")
+                _mark = ""
+            time.sleep(_delay)
         return _forward(self, x)
 
     torch.nn.Linear.forward = _slow_forward  # type: ignore[method-assign]

@@ -8,11 +8,13 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from resilrun.channel_protocol import NewEnv
 from resilrun.errors import CheckpointError
 from resilrun.worker import _abort, _torch_compat
 from resilrun.worker import membership as job
+from resilrun.worker._compute_probe import ComputeProbe
 
 
 class _Group:
@@ -80,11 +82,16 @@ def test_the_abort_hits_the_group_it_was_armed_for_not_the_next_generations(nccl
 def test_leaving_a_generation_ends_its_watchdog_thread(nccl: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given a job whose watchdog waits (through the agent) for the next generation
     watchdog = job._start_watchdog("agent.sock", 0, {}, {})
-    monkeypatch.setattr(job, "_JOB", SimpleNamespace(_watchdog=watchdog, _snapshotter=None))
+    model = torch.nn.Linear(2, 1)  # kept across the re-run (as @resilrun.once keeps it)
+    probe = ComputeProbe()
+    probe.watch([model])
+    monkeypatch.setattr(job, "_JOB", SimpleNamespace(_watchdog=watchdog, _snapshotter=None, _probe=probe))
     # When the process leaves the generation to run the script again
     job.reset_for_reentry()
     # Then the watchdog is gone (not one more blocked thread per generation), its channel closed,
     assert not watchdog.is_alive()
+    # the compute probe's hooks are off the kept model (the next job's probe adds its own),
+    assert probe._handles == [] and not model.weight._post_accumulate_grad_hooks
     assert _Agent.instances[-1].closed
     # and news of a generation arriving late aborts nothing
     _Agent.instances[-1].release.set()
