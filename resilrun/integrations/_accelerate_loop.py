@@ -180,7 +180,7 @@ class Loop:
     def _pass(
         self, loader: Any, index: int, make: Callable[[Any], Iterator[Any]], position: _Position | None
     ) -> Iterator[Any]:
-        from resilrun.worker.job import RngState
+        from resilrun.worker.rng import RngState
 
         if position is not None:
             self._load(loader, position)

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from resilrun.worker.job import Job, RngState
+from resilrun.worker.job import Job
+from resilrun.worker.rng import RngState
 
 
 class _StandIn:

@@ -222,7 +222,7 @@ class _Session:
     # -- the data iterator of each epoch -----------------------------------------------------------
     def iterate(self, loader: Any, make: Callable[[Any], Any]) -> Any:
         """Make the training data iterator; on a resume, where the failure-free run's stood."""
-        from resilrun.worker.job import RngState
+        from resilrun.worker.rng import RngState
 
         position, self.position = self.position, None
         if position is not None:
