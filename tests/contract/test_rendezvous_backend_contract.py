@@ -7,17 +7,14 @@ loopback, used through a second, client-side connection as a remote node would) 
 
 from __future__ import annotations
 
-import time
 import uuid
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
-from resilrun.errors import ExitCode, StoreConnectionError
 from resilrun.rendezvous.api import RendezvousBackend
 from resilrun.rendezvous.memory import MemoryBackend
-from tests.conftest import free_port
 from tests.contract.conftest import HostedStore
 
 
@@ -213,37 +210,6 @@ def test_close_is_safe_to_call(kind: str, request: pytest.FixtureRequest) -> Non
     key = f"close-{uuid.uuid4().hex[:8]}"
     hosted.client.set(key, b"still served")  # and the store the other clients share still answers
     assert hosted.client.get(key) == b"still served"
-
-
-# -- the c10d store's lifecycle ---------------------------------------------------------------------
-def test_connect_store_to_a_closed_port_raises_store_connection_error_quickly() -> None:
-    from resilrun.rendezvous.c10d import connect_store
-
-    port = free_port()  # bound then released: nothing listens there
-    start = time.monotonic()
-    with pytest.raises(StoreConnectionError) as info:
-        connect_store("127.0.0.1", port, timedelta(seconds=1))
-    elapsed = time.monotonic() - start
-    # torch retries once after a jittered delay, so allow a few timeouts, never minutes.
-    assert elapsed < 10
-    assert f"127.0.0.1:{port}" in info.value.message
-    assert "within 1 s" in info.value.message
-    assert info.value.hint and "--rdzv-endpoint" in info.value.hint
-    assert info.value.exit_code == ExitCode.RENDEZVOUS
-    assert info.value.__cause__ is not None
-
-
-def test_a_second_client_sees_what_the_first_wrote(key: str, hosted_store: HostedStore) -> None:
-    from resilrun.rendezvous.c10d import C10dBackend, connect_store
-
-    endpoint = f"127.0.0.1:{hosted_store.port}"
-    other = C10dBackend(connect_store("127.0.0.1", hosted_store.port, timedelta(seconds=5)), endpoint)
-    one = hosted_store.client
-    assert one.compare_set(key, None, b"mine") is True
-    assert other.compare_set(key, None, b"theirs") is False
-    assert other.get(key) == b"mine"
-    assert one.add(key + "/n", 1) == 1
-    assert other.add(key + "/n", 1) == 2
 
 
 # -- concurrency: what the protocol relies on when many agents share one store ----------------------
