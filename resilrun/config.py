@@ -194,6 +194,31 @@ class Config:
             value="SECONDS",
         ),
     )
+    # Report by default: a swap replaces a process that still works, which a job opts into; off
+    # for jobs whose ranks do unequal work by design (pipeline stages, a rank that also evaluates).
+    stragglers: str = field(
+        default="report",
+        metadata=option_meta(
+            "--stragglers",
+            H,
+            "A rank persistently slower than the others: report it, swap it for a hot spare at a step "
+            "boundary (swap), or neither (off).",
+            pet=False,
+            value="report|swap|off",
+        ),
+    )
+    # A budget, because a swap costs the job a recovery (about a second) and a spare: a machine
+    # whose ranks all turn slow by turns (heat, a shared link) must not spend them all.
+    straggler_swaps: int = field(
+        default=2,
+        metadata=option_meta(
+            "--straggler-swaps",
+            H,
+            "With --stragglers swap: at most this many swaps in any hour, job-wide.",
+            pet=False,
+            value="INTEGER",
+        ),
+    )
     # Checkpoints (resilrun's own: RESILRUN_* only)
     # Every step by default: a failure then redoes none. Larger N divides the steady-state cost of
     # the snapshot (and its replication) by N; a failure redoes up to N - 1 steps. SNAPSHOT_AUTO (0,

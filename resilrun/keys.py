@@ -128,6 +128,12 @@ def node_status(run_id: str, node_id: str) -> str:
     return f"{_base(run_id)}/status/node/{node_id}"
 
 
+def stragglers(run_id: str) -> str:
+    """The leader's straggler verdicts and swap orders (agent/supervision/stragglers.py), JSON,
+    rewritten by the agent of node rank 0 only when they change."""
+    return f"{_base(run_id)}/status/stragglers"
+
+
 def node_lost(run_id: str, node_id: str) -> str:
     """Set by the agent that judged ``node_id`` lost: JSON with the round and heartbeat age."""
     return f"{_base(run_id)}/status/lost/{node_id}"

@@ -40,11 +40,13 @@ from resilrun.agent.state.tiers import NodeTiers
 from resilrun.agent.status import StatusPublisher
 from resilrun.agent.supervision.node_loss import PeerLiveness
 from resilrun.agent.supervision.rounds import Membership, SignalFlag
+from resilrun.agent.supervision.stragglers import straggler_watch
 from resilrun.agent.supervision.supervisor import Supervisor
 from resilrun.agent.workers.control import WorkerControl
 from resilrun.agent.workers.fault_hooks import PERSIST_DELAY_ENV, delay_s
 from resilrun.agent.workers.procs import Processes, start_template
 from resilrun.agent.workers.specs import NodeSetup, process_env
+from resilrun.agent.workers.step_fence import StepFence
 from resilrun.agent.workers.template import WorkerTemplate, uses_template
 from resilrun.config import Config
 from resilrun.env import CAPTURE_DIR_ENV, NO_HEAD_START_ENV, RERUN_ENV, agent_environ, agent_secrets
@@ -420,8 +422,14 @@ def build_node(
             captured.start()
             opened_so_far.callback(captured.close)
         control = WorkerControl()
+        step_fence = StepFence()
         commits = CommitPipeline(
-            memory, control, telemetry, replicator=peers.replicator if peers is not None else None, persister=persister
+            memory,
+            control,
+            telemetry,
+            replicator=peers.replicator if peers is not None else None,
+            persister=persister,
+            fence=step_fence,
         )
         channel = AgentChannel(memory, tiers, control, telemetry, commits=commits)
         opened_so_far.callback(channel.close)
@@ -458,7 +466,9 @@ def build_node(
             liveness=liveness,
             membership=membership,
             captured=captured,
+            fence=step_fence if config.stragglers == "swap" else None,
         )
+        watch = straggler_watch(config, rdzv, membership, telemetry, supervisor.straggler_swap)
         publisher = StatusPublisher(
             config,
             rdzv,
@@ -467,7 +477,7 @@ def build_node(
             memory,
             telemetry,
             replication=peers.replicator.status if peers is not None else None,
-            on_published=metrics.on_status if metrics is not None else None,
+            on_published=[listener for listener in (metrics.on_status if metrics else None, watch) if listener],
             captured=captured,
             interval_s=config.heartbeat_interval_s,
         )

@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -82,12 +82,13 @@ class StatusPublisher:
         telemetry: AgentTelemetry,
         *,
         replication: Callable[[], dict[int, dict[str, int | None]]] | None = None,
-        on_published: Callable[[dict[str, Any]], None] | None = None,
+        on_published: Sequence[Callable[[dict[str, Any]], None]] = (),
         captured: CapturedFolder | None = None,
         interval_s: float,
     ) -> None:
         """``membership``: where the node stands, as its supervisor moves it (read only here);
-        ``on_published``: given each document written (the metrics export serves the newest);
+        ``on_published``: given each document written, in order (the metrics export serves the
+        newest; the straggler watch judges from it);
         ``captured``: the node's ``--capture-dir`` folder, whose files the document lists."""
         self.config = config
         self.membership = membership
@@ -95,7 +96,7 @@ class StatusPublisher:
         self.memory = memory
         self.telemetry = telemetry
         self.replication = replication
-        self.on_published = on_published
+        self.on_published = tuple(on_published)
         self.captured = captured
         self.interval_s = interval_s
         self.backend = rdzv.backend
@@ -274,8 +275,8 @@ class StatusPublisher:
         try:
             document = self.build()
             self.latest = document
-            if self.on_published is not None:
-                self.on_published(document)
+            for listener in self.on_published:
+                listener(document)
             self.bytes_written += history.publish_node(self.backend, self.run_id, self.node_id, document)
             self.writes += 1
             self._failing = False

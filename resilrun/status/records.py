@@ -9,6 +9,7 @@ Layout (keys in ``resilrun.keys``):
   so a reader lists every node that ever took part with ``count + 1`` reads and no key scan;
 - node documents: one key per agent, rewritten only by that agent (no write contention);
 - lost markers: set by the agent that judged a node lost;
+- straggler verdicts: one key, written by the agent of node rank 0 only;
 - history: a ring of ``HISTORY_SLOTS`` records. Appending is one counter increment (which gives the
   record its index) and one write to slot ``index % HISTORY_SLOTS``; each record carries its index,
   so a reader racing a writer skips a slot that was overwritten. Memory in the store stays bounded
@@ -60,6 +61,10 @@ def publish_node(backend: RendezvousBackend, run_id: str, node_id: str, document
     return len(raw)
 
 
+def publish_stragglers(backend: RendezvousBackend, run_id: str, verdicts: dict[str, Any]) -> None:
+    backend.set(keys.stragglers(run_id), _dump(verdicts))
+
+
 def mark_lost(backend: RendezvousBackend, run_id: str, node_id: str, marker: dict[str, Any]) -> None:
     backend.set(keys.node_lost(run_id, node_id), _dump(marker))
 
@@ -100,6 +105,17 @@ def node_ids(backend: RendezvousBackend, run_id: str) -> list[str]:
 def node_document(backend: RendezvousBackend, run_id: str, node_id: str) -> dict[str, Any] | None:
     document = _load(backend.get(keys.node_status(run_id, node_id)))
     return document if isinstance(document, dict) else None
+
+
+def node_documents(backend: RendezvousBackend, run_id: str, node_ids: list[str]) -> list[dict[str, Any] | None]:
+    """Several nodes' documents in one store call (the straggler watch reads every participant's)."""
+    raws = backend.get_many([keys.node_status(run_id, node_id) for node_id in node_ids]) if node_ids else []
+    return [doc if isinstance(doc := _load(raw), dict) else None for raw in raws]
+
+
+def stragglers(backend: RendezvousBackend, run_id: str) -> dict[str, Any] | None:
+    verdicts = _load(backend.get(keys.stragglers(run_id)))
+    return verdicts if isinstance(verdicts, dict) else None
 
 
 def lost_marker(backend: RendezvousBackend, run_id: str, node_id: str) -> dict[str, Any] | None:

@@ -194,15 +194,27 @@ class Recorded(Telemetry):
 
     calls: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     reruns: list[bool] = dataclasses.field(default_factory=list)  # each recovery's ``rerun``
+    stragglers: list[bool] = dataclasses.field(default_factory=list)  # each recovery's ``straggler``
 
     def failures(self, round: int, failures: list[ProcessFailure]) -> None:
         self.calls.append(("failures", (round, [f.global_rank for f in failures])))
 
     def recovery_decided(
-        self, new: RdzvState, failed: list[Any], replacements: dict[int, Any], decided_s: float, *, rerun: bool = False
+        self,
+        new: RdzvState,
+        failed: list[Any],
+        replacements: dict[int, Any],
+        decided_s: float,
+        *,
+        rerun: bool = False,
+        straggler: bool = False,
     ) -> None:
         self.calls.append(("recovery", (new.round, {k: v.pid for k, v in replacements.items()})))
         self.reruns.append(rerun)
+        self.stragglers.append(straggler)
+
+    def straggler(self, kind: str, rank: int, **evidence: Any) -> None:
+        self.calls.append((f"straggler_{kind}", (rank, evidence)))
 
     def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure]) -> None:
         self.calls.append(("nodes_replaced", new.round))
@@ -252,6 +264,7 @@ def make_job(
     spares: int = 1,
     spare_nodes: tuple[str, ...] = (),
     captured: Any = None,
+    fence: Any = None,
     **config: Any,
 ) -> Job:
     clock = FakeClock()
@@ -282,7 +295,15 @@ def make_job(
     )
     setup = NodeSetup(nproc=NPROC, addr=f"{me}.local", log_root=tmp_path, base_env={})
     sup = Supervisor(
-        dataclasses.replace(base, **config), setup, rdzv, signals, control, telemetry, processes, captured=captured
+        dataclasses.replace(base, **config),
+        setup,
+        rdzv,
+        signals,
+        control,
+        telemetry,
+        processes,
+        captured=captured,
+        fence=fence,
     )
     world.set_state(
         RdzvState(round=0, complete=True, participants=(node("a"), node("b")), spares=tuple(map(node, spare_nodes)))

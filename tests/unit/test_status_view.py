@@ -11,7 +11,15 @@ from prometheus_client import CollectorRegistry
 
 from resilrun import keys
 from resilrun.agent.observability.metrics import StatusCollector
-from resilrun.cli._status_render import NODE_COLUMNS, RANK_COLUMNS, node_rows, rank_rows, store_line, text_lines
+from resilrun.cli._status_render import (
+    NODE_COLUMNS,
+    RANK_COLUMNS,
+    history_rows,
+    node_rows,
+    rank_rows,
+    store_line,
+    text_lines,
+)
 from resilrun.rendezvous.memory import MemoryBackend
 from resilrun.rendezvous.protocol import NodeInfo, RdzvState
 from resilrun.status import records
@@ -109,6 +117,7 @@ def recovery_record() -> dict[str, Any]:
         "failed_ranks": [1],
         "replacements": [{"rank": 1, "failed_pid": 1001, "spare_pid": 2000}],
         "rerun": False,
+        "straggler": False,
         "cause": {"rank": 1, "node_rank": 0, "host": "host0", "exit_code": -9, "failed_at": 1000.0, "message": "m"},
     }
 
@@ -186,6 +195,13 @@ def test_the_recovery_timeline_is_in_seconds_after_detection_with_duration_and_s
         "first_step_done": 0.63,
     }
     assert entry["duration_s"] == 0.63 and entry["steps_redone"] == 0
+
+
+def test_a_swapped_straggler_is_told_apart_from_a_failure_in_the_history() -> None:
+    failure = {**recovery_record(), "index": 1}
+    swap = {**recovery_record(), "index": 2, "straggler": True, "cause": None}
+    rows = history_rows({"history": [failure, swap]})
+    assert [row[4] for row in rows] == ["rank 1 m", "rank 1 straggler swapped for a hot spare"]
 
 
 def test_a_recovery_still_in_progress_has_no_duration_and_no_first_step() -> None:

@@ -65,9 +65,14 @@ class Telemetry:
         decided_s: float,
         *,
         rerun: bool = False,
+        straggler: bool = False,
     ) -> None:
         """This agent decided an in-process recovery into ``new.round`` with these spares; ``rerun``:
-        the survivors run a plain script again from its first line (``--rerun-in-process``)."""
+        the survivors run a plain script again from its first line (``--rerun-in-process``);
+        ``straggler``: ``failed`` did not fail but was swapped out for being slow (``--stragglers swap``)."""
+
+    def straggler(self, kind: str, rank: int, **evidence: Any) -> None:
+        """A straggler of this node: ``kind`` is detected, cleared, swapped or swap_skipped."""
 
     def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure]) -> None:
         """This agent gave lost nodes' places (``failures``, one per node) to spare nodes in ``new``."""
@@ -239,6 +244,7 @@ class AgentTelemetry(Telemetry):
         decided_s: float,
         *,
         rerun: bool = False,
+        straggler: bool = False,
     ) -> None:
         detected_at = min((w.exit_observed_at or time.time()) for w in failed) if failed else time.time()
         promoted = []
@@ -258,6 +264,7 @@ class AgentTelemetry(Telemetry):
                     spare_pid=spare.pid,
                     warm=warm,
                     rerun=rerun,
+                    straggler=straggler,
                 )
         record = {
             "kind": "recovery",
@@ -274,9 +281,14 @@ class AgentTelemetry(Telemetry):
             # (its save interval), not from resilrun's snapshot: an operator reading a slower
             # recovery, or more steps redone, needs to know which path it took.
             "rerun": rerun,
+            # Why: a swapped straggler did not fail; its "exit code" is that of a live process.
+            "straggler": straggler,
             "cause": _cause(new.failure),
         }
         self._append_once(f"round-{new.round}", record)
+
+    def straggler(self, kind: str, rank: int, **evidence: Any) -> None:
+        self.events.record(f"straggler_{kind}", rank=rank, **evidence)
 
     def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure]) -> None:
         detected_at = min((f.timestamp for f in failures), default=time.time())
@@ -310,6 +322,9 @@ class AgentTelemetry(Telemetry):
         # A replacement is a process that did not run a rank of this node in the previous generation.
         ranks = {w.spec.global_rank: w.pid not in self._pids for w in workers}
         self._pids = {w.pid for w in workers}
+        with self._lock:  # a replacement's compute time is its own, not its predecessor's
+            for rank in (r for r, replaced in ranks.items() if replaced and r in self.progress):
+                self.progress[rank].pop("compute_s", None)
         self.events.record(
             "generation_entered",
             round=new.round,

@@ -11,7 +11,9 @@
 3. **gates**: the answer waits for the replicas to catch up (the replicator's commit gate): the
    worker reads it only before its next snapshot, so this costs training time only when the
    replicas lag. After step 2, since a gate may wait for this very step;
-4. **telemetry**: the commit is counted (steps, bytes, step time, metrics).
+4. **telemetry**: the commit is counted (steps, bytes, step time, metrics);
+5. **fence**: a worker the supervisor asked to stop at a step boundary (a straggler about to be
+   swapped, agent/workers/step_fence.py) is stopped here, its step recorded, before the answer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from resilrun.agent.observability.telemetry import Telemetry
 from resilrun.agent.state.persister import Persister
 from resilrun.agent.workers.control import WorkerControl
+from resilrun.agent.workers.step_fence import StepFence
 from resilrun.channel_protocol import Commit, Committed
 from resilrun.snapshot.dedup import parse_borrowed, parse_shared
 from resilrun.tiers.memory import NodeMemoryTier
@@ -36,8 +39,10 @@ class CommitPipeline:
         *,
         replicator: Replicator | None = None,
         persister: Persister | None = None,
+        fence: StepFence | None = None,
     ) -> None:
         self.memory = memory
+        self.fence = fence
         self.control = control
         self.telemetry = telemetry
         # Stage 2, in order, then stage 3's gate.
@@ -76,4 +81,7 @@ class CommitPipeline:
         # 4. telemetry
         copied = nbytes if request.copied is None else request.copied  # less when the snapshot borrows
         self.telemetry.committed(rank, step, copied, request.copy_s, request.compute_s)
+        # 5. fence
+        if self.fence is not None and request.pid is not None:
+            self.fence.at_commit(request.pid, step)
         return Committed(whole=whole, next=self.memory.next_slot(rank))

@@ -131,6 +131,42 @@ class InProcessRecovery:
         logger.info("recovery decided in %.3f s", self._clock.monotonic() - started)
         return True
 
+    def swap(self, round_: Round, worker: WorkerProcess, step: int) -> bool:
+        """Give a live worker's rank to a hot spare: the failure path without a failure.
+
+        ``worker`` was stopped right after committing ``step`` (a straggler fenced at a step
+        boundary: agent/workers/step_fence.py), so the spare restores that step and nothing is
+        redone. Only a spare that already waits for a rank is taken: a swap is never urgent enough
+        to wait for one warming up. Returns False when the job cannot open the generation (it moved
+        on, or closed); the caller then lets the worker go on.
+        """
+        started = self._clock.monotonic()
+        waiting = set(self._control.waiting_spares())
+        ready = [s for s in round_.spares if s.poll() is None and s.pid in waiting][:1]
+        if not ready:
+            return False
+        new = self._rdzv.recover(round_.state.round, failure=None, newest_step=step)
+        if new.closed or not (new.recovering and new.complete and new.round > round_.state.round):
+            return False
+        if new.node_rank(self._rdzv.me.node_id) != round_.node_rank:
+            return False
+        logger.warning(
+            "rank %d is a straggler: hot spare %d takes it after step %d, generation %d",
+            worker.spec.global_rank,
+            ready[0].pid,
+            step,
+            new.round,
+        )
+        round_.recovered_at_step = step
+        round_.recovered_ranks = frozenset({worker.spec.global_rank})
+        replacements = {worker.spec.local_rank: ready[0]}
+        decided_s = self._clock.monotonic() - started
+        self._telemetry.recovery_decided(new, [worker], replacements, decided_s, straggler=True)
+        # Opened: from here the worker must go, whether or not this node enters the generation now
+        # (if not, the next tick follows the newer round and sees the worker's end as a failure).
+        self.enter_generation(round_, new, replacements)
+        return True
+
     def _reruns(self, pids: list[int]) -> bool:
         """Whether these are a plain script's workers that can all re-run it in-process (opt-in)."""
         return self._config.rerun_in_process and self._control.reruns(pids)

@@ -31,11 +31,13 @@ from resilrun.agent.supervision.round_master import RoundMaster
 from resilrun.agent.supervision.rounds import Membership, NodePhase, Round, RoundEnd, SignalFlag
 from resilrun.agent.supervision.spare_nodes import SpareNodeStandby
 from resilrun.agent.supervision.spare_pool import SparePool
+from resilrun.agent.supervision.stragglers import StragglerSwap
 from resilrun.agent.supervision.worker_verdicts import HungWorkers, RaisedVerdict
 from resilrun.agent.workers.control import WorkerControl
 from resilrun.agent.workers.failures import FailureLedger
 from resilrun.agent.workers.procs import Processes
 from resilrun.agent.workers.specs import NodeSetup, worker_specs
+from resilrun.agent.workers.step_fence import StepFence
 from resilrun.config import Config
 from resilrun.env import STOP_EXIT_CODES
 from resilrun.errors import ShutdownRequested
@@ -62,6 +64,7 @@ class Supervisor:
         liveness: PeerLiveness | None = None,
         membership: Membership | None = None,
         captured: CapturedFolder | None = None,
+        fence: StepFence | None = None,
     ) -> None:
         """``telemetry``: events, status history and metrics (none: nothing recorded);
         ``processes``: real worker processes unless a test gives fakes; ``liveness``: confirms a
@@ -122,6 +125,11 @@ class Supervisor:
             captured,
         )
         self.exit_barrier = ExitBarrier(config, rdzv, signals, self.node_watch, self.restarts)
+        self.straggler_swap = (
+            StragglerSwap(fence, control, self.in_process, self._processes, self.telemetry, clock.monotonic)
+            if fence is not None
+            else None
+        )
 
     # -- what other threads read --------------------------------------------------------------------
     @property
@@ -206,6 +214,8 @@ class Supervisor:
         lost: tuple[str, ...] = ()
         while True:
             self._processes.wait_any_exit(round_.workers, interval)
+            if self.straggler_swap is not None and self.straggler_swap.tick(round_):
+                continue  # a straggler's place changed process: look again at the new generation
             state = round_.state
             codes = tuple(w.poll() for w in round_.workers)
             current = self.rdzv.state()

@@ -1,0 +1,60 @@
+"""A rank slower than the others, on a real job (issue 48): reported in the events, and under
+``--stragglers swap`` replaced by a hot spare at a step boundary, with nothing redone and the result
+bitwise equal to a failure-free run. The slowness belongs to the process (tests/helpers/slow_rank.py
+adds a delay to each ``nn.Linear`` forward of the process started as that rank), as a throttled
+device's would: the spare that takes the rank runs at full speed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import assert_nothing_left, clean_checksum, events, resumed
+from tests.integration.test_tier1_restore import EXAMPLE
+
+pytestmark = pytest.mark.integration
+
+SLOW_RANK = Path(__file__).resolve().parents[1] / "helpers" / "slow_rank.py"
+ARGS = ["--steps", "260", "--hidden", "64", "--sleep", "0.03"]
+
+
+def _run(launcher, tmp_path: Path, name: str, *flags: str):  # noqa: ANN001, ANN202 - the fixture, a Launch
+    target = tmp_path / f"{name}.sha"
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "3", "--max-restarts", "0", "--heartbeat-interval", "0.5",
+        *flags, str(SLOW_RANK), str(EXAMPLE), *ARGS, "--checksum-file", str(target),
+        env={"SLOW_RANK": "1", "SLOW_S": "0.02", "SLOW_ONCE": str(tmp_path / f"{name}.slow")},
+    )  # fmt: skip
+    assert run.wait(240) == 0, run.stderr()[-3000:]
+    assert_nothing_left(run)
+    return run, target.read_text()
+
+
+def test_a_straggler_is_swapped_for_the_hot_spare_at_a_step_boundary(launcher, tmp_path: Path) -> None:
+    # Given a job of three ranks whose rank 1 computes about 3x longer than the others, and a hot spare
+    run, checksum = _run(launcher, tmp_path, "swap", "--spares", "1", "--stragglers", "swap")
+    # Then rank 1 was named, with its evidence, by its own node
+    detected = events(run, kind="straggler_detected", rank=1)
+    assert len(detected) == 1 and detected[0]["ratio"] >= 1.5, detected
+    assert events(run, kind="straggler_detected", rank=0) == events(run, kind="straggler_detected", rank=2) == []
+    # and swapped once: stopped after a commit, its place taken by the waiting spare
+    (swapped,) = events(run, kind="straggler_swapped")
+    assert swapped["rank"] == 1 and swapped["pid"] != swapped["spare_pid"]
+    (promoted,) = events(run, kind="spare_promoted")
+    assert (promoted["rank"], promoted["spare_pid"], promoted["straggler"]) == (1, swapped["spare_pid"], True)
+    # with nothing redone: every rank resumed from the step the straggler was stopped after, in node memory
+    assert resumed(run) == dict.fromkeys(range(3), (swapped["step"], "memory"))
+    assert events(run, kind="failure_detected") == events(run, kind="restart") == []
+    # and the result is bitwise the failure-free run's
+    assert checksum == clean_checksum(launcher, tmp_path, 3, *ARGS)
+
+
+def test_without_a_spare_a_straggler_is_reported_and_never_swapped(launcher, tmp_path: Path) -> None:
+    # Given the same straggler and --stragglers swap, but no hot spare
+    run, checksum = _run(launcher, tmp_path, "nospare", "--stragglers", "swap")
+    # Then it is reported and nothing is swapped: the job runs at its pace to the end
+    assert [e["rank"] for e in events(run, kind="straggler_detected")] == [1]
+    assert events(run, kind="straggler_swapped") == events(run, kind="spare_promoted") == []
+    assert events(run, kind="generation_entered") == []
+    assert checksum == clean_checksum(launcher, tmp_path, 3, *ARGS)
