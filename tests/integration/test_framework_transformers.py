@@ -14,6 +14,7 @@ import pytest
 
 from tests.integration.conftest import (
     assert_a_spare_node_replaces_a_lost_one,
+    assert_nothing_left,
     recorded,
     require_modules,
     resumed_from,
@@ -24,6 +25,7 @@ from tests.integration.conftest import (
 pytestmark = pytest.mark.integration
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_hf_trainer.py"
+SLOW_RANK = Path(__file__).resolve().parents[1] / "helpers" / "slow_rank.py"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,3 +69,27 @@ def test_a_lost_node_is_replaced_by_a_spare_node_and_the_trainer_resumes_bitwise
     # When the node that does not host the store is lost mid-run, Then (see the helper) the spare node
     # takes its rank in-process, no restart, and the weights are bitwise a failure-free run's
     assert_a_spare_node_replaces_a_lost_one(launcher, tmp_path, SCRIPT, ("--steps", "400"), "'loss'", "hf")
+
+
+def test_a_straggling_rank_is_swapped_for_the_hot_spare_and_the_trainer_ends_bitwise_equal(
+    launcher, tmp_path: Path
+) -> None:
+    # Given the unmodified Trainer script whose rank 1 process is slow (50 ms more per forward), a
+    # hot spare and --stragglers swap
+    slow = {"SLOW_RANK": "1", "SLOW_S": "0.05", "SLOW_ONCE": str(tmp_path / "slow.once")}
+    run = launcher(
+        "resilrun", "--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "0",
+        "--stragglers", "swap", "--heartbeat-interval", "0.5", str(SLOW_RANK), str(SCRIPT),
+        "--out", str(tmp_path / "swapped"), "--steps", "160", env=slow,
+    )  # fmt: skip
+    assert run.wait(240) == 0, run.stderr()[-4000:]
+    assert_nothing_left(run)
+    err = run.stderr()
+    # Then rank 1 was named and swapped once, at a step boundary, without a failure or a restart
+    (swapped,) = recorded(err, "straggler_swapped")
+    assert swapped["rank"] == 1
+    assert recorded(err, "failure_detected") == recorded(err, "restart") == []
+    assert resumed_from(err) == {0: (swapped["step"], "memory"), 1: (swapped["step"], "memory")}
+    # and the saved weights are bitwise the failure-free run's
+    _train(launcher, tmp_path / "clean", "", "--steps", "160")
+    assert weights(tmp_path / "swapped") == weights(tmp_path / "clean")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from tests.integration.conftest import assert_nothing_left, clean_checksum, events, resumed
 from tests.integration.test_tier1_restore import EXAMPLE
 
@@ -58,3 +59,30 @@ def test_without_a_spare_a_straggler_is_reported_and_never_swapped(launcher, tmp
     assert events(run, kind="straggler_swapped") == events(run, kind="spare_promoted") == []
     assert events(run, kind="generation_entered") == []
     assert checksum == clean_checksum(launcher, tmp_path, 3, *ARGS)
+
+
+def test_a_straggler_on_another_node_is_judged_by_the_leader_and_swapped_by_its_own_node(
+    launcher, tmp_path: Path
+) -> None:
+    # Given 2 agents of 1 worker each on this machine, each with a hot spare, rank 1 (node rank 1:
+    # not the leader) slow
+    port = free_port()
+    target = tmp_path / "two.sha"
+    env = {"SLOW_RANK": "1", "SLOW_S": "0.02", "SLOW_ONCE": str(tmp_path / "two.slow"), "OMP_NUM_THREADS": "1"}
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stragglers",
+        "--spares", "1", "--max-restarts", "0", "--heartbeat-interval", "0.5", "--stragglers", "swap",
+        str(SLOW_RANK), str(EXAMPLE), *ARGS, "--checksum-file", str(target),
+    ]  # fmt: skip
+    nodes = [launcher("resilrun", *flags, env=env) for _ in range(2)]
+    for node in nodes:
+        assert node.wait(240) == 0, node.stderr()[-3000:]
+        assert_nothing_left(node)
+    # Then the node running rank 1 said so and swapped it; the leader's node only followed
+    (detected,) = events(*nodes, kind="straggler_detected")
+    (swapped,) = events(*nodes, kind="straggler_swapped")
+    assert detected["rank"] == swapped["rank"] == 1 and detected["node_rank"] == swapped["node_rank"] == 1
+    assert resumed(*nodes) == dict.fromkeys(range(2), (swapped["step"], "memory"))
+    assert events(*nodes, kind="failure_detected") == events(*nodes, kind="restart") == []
+    # and the result is bitwise the failure-free run's
+    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *ARGS)
