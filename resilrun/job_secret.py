@@ -86,3 +86,32 @@ def _read_private(path: Path) -> str:
 def random_secret() -> bytes:
     """A secret for a job no other node joins (``--standalone``, one node): nothing to agree on."""
     return os.urandom(32)
+
+
+def choose_secret(outside: bytes | None, *, max_nodes: int, require_auth: bool, persistent: bool) -> bytes | None:
+    """The job secret from outside the store (``outside``), a random one for a job of one node,
+    or None: the first agent then keeps one in the store (what that leaves open is said where it
+    is made).
+
+    ``--require-auth`` with a persistent tier needs a secret from outside even on one node: a
+    random one cannot sign what later jobs must check, and an unsigned bucket is what a party
+    with write access to it plants a step in.
+
+    Raises:
+        ConfigError: ``--require-auth`` and no secret from outside where one is needed.
+    """
+    if outside is None and require_auth and persistent:
+        raise ConfigError(
+            "--require-auth with --checkpoint-uri: no job secret given, so persisted steps could be "
+            "neither signed nor checked",
+            hint=f"give the job a --job-secret-file (mode 0600) or {SECRET_ENV}, the same for every job that "
+            "reads these steps",
+        )
+    if outside is None and max_nodes == 1:
+        return random_secret()
+    if outside is None and require_auth:
+        raise ConfigError(
+            "--require-auth: no job secret given, and a multi-node job would keep it in the rendezvous store",
+            hint=f"give every node the same --job-secret-file (mode 0600) or {SECRET_ENV}",
+        )
+    return outside

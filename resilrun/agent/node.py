@@ -57,7 +57,7 @@ from resilrun.errors import (
     ShutdownRequested,
     WorkerGroupFailed,
 )
-from resilrun.job_secret import SECRET_ENV, external_secret, random_secret
+from resilrun.job_secret import SECRET_ENV, choose_secret, external_secret
 from resilrun.option_values import nproc_without_devices
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.factory import open_backend
@@ -270,7 +270,9 @@ def build_node(
     nproc = resolve_nproc(config.nproc_per_node)
     min_nodes, max_nodes = config.node_range
     outside = external_secret(config.job_secret_file, agent_secrets())
-    secret = _job_secret(config, max_nodes, outside)
+    secret = choose_secret(
+        outside, max_nodes=max_nodes, require_auth=config.require_auth, persistent=bool(config.checkpoint_uri)
+    )
     with contextlib.ExitStack() as opened_so_far:
         opened = open_backend(config)
         opened_so_far.callback(opened.backend.close)
@@ -502,31 +504,6 @@ def build_node(
         captured=captured,
         template=template,
     )
-
-
-def _job_secret(config: Config, max_nodes: int, outside: bytes | None) -> bytes | None:
-    """The job secret from outside the store (``outside``), a random one for a job of one node,
-    or None: the first agent then keeps one in the store (what that leaves open is said where it
-    is made).
-
-    ``--require-auth`` with a persistent tier needs a secret from outside even on one node: a
-    random one cannot sign what later jobs must check, and an unsigned bucket is what a party
-    with write access to it plants a step in."""
-    if outside is None and config.require_auth and config.checkpoint_uri:
-        raise ConfigError(
-            "--require-auth with --checkpoint-uri: no job secret given, so persisted steps could be "
-            "neither signed nor checked",
-            hint=f"give the job a --job-secret-file (mode 0600) or {SECRET_ENV}, the same for every job that "
-            "reads these steps",
-        )
-    if outside is None and max_nodes == 1:
-        return random_secret()
-    if outside is None and config.require_auth:
-        raise ConfigError(
-            "--require-auth: no job secret given, and a multi-node job would keep it in the rendezvous store",
-            hint=f"give every node the same --job-secret-file (mode 0600) or {SECRET_ENV}",
-        )
-    return outside
 
 
 def _forged_document(key: str) -> None:

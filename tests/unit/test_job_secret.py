@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from resilrun.agent.node import _job_secret as _secret_of
 from resilrun.config import Config
 from resilrun.env import agent_secrets
 from resilrun.errors import ConfigError
-from resilrun.job_secret import SECRET_ENV, external_secret, random_secret
+from resilrun.job_secret import SECRET_ENV, choose_secret, external_secret, random_secret
 
 TEXT = "0123456789abcdef0123456789abcdef"
 
@@ -69,7 +68,10 @@ def test_the_file_wins_over_the_environment_and_nothing_given_is_none(tmp_path: 
 
 def _job_secret(config: Config, max_nodes: int) -> bytes | None:
     """The agent's choice, from the secret outside the store as the agent reads it."""
-    return _secret_of(config, max_nodes, external_secret(config.job_secret_file, agent_secrets()))
+    outside = external_secret(config.job_secret_file, agent_secrets())
+    return choose_secret(
+        outside, max_nodes=max_nodes, require_auth=config.require_auth, persistent=bool(config.checkpoint_uri)
+    )
 
 
 def _config(*, nnodes: str, require_auth: bool = False, secret_file: str | None = None) -> Config:
