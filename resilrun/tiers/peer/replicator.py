@@ -169,6 +169,10 @@ class Replicator:
         self._on_health = on_health
         self._on_dropped = on_dropped
         self._cond = threading.Condition()
+        # Health and drop reports go out one at a time, outside the condition: a target's thread
+        # that decided to report a failure just before its peer was dropped must not report it
+        # after the drop (the peer would then stay "behind" until the job ends).
+        self._tell_lock = threading.Lock()
         self._latest: dict[int, _Source] = {}
         self._rank_memory: dict[int, RankMemory] = {}
         self._targets: dict[str, _Target] = {}
@@ -216,7 +220,7 @@ class Replicator:
         target still pushing at the end then counting as lagging; before that, the push deadline.
         """
         started = time.monotonic()
-        slowed: list[tuple[str, str]] = []
+        slowed: list[tuple[_Target, str]] = []
         with self._cond:
             self._note_period(rank, started)
             total = sum(s.committed.nbytes for s in self._latest.values())
@@ -244,8 +248,8 @@ class Replicator:
                 self._cond.wait(wait_until - now)
             waited = time.monotonic() - started
             self._held_s[rank] = self._held_s.get(rank, 0.0) + waited
-        for address, why in slowed:
-            self._tell_health(address, False, why)
+        for target, why in slowed:
+            self._tell_health(target, False, why)
         return waited
 
     def _note_period(self, rank: int, now: float) -> None:
@@ -265,7 +269,7 @@ class Replicator:
         period = statistics.median(periods) if periods else 0.0
         return max(usual, period, GATE_MIN_S)
 
-    def _lagging(self, source: _Source, now: float, budget: float) -> list[tuple[str, str]]:
+    def _lagging(self, source: _Source, now: float, budget: float) -> list[tuple[_Target, str]]:
         """Mark the targets the gate gave up on as lagging (cond held); those newly behind, with why."""
         newly = []
         for target in self._targets.values():
@@ -276,7 +280,7 @@ class Replicator:
                 logger.info(
                     "replication to %s %s; the commit gate stops waiting for it until it keeps up", target.address, why
                 )
-                newly.append((target.address, why))
+                newly.append((target, why))
         return newly
 
     @staticmethod
@@ -377,7 +381,7 @@ class Replicator:
                 caught_up = not was_keeping_up and _keeps_up(target)
                 self._cond.notify_all()  # the commit gate
             if caught_up:
-                self._tell_health(target.address, True, "")
+                self._tell_health(target, True, "")
 
     def _next_source(self, target: _Target) -> _Source | None:
         """The next rank (round robin) whose newest commit this target has not handled; None to wait."""
@@ -401,27 +405,31 @@ class Replicator:
             newly = target.healthy is not False and not self._closed
             if newly:
                 logger.warning("replication to %s failing, replicas will lag: %s", target.address, why)
-            tell = _keeps_up(target) and not self._closed
+            tell = _keeps_up(target) and not self._closed and not target.stopped
             target.healthy = False
             self._cond.notify_all()  # the commit gate no longer waits for this target
         if tell:
-            self._tell_health(target.address, False, why)
+            self._tell_health(target, False, why)
 
     def _tell_dropped(self, address: str) -> None:
         if self._on_dropped is None:
             return
-        try:
-            self._on_dropped(address)
-        except Exception:  # noqa: BLE001 - reporting must never stop replication
-            logger.exception("reporting that %s is no longer a replica target failed", address)
+        with self._tell_lock:
+            try:
+                self._on_dropped(address)
+            except Exception:  # noqa: BLE001 - reporting must never stop replication
+                logger.exception("reporting that %s is no longer a replica target failed", address)
 
-    def _tell_health(self, address: str, keeps_up: bool, why: str) -> None:
+    def _tell_health(self, target: _Target, keeps_up: bool, why: str) -> None:
         if self._on_health is None:
             return
-        try:
-            self._on_health(address, keeps_up, why)
-        except Exception:  # noqa: BLE001 - reporting must never stop a peer's replication
-            logger.exception("reporting replication health for %s failed", address)
+        with self._tell_lock:
+            if target.stopped:  # dropped since the change was seen: its drop was (or will be) told
+                return
+            try:
+                self._on_health(target.address, keeps_up, why)
+            except Exception:  # noqa: BLE001 - reporting must never stop a peer's replication
+                logger.exception("reporting replication health for %s failed", target.address)
 
     def _replicate(self, target: _Target, source: _Source) -> bool:
         """Push ``source`` to ``target``; False when it was overwritten first (nothing to retry).

@@ -678,3 +678,33 @@ def test_a_peer_behind_that_stops_being_a_target_is_told_dropped_not_left_behind
     # Then it is told dropped once (status no longer lists it behind), and never caught up
     eventually(lambda: dropped == [gone.server.address])
     assert [keeps_up for _, keeps_up, _ in health] == [False]
+
+
+def test_a_push_that_fails_after_its_peer_stopped_being_a_target_reports_nothing(
+    memory: NodeMemoryTier, replicators: list[Replicator]
+) -> None:
+    # Given a push in flight to a peer that never answers (it fails at its deadline)
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    targets = [address]
+    health: list[tuple[str, bool, str]] = []
+    dropped: list[str] = []
+    replicator = fed_by(
+        memory, SECRET, lambda: list(targets), timeout=timedelta(seconds=1.5), refresh=REFRESH,
+        on_health=lambda *change: health.append(change), on_dropped=dropped.append,
+    )  # fmt: skip
+    replicators.append(replicator)
+    try:
+        eventually(lambda: address in replicator._targets)
+        thread = replicator._targets[address].thread
+        commit(memory, 0, 1, snapshot(1))
+        # When the peers are chosen again without it while the push is still in flight
+        targets.clear()
+        eventually(lambda: address not in replicator._targets)
+        # Then the push's failure, once it comes, reports nothing: the peer is no longer a target,
+        # and a "behind" told now would stay in the status until the job ends
+        assert thread is not None
+        eventually(lambda: not thread.is_alive())
+        assert health == [] and dropped == []
+    finally:
+        listener.close()
