@@ -17,7 +17,7 @@ from tests.integration.test_tier1_restore import EXAMPLE
 pytestmark = pytest.mark.integration
 
 SLOW_RANK = Path(__file__).resolve().parents[1] / "helpers" / "slow_rank.py"
-ARGS = ["--steps", "260", "--hidden", "64", "--sleep", "0.03"]
+ARGS = ["--steps", "160", "--hidden", "64", "--sleep", "0.03"]
 
 
 def _run(launcher, tmp_path: Path, name: str, *flags: str):  # noqa: ANN001, ANN202 - the fixture, a Launch
