@@ -20,6 +20,11 @@ STATE_LOST_EXIT_CODE = 76
 # ... and this one when the only copy of it was refused (StateRefusedError: checksums or MACs fail).
 STATE_REFUSED_EXIT_CODE = 77
 STOP_EXIT_CODES = (STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE)
+# ... and this one when its device failed the check before it took its rank (worker/health.py):
+# the process, not the rank, is at fault, so the next spare may take the rank at once.
+UNHEALTHY_EXIT_CODE = 78
+# The median multiply rate (GFLOP/s) the node's processes measured, given to a spare with its rank.
+EXPECTED_GFLOPS_ENV = "RESILRUN_EXPECTED_GFLOPS"
 
 # Secrets the agent reads from its own environment and no worker needs: job_secret.SECRET_ENV and
 # rendezvous.factory.ETCD_PASSWORD_ENV (named here, not imported: this module is a leaf).
@@ -244,6 +249,7 @@ class WorkerVariables:
     snapshot_every: int = 1  # --snapshot-every: which steps Job.commit snapshots (SNAPSHOT_AUTO: auto)
     max_overhead: float = 0.03  # --max-overhead, as a fraction of step time
     replicate_auto: bool = False  # --replicate-every auto: Job.commit says which snapshots go to peers
+    expected_gflops: float | None = None  # the node's device rate, for a spare's check (worker/health.py)
 
 
 def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVariables:
@@ -267,6 +273,7 @@ def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVar
         snapshot_every=_snapshot_every(env.get("RESILRUN_SNAPSHOT_EVERY", "1")),
         max_overhead=float(env.get("RESILRUN_MAX_OVERHEAD", "3")) / 100,
         replicate_auto=env.get("RESILRUN_REPLICATE_EVERY") == "auto",
+        expected_gflops=float(env[EXPECTED_GFLOPS_ENV]) if env.get(EXPECTED_GFLOPS_ENV) else None,
     )
 
 

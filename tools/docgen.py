@@ -35,7 +35,7 @@ from resilrun import __version__
 from resilrun.cli import app
 from resilrun.cli._output import Output
 from resilrun.config import CONFIG_FIELDS
-from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE, WorkerEnv
+from resilrun.env import STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE, UNHEALTHY_EXIT_CODE, WorkerEnv
 from resilrun.errors import EXIT_CODE_MEANINGS, ExitCode
 
 __all__ = ["generate", "main"]
@@ -287,6 +287,12 @@ WORKER_EXIT_CODES = [
         STATE_REFUSED_EXIT_CODE,
         "the only copy of the state was refused (a persisted step failing its checksums or MACs): final, "
         'no spare and no restart; the job ends with "the job\'s state was refused" (exit 4)',
+    ),
+    (
+        UNHEALTHY_EXIT_CODE,
+        "its device failed the check before it took its rank (it did not answer within 20 s, or a GPU "
+        "multiplied at under half its node's rate): the next spare takes the rank in-process "
+        "(`device_unhealthy` event, docs/status.md)",
     ),
 ]
 

@@ -10,6 +10,8 @@
                                      code: only the step timeouts catch it)
     kill:rank=0,step=restore,attempt=1   SIGKILL while restoring in attempt 1 (a failure during
                                          a recovery: the others are mid-restore)
+    unhealthy:rank=1,round=1         the device check of the process that joins rank 1 in
+                                     generation 1 fails (a spare on a device that does not answer)
 
 ``attempt=N`` (default 0) limits a fault to one restart attempt (TORCHELASTIC_RESTART_COUNT), so
 the recovered run does not fail again. Faults fire at the start of the step, before its work.
@@ -23,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-KINDS = ("kill", "exit", "raise", "hang", "stall")
+KINDS = ("kill", "exit", "raise", "hang", "stall", "unhealthy")
 # ``step=restore``: the fault fires while the rank restores a snapshot, after the restore plan was
 # agreed with the other ranks and before its state is loaded.
 RESTORE_STEP = -1
@@ -36,6 +38,7 @@ class Fault:
     step: int
     attempt: int = 0
     code: int = 1
+    round: int = 0  # ``unhealthy`` only: the generation whose joining process fails its device check
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:
@@ -51,11 +54,16 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
             key, sep, value = item.partition("=")
             if key == "step" and value.strip() == "restore":
                 value = str(RESTORE_STEP)
-            if not sep or key not in ("rank", "step", "attempt", "code") or not value.strip().lstrip("-").isdigit():
-                raise ValueError(f"fault field {item!r} in {part!r} is not rank|step|attempt|code=INT or step=restore")
+            known = ("rank", "step", "attempt", "code", "round")
+            if not sep or key not in known or not value.strip().lstrip("-").isdigit():
+                raise ValueError(
+                    f"fault field {item!r} in {part!r} is not rank|step|attempt|code|round=INT or step=restore"
+                )
             fields[key] = int(value)
-        if "rank" not in fields or "step" not in fields:
-            raise ValueError(f"fault {part!r} needs rank= and step=")
+        when = "round" if kind == "unhealthy" else "step"
+        if "rank" not in fields or when not in fields:
+            raise ValueError(f"fault {part!r} needs rank= and {when}=")
+        fields.setdefault("step", 0)
         faults.append(Fault(kind=kind, **fields))
     return tuple(faults)
 
@@ -63,7 +71,7 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
 def fire(faults: tuple[Fault, ...], *, rank: int, step: int, attempt: int) -> None:
     """Inject the fault planned for (rank, step, attempt), if any."""
     for fault in faults:
-        if (fault.rank, fault.step, fault.attempt) != (rank, step, attempt):
+        if fault.kind == "unhealthy" or (fault.rank, fault.step, fault.attempt) != (rank, step, attempt):
             continue
         sys.stdout.flush()
         sys.stderr.flush()
@@ -78,3 +86,12 @@ def fire(faults: tuple[Fault, ...], *, rank: int, step: int, attempt: int) -> No
         elif fault.kind == "stall":
             while True:
                 time.sleep(3600)
+
+
+def unhealthy(faults: tuple[Fault, ...], *, rank: int, round: int) -> str:
+    """The injected device-check failure for the process joining ``rank`` in generation ``round``
+    (the generation names one joining process already: ``attempt`` is not asked)."""
+    for fault in faults:
+        if fault.kind == "unhealthy" and (fault.rank, fault.round) == (rank, round):
+            return f"injected: the device did not answer (unhealthy:rank={rank},round={round})"
+    return ""

@@ -23,12 +23,19 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from resilrun.channel_protocol import AwaitAssignment, AwaitGeneration, Beat, HelloApi, HelloRerun
-from resilrun.env import agent_socket_path, apply_assignment, ensure_rendezvous_defaults, read_worker_variables
-from resilrun.worker import _ddp_sync, _torch_compat, pending
+from resilrun.channel_protocol import AwaitAssignment, AwaitGeneration, Beat, HelloApi, HelloRerun, Report
+from resilrun.env import (
+    UNHEALTHY_EXIT_CODE,
+    WorkerVariables,
+    agent_socket_path,
+    apply_assignment,
+    ensure_rendezvous_defaults,
+    read_worker_variables,
+)
+from resilrun.worker import _ddp_sync, _torch_compat, health, pending
 from resilrun.worker._abort import GenerationWatchdog, SetupGuard, opened_since, peer_hosts, shut_down, tcp_sockets
 from resilrun.worker.agent_client import AgentClient
-from resilrun.worker.faults import parse_faults
+from resilrun.worker.faults import parse_faults, unhealthy
 from resilrun.worker.job import Job, Seat
 from resilrun.worker.snapshot import Snapshotter
 
@@ -46,6 +53,7 @@ _RERUN_WATCHDOG: GenerationWatchdog | None = None
 _RERUN_REFUSED: str | None = None
 # Set while init() builds the API's own group: the --rerun-in-process wrapper must leave it alone.
 _API_JOINING = False
+_DEVICE_CHECKED = False  # this process's device passed its check (once per process: worker/health.py)
 # A spare asks again after this long, so a wedged agent shows up as an error, not a silent hang.
 _SPARE_POLL_S = 60.0
 
@@ -91,6 +99,8 @@ def _join(job: Job, backend: str | None, timeout: timedelta | None) -> Seat:
     device = torch.device("cuda", variables.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    if client is not None:
+        _check_device(client, device, variables)
     group_sockets: dict[int, int] = {}
     before: dict[int, int] = {}
     pg_seconds: float | None = None
@@ -144,6 +154,27 @@ def _join(job: Job, backend: str | None, timeout: timedelta | None) -> Seat:
     if pg_seconds is not None and snapshotter is not None:
         _report_joined(snapshotter, variables.round, pg_seconds)
     return seat
+
+
+def _check_device(client: AgentClient, device: torch.device, variables: WorkerVariables) -> None:
+    """Once per process, before it first joins a generation (worker/health.py): a device that fails
+    ends the process with ``UNHEALTHY_EXIT_CODE``, after telling its agent why; the agent then gives
+    the rank to the next spare."""
+    global _DEVICE_CHECKED
+    if _DEVICE_CHECKED:
+        return
+    _DEVICE_CHECKED = True
+    plan = parse_faults(variables.faults)
+    check = health.check_device(device, fail=unhealthy(plan, rank=variables.rank, round=variables.round))
+    reason = health.judge(check, variables.expected_gflops)
+    detail = {**check.to_dict(), "reason": reason, "round": variables.round}
+    detail["expected_gflops"] = variables.expected_gflops
+    client.call(Report(pid=os.getpid(), rank=variables.rank, event="device_checked", detail=detail))
+    if reason:
+        logger.error("this process's device failed its check; it does not take rank %d: %s", variables.rank, reason)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(UNHEALTHY_EXIT_CODE)
 
 
 def _report_joined(snapshotter: Snapshotter, generation: int, seconds: float) -> None:

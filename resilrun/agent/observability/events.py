@@ -56,6 +56,7 @@ KINDS = (
     "straggler_cleared",
     "straggler_swapped",
     "straggler_swap_skipped",
+    "device_unhealthy",
     "restart",
     "node_lost",
     "file_captured",

@@ -74,6 +74,9 @@ class Telemetry:
     def straggler(self, kind: str, rank: int, **evidence: Any) -> None:
         """A straggler of this node: ``kind`` is detected, cleared, swapped or swap_skipped."""
 
+    def device_unhealthy(self, rank: int, pid: int, check: dict[str, Any]) -> None:
+        """A process's device failed its check before it took ``rank`` (it exits; worker/health.py)."""
+
     def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure]) -> None:
         """This agent gave lost nodes' places (``failures``, one per node) to spare nodes in ``new``."""
 
@@ -289,6 +292,10 @@ class AgentTelemetry(Telemetry):
 
     def straggler(self, kind: str, rank: int, **evidence: Any) -> None:
         self.events.record(f"straggler_{kind}", rank=rank, **evidence)
+
+    def device_unhealthy(self, rank: int, pid: int, check: dict[str, Any]) -> None:
+        fields = ("device", "round", "reason", "answer_s", "gflops", "expected_gflops")
+        self.events.record("device_unhealthy", rank=rank, pid=pid, **{k: check.get(k) for k in fields})
 
     def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure]) -> None:
         detected_at = min((f.timestamp for f in failures), default=time.time())

@@ -208,6 +208,12 @@ class AgentChannel:
         return self.commits.commit(request), []
 
     def _report(self, request: proto.Report) -> Answer:
+        if request.event == "device_checked":  # before the process joins (worker/health.py)
+            detail = request.detail
+            self.control.device_checked(detail.get("gflops"), passed=not detail.get("reason"))
+            if detail.get("reason"):
+                self.telemetry.device_unhealthy(request.rank, request.pid, detail)
+            return proto.Ack(), []
         # A worker's recovery milestone (state restored, collectives rebuilt, first step done).
         report = {**request.detail, "event": request.event, "rank": request.rank, "pid": request.pid}
         self.telemetry.worker_report(request.pid, report)

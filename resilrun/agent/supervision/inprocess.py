@@ -27,6 +27,7 @@ from resilrun.agent.workers.procs import WorkerProcess
 from resilrun.agent.workers.specs import NodeSetup, worker_specs
 from resilrun.clock import Clock
 from resilrun.config import Config
+from resilrun.env import EXPECTED_GFLOPS_ENV, UNHEALTHY_EXIT_CODE
 from resilrun.rendezvous.executor import RendezvousClient
 from resilrun.rendezvous.protocol import MAX_RECOVERIES_WITHOUT_PROGRESS, RdzvState, recovery_budget_spent
 
@@ -91,7 +92,10 @@ class InProcessRecovery:
         newest = -1 if newest is None else newest
         ranks = frozenset(w.spec.global_rank for w in failed)
         no_progress = round_.recovered_at_step is not None and newest <= round_.recovered_at_step
-        if no_progress and ranks & round_.recovered_ranks:
+        # A process whose device failed its check never ran the rank: the process is at fault, not
+        # the rank, so the next spare may take it at once.
+        unhealthy = all(w.poll() == UNHEALTHY_EXIT_CODE for w in failed)
+        if no_progress and ranks & round_.recovered_ranks and not unhealthy:
             # The same rank failed again with no step committed since its last recovery: a
             # deterministic failure (a bug, bad data) would make spares fail at the same step
             # forever. The bounded restart path (--max-restarts) decides instead. (Another rank
@@ -195,7 +199,10 @@ class InProcessRecovery:
                 if spare is not None:
                     round_.spares.remove(spare)
                     spare.spec = spec
-                    self._control.assign(spare.pid, spec.env)
+                    env = dict(spec.env)
+                    if (expected := self._control.expected_gflops()) is not None:
+                        env[EXPECTED_GFLOPS_ENV] = f"{expected:.1f}"  # what its device check is held to
+                    self._control.assign(spare.pid, env)
                     workers.append(spare)
                 else:
                     worker = round_.workers[spec.local_rank]

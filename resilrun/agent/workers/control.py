@@ -43,6 +43,7 @@ class WorkerControl:
         self._started: dict[int, float] = {}  # pid -> when it was given its rank in this generation
         self._raised: dict[int, tuple[int, float]] = {}  # pid -> (its round, since when) while it waits
         self._dismissed: set[int] = set()
+        self._rates: list[float] = []  # GFLOP/s of the node's processes whose device check passed (newest 64)
 
     # -- channel side -------------------------------------------------------------------------
     def register_api(self, pid: int) -> None:
@@ -153,7 +154,19 @@ class WorkerControl:
             if previous is None or previous[0] != step:
                 self._progress[pid] = (step, self._now())
 
+    def device_checked(self, gflops: float | None, passed: bool) -> None:
+        """A process's device check (worker/health.py): a passing one's rate joins the node's reference."""
+        if passed and gflops:
+            with self._cond:
+                self._rates = [*self._rates[-63:], float(gflops)]
+
     # -- supervisor side ----------------------------------------------------------------------
+    def expected_gflops(self) -> float | None:
+        """The rate a spare's device is held to: the median of the node's passing checks."""
+        with self._cond:
+            rates = sorted(self._rates)
+        return rates[len(rates) // 2] if rates else None
+
     def waiting_spares(self) -> list[int]:
         with self._cond:
             return sorted(self._waiting_spares)

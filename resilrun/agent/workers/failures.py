@@ -16,6 +16,7 @@ from typing import Any
 
 from resilrun import keys
 from resilrun.agent.workers.procs import WorkerState
+from resilrun.env import UNHEALTHY_EXIT_CODE
 from resilrun.rendezvous.api import RendezvousBackend, read_numbered
 
 
@@ -130,6 +131,8 @@ def _describe_exit(pid: int, exit_code: int) -> str:
         except ValueError:
             name = f"signal {-exit_code}"
         return f"Signal {-exit_code} ({name}) received by PID {pid}"
+    if exit_code == UNHEALTHY_EXIT_CODE:
+        return f"its device failed the check before it took its rank (exit code {exit_code}; device_unhealthy event)"
     return f"exited with code {exit_code} (no error file: the script failed outside Python, or called sys.exit)"
 
 

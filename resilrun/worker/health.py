@@ -1,0 +1,100 @@
+"""A process's check of its device before it takes a rank: the device answers, and a small matrix
+multiply runs at the expected speed.
+
+Why: a spare taking a failed rank's place (or a new worker) on a device that hangs or crawls would
+turn one failure into a second one, or into a straggler the whole job waits for. Checked once per
+process, right before it first joins a generation (``membership._join``), within ``BUDGET_S``: a
+device that does not answer in that time fails the check instead of hanging the process.
+
+What "expected" means: each process that passes reports its rate to its agent, and the agent hands
+the median of its node's rates to the spares it gives a rank (``EXPECTED_GFLOPS_ENV``); a spare
+slower than ``SLOWER_THAN`` of that fails. Only on GPUs: each process has its device to itself
+there, while CPU processes share the node's cores with training, so their rate says nothing about
+the hardware (a CPU check is the answer and the multiply completing within the budget).
+
+The collective with a peer is the generation's own: the process group's set-up right after this
+check, bounded by its timeout; a spare that fails it fails like any rank and is replaced the same
+way.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+BUDGET_S = 20.0
+SLOWER_THAN = 0.5
+_SIZE = {"cuda": 2048, "cpu": 256}
+_REPEATS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCheck:
+    """What the check saw; ``reason`` is empty when the device passed (``judge`` adds the speed)."""
+
+    device: str
+    answer_s: float | None  # a one-element op, synchronized
+    gflops: float | None  # the best of a few timed multiplies
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"device": self.device, "answer_s": self.answer_s, "gflops": self.gflops, "reason": self.reason}
+
+
+def check_device(device: torch.device, budget_s: float = BUDGET_S, *, fail: str = "") -> DeviceCheck:
+    """Run the check on a helper thread, waiting at most ``budget_s``; ``fail``: an injected failure
+    (the fault plan's ``unhealthy``), reported as the device's."""
+    result: list[DeviceCheck] = []
+
+    def run() -> None:
+        try:
+            result.append(_measure(device))
+        except Exception as exc:  # noqa: BLE001 - any error of the device is the check's answer
+            result.append(DeviceCheck(str(device), None, None, f"{type(exc).__name__}: {exc}"))
+
+    if fail:
+        return DeviceCheck(str(device), None, None, fail)
+    thread = threading.Thread(target=run, name="resilrun-device-check", daemon=True)
+    thread.start()
+    thread.join(budget_s)
+    if not result:
+        return DeviceCheck(str(device), None, None, f"the device did not answer within {budget_s:g} s")
+    return result[0]
+
+
+def _measure(device: torch.device) -> DeviceCheck:
+    started = time.perf_counter()
+    torch.ones(1, device=device).add_(1).item()  # .item() waits for the device
+    answer_s = time.perf_counter() - started
+    n = _SIZE.get(device.type, _SIZE["cpu"])
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    best = float("inf")
+    for _ in range(_REPEATS + 1):  # the first is a warm-up (kernels, caches)
+        started = time.perf_counter()
+        c = a @ b
+        c[0, 0].item()
+        best = min(best, time.perf_counter() - started)
+    finite = bool(torch.isfinite(c).all().item())
+    del a, b, c
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the script's memory, not ours, from here on
+    if not finite:
+        return DeviceCheck(str(device), answer_s, None, "the multiply returned non-finite values")
+    return DeviceCheck(str(device), answer_s, 2 * n**3 / best / 1e9)
+
+
+def judge(check: DeviceCheck, expected_gflops: float | None) -> str:
+    """Why ``check`` fails (empty: it passes); the speed counts on GPUs only (module docstring)."""
+    if check.reason:
+        return check.reason
+    on_gpu = check.device.startswith("cuda") and expected_gflops and check.gflops is not None
+    if on_gpu and check.gflops < SLOWER_THAN * expected_gflops:  # type: ignore[operator]
+        return (
+            f"a {_SIZE['cuda']}x{_SIZE['cuda']} multiply ran at {check.gflops:.0f} GFLOP/s, "
+            f"under {SLOWER_THAN:g}x this node's {expected_gflops:.0f}"
+        )
+    return ""
