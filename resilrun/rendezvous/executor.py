@@ -123,6 +123,11 @@ class RendezvousClient:
         self._admitted_key = keys.rdzv_admitted(run_id)
         self._phase_key = keys.rdzv_phase(run_id)
 
+    def prefer_rank(self, node_rank: int) -> None:
+        """Ask for ``node_rank`` in the rounds this node joins from now on (the place it holds now:
+        a restart then keeps each node where its state is)."""
+        self.me = self.me._replace(preferred_rank=node_rank)
+
     # -- reads ----------------------------------------------------------------------------------
     def read(self, *, watch: bool = True) -> tuple[RdzvState, bytes | None]:
         """The current state and its raw bytes (the compare-and-set's expected value).

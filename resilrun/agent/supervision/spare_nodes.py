@@ -112,7 +112,7 @@ class SpareNodeStandby:
         """This spare node was chosen for a lost node's place: its warm workers take those ranks."""
         started = self._clock.monotonic()
         round_.node_rank = node_rank
-        self._rdzv.me = self._rdzv.me._replace(preferred_rank=node_rank)
+        self._rdzv.prefer_rank(node_rank)
         ready = [] if self._config.no_python else self._spare_pool.ready(round_, self._setup.nproc)
         if self._captured is not None:
             self._captured.restore(CAPTURED_RESTORE_S)

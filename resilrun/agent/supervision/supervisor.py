@@ -164,7 +164,7 @@ class Supervisor:
                     return
                 continue
             self.standby.drop()
-            self.rdzv.me = self.rdzv.me._replace(preferred_rank=node_rank)
+            self.rdzv.prefer_rank(node_rank)
             if self._run_round(state, node_rank) is RoundEnd.DONE:
                 return
 
