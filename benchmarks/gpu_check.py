@@ -8,6 +8,8 @@ Steps, in order of what matters most, each under its own timeout, skipped once t
 spent:
 
 1. ``env``: the GPU, driver, torch, CUDA and NCCL versions (every number below depends on them);
+   ``device_check``: the check every process runs before it takes a rank (answer time, GFLOP/s of
+   its 2048² multiply, and how long it took: on the recovery's critical path for a spare);
 2. ``nccl_inprocess``: a worker SIGKILLed at step 12 under ``--spares 1`` on NCCL: the hot spare
    takes its rank in its process, the job ends bitwise equal to a failure-free run (its checksum);
    the recovery's timeline from the events; with one GPU the job has one rank, so the spare is the
@@ -104,6 +106,12 @@ def main() -> int:
         "name": "env", "gpus": gpus, "device": torch.cuda.get_device_name(0) if gpus else None,
         "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": ".".join(map(str, nccl)) if nccl else None,
     })  # fmt: skip
+    if gpus:  # the check every process runs before it takes a rank (resilrun/worker/health.py)
+        from resilrun.worker.health import check_device
+
+        started = time.monotonic()
+        check = check_device(torch.device("cuda", 0))
+        results.append({"name": "device_check", "seconds": round(time.monotonic() - started, 3), **check.to_dict()})
     if not gpus and not args.cpu:
         results.append({"name": "all", "skipped": "no CUDA device visible"})
     else:
