@@ -274,7 +274,7 @@ def history_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
         else:
             failed = entry.get("failed_ranks") or []
             what = f"rank {','.join(map(str, failed))} " if failed else ""
-            what += "straggler swapped for a hot spare" if entry.get("straggler") else (cause.get("message") or "")[:60]
+            what += "straggler swapped for a spare" if entry.get("straggler") else (cause.get("message") or "")[:60]
             when = entry.get("detected_at")
         duration = entry.get("duration_s")
         rows.append(

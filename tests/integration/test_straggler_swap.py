@@ -86,3 +86,32 @@ def test_a_straggler_on_another_node_is_judged_by_the_leader_and_swapped_by_its_
     assert events(*nodes, kind="failure_detected") == events(*nodes, kind="restart") == []
     # and the result is bitwise the failure-free run's
     assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *ARGS)
+
+
+def test_without_a_spare_process_a_straggler_host_is_given_to_a_spare_node_and_stands_by(
+    launcher, tmp_path: Path
+) -> None:
+    # Given 2 active agents of 1 worker each, no spare process, a third agent standing by as a spare
+    # node, and rank 1 slow
+    port = free_port()
+    target = tmp_path / "host.sha"
+    env = {"SLOW_RANK": "1", "SLOW_S": "0.02", "SLOW_ONCE": str(tmp_path / "host.slow"), "OMP_NUM_THREADS": "1"}
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "slowhost",
+        "--max-restarts", "0", "--heartbeat-interval", "0.5", "--stragglers", "swap",
+        str(SLOW_RANK), str(EXAMPLE), *ARGS, "--checksum-file", str(target),
+    ]  # fmt: skip
+    nodes = [launcher("resilrun", *flags, env=env) for _ in range(3)]
+    for node in nodes:
+        assert node.wait(240) == 0, node.stderr()[-3000:]
+        assert_nothing_left(node)
+    # Then rank 1's node gave its place to the spare node after a commit, and stood by to the end
+    (swapped,) = events(*nodes, kind="straggler_swapped")
+    assert (swapped["rank"], swapped["by"], swapped["node_rank"]) == (1, "spare node", 1)
+    (promoted,) = events(*nodes, kind="spare_promoted")
+    assert (promoted["node_rank_taken"], promoted["straggler"]) == (1, True)
+    assert events(*nodes, kind="failure_detected") == events(*nodes, kind="restart") == []
+    # every rank resumed from the step the straggler host stopped after (rank 1 from its peer replica)
+    assert resumed(*nodes) == {0: (swapped["step"], "memory"), 1: (swapped["step"], "peer")}
+    # and the result is bitwise the failure-free run's
+    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *ARGS)

@@ -216,7 +216,7 @@ class Recorded(Telemetry):
     def straggler(self, kind: str, rank: int, **evidence: Any) -> None:
         self.calls.append((f"straggler_{kind}", (rank, evidence)))
 
-    def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure]) -> None:
+    def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure], *, straggler: Any = None) -> None:
         self.calls.append(("nodes_replaced", new.round))
 
     def restart(self, old: RdzvState, new: RdzvState, cause: ProcessFailure | None) -> None:

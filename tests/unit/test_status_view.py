@@ -201,7 +201,7 @@ def test_a_swapped_straggler_is_told_apart_from_a_failure_in_the_history() -> No
     failure = {**recovery_record(), "index": 1}
     swap = {**recovery_record(), "index": 2, "straggler": True, "cause": None}
     rows = history_rows({"history": [failure, swap]})
-    assert [row[4] for row in rows] == ["rank 1 m", "rank 1 straggler swapped for a hot spare"]
+    assert [row[4] for row in rows] == ["rank 1 m", "rank 1 straggler swapped for a spare"]
 
 
 def test_a_recovery_still_in_progress_has_no_duration_and_no_first_step() -> None:

@@ -241,3 +241,45 @@ def test_without_a_waiting_spare_the_stopped_straggler_is_continued(tmp_path: Pa
     assert resumed == [slow["pid"]]
     assert job.world.state().recoveries == 0
     assert [k for k in job.telemetry.kinds() if k.startswith("straggler")] == ["straggler_swap_skipped"]
+
+
+def test_without_a_spare_process_a_straggler_host_is_given_to_a_spare_node() -> None:
+    no_spare = [SLOW[0], {**SLOW[1], "spares": {"ready": 0}}]
+    verdicts = Verdicts(swap=True, budget=2)
+    for i in range(SUSTAIN_CHECKS):
+        verdicts.check(0, no_spare, now=i, spare_nodes=1)
+    assert [(o["kind"], o["rank"], o["node_id"]) for o in verdicts.orders] == [("host", 2, "b")]
+    with_spare = Verdicts(swap=True, budget=2)
+    for i in range(SUSTAIN_CHECKS):
+        with_spare.check(0, SLOW, now=i, spare_nodes=1)
+    assert [o["kind"] for o in with_spare.orders] == ["process"]  # a spare process first: no node moves
+
+
+def test_a_straggler_host_stops_every_rank_after_the_same_step_and_a_spare_node_takes_its_place(
+    tmp_path: Path,
+) -> None:
+    stopped: list[int] = []
+    fence = StepFence(stop=stopped.append, resume=lambda pid: None)
+    job = make_job(tmp_path, spares=0, spare_nodes=("s",), fence=fence)
+    pids: dict[int, int] = {}
+
+    def order(world: World) -> None:
+        pids.update({rank: world.worker(rank).pid for rank in (2, 3)})
+        job.sup.straggler_swap.request({**_order(3), "kind": "host"})  # type: ignore[union-attr]
+
+    def rank_3_commits_7_after_rank_2(world: World) -> None:
+        world.control.report_step(pids[2], 7)  # rank 2 committed step 7 and waits in step 8 for rank 3
+        world.control.report_step(pids[3], 7)
+        fence.at_commit(pids[3], 7)
+
+    job.world.at(2, order)
+    job.world.at(5, rank_3_commits_7_after_rank_2)
+
+    assert run_round(job) is RoundEnd.REJOIN  # this node stands by from here
+
+    assert sorted(stopped) == sorted(pids.values())  # both stopped after step 7, then released
+    state = job.world.state()
+    assert (state.round, state.restarts, [p.node_id for p in state.participants]) == (1, 0, ["a", "s"])
+    swapped = [args for kind, args in job.telemetry.calls if kind == "straggler_swapped"]
+    assert [(rank, e["by"], e["step"], e["round"]) for rank, e in swapped] == [(3, "spare node", 7, 1)]
+    assert {pid for pid, sig in job.processes.stopped if sig == signal.SIGKILL} >= set(pids.values())

@@ -77,8 +77,11 @@ class Telemetry:
     def device_unhealthy(self, rank: int, pid: int, check: dict[str, Any]) -> None:
         """A process's device failed its check before it took ``rank`` (it exits; worker/health.py)."""
 
-    def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure]) -> None:
-        """This agent gave lost nodes' places (``failures``, one per node) to spare nodes in ``new``."""
+    def nodes_replaced(
+        self, new: RdzvState, failures: list[ProcessFailure], *, straggler: tuple[int, str] | None = None
+    ) -> None:
+        """This agent gave lost nodes' places (``failures``, one per node) to spare nodes in ``new``,
+        or its own place as a straggler (``straggler``: its node rank and host)."""
 
     def generation_entered(self, new: RdzvState, node_rank: int, workers: list[WorkerProcess]) -> None:
         """This node's workers (survivors and promoted spares) moved to generation ``new.round``."""
@@ -297,19 +300,22 @@ class AgentTelemetry(Telemetry):
         fields = ("device", "round", "reason", "answer_s", "gflops", "expected_gflops")
         self.events.record("device_unhealthy", rank=rank, pid=pid, **{k: check.get(k) for k in fields})
 
-    def nodes_replaced(self, new: RdzvState, failures: list[ProcessFailure]) -> None:
+    def nodes_replaced(
+        self, new: RdzvState, failures: list[ProcessFailure], *, straggler: tuple[int, str] | None = None
+    ) -> None:
         detected_at = min((f.timestamp for f in failures), default=time.time())
+        places = [(f.node_rank, f.host) for f in failures] + ([straggler] if straggler is not None else [])
         replaced, failed_ranks = [], []
-        for failure in failures:
-            if not 0 <= failure.node_rank < len(new.participants):
+        for node_rank, host in places:
+            if not 0 <= node_rank < len(new.participants):
                 continue
-            node = new.participants[failure.node_rank]
-            first = sum(p.local_world_size for p in new.participants[: failure.node_rank])
+            node = new.participants[node_rank]
+            first = sum(p.local_world_size for p in new.participants[:node_rank])
             failed_ranks += list(range(first, first + node.local_world_size))
-            replaced.append({"node_rank": failure.node_rank, "lost_host": failure.host, "spare_node_id": node.node_id,
+            replaced.append({"node_rank": node_rank, "lost_host": host, "spare_node_id": node.node_id,
                              "spare_host": node.hostname})  # fmt: skip
-            self.events.record("spare_promoted", round=new.round, node_rank_taken=failure.node_rank,
-                               spare_node_id=node.node_id)  # fmt: skip
+            self.events.record("spare_promoted", round=new.round, node_rank_taken=node_rank,
+                               spare_node_id=node.node_id, straggler=straggler is not None)  # fmt: skip
         record = {
             "kind": "recovery",
             "round": new.round,
@@ -321,6 +327,7 @@ class AgentTelemetry(Telemetry):
             "failed_ranks": failed_ranks,
             "replacements": replaced,
             "rerun": False,  # a spare node takes a lost node's ranks only for scripts on the API
+            "straggler": straggler is not None,  # the node was swapped out for being slow, not lost
             "cause": _cause(new.failure),
         }
         self._append_once(f"round-{new.round}", record)

@@ -26,17 +26,19 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from resilrun.agent.observability.telemetry import Telemetry
 from resilrun.agent.supervision.inprocess import InProcessRecovery
 from resilrun.agent.supervision.rounds import Membership, Round
 from resilrun.agent.workers.control import WorkerControl
-from resilrun.agent.workers.procs import Processes
+from resilrun.agent.workers.procs import Processes, WorkerProcess
 from resilrun.agent.workers.step_fence import StepFence
 from resilrun.config import Config
 from resilrun.errors import ResilrunError
@@ -66,9 +68,11 @@ class Verdicts:
     current: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> evidence
     orders: list[dict[str, Any]] = field(default_factory=list)
 
-    def check(self, generation: int, documents: list[dict[str, Any]], now: float) -> dict[str, Any] | None:
-        """One reading of the participants' documents (this generation's only); the key's new
-        content when the verdicts or orders changed, else None."""
+    def check(
+        self, generation: int, documents: list[dict[str, Any]], now: float, spare_nodes: int = 0
+    ) -> dict[str, Any] | None:
+        """One reading of the participants' documents (this generation's only), with the number of
+        spare nodes standing by; the key's new content when the verdicts or orders changed, else None."""
         if generation != self.round:
             self.round, self.named_in_a_row, self.quiet_in_a_row = generation, {}, {}
             changed = bool(self.current)
@@ -109,21 +113,34 @@ class Verdicts:
         for rank in [r for r in self.current if r not in where]:  # gone (replaced, finished)
             del self.current[rank]
             changed = True
-        changed |= self._order(ready, now)
+        changed |= self._order(ready, spare_nodes, now)
         return self.document() if changed else None
 
-    def _order(self, ready: dict[str, int], now: float) -> bool:
+    def _order(self, ready: dict[str, int], spare_nodes: int, now: float) -> bool:
+        """A swap of the slowest straggler: by a hot spare on its node if one waits, else its whole
+        node by a spare node (a throttled device, a bad host: what a process swap cannot fix)."""
         self.orders = [o for o in self.orders if now - o["at"] < HOUR_S]
         if not self.swap or not self.current or any(o["round"] == self.round for o in self.orders):
             return False
         if len(self.orders) >= self.budget:
             return False
         slowest = max(self.current.values(), key=lambda e: (e["ratio"], -e["rank"]))
-        if ready.get(slowest["node_id"], 0) < 1:
+        if ready.get(slowest["node_id"], 0) >= 1:
+            kind = "process"
+        elif spare_nodes >= 1:
+            kind = "host"
+        else:
             return False
         number = max((o["id"] for o in self.orders), default=0) + 1
         self.orders.append(
-            {"id": number, "rank": slowest["rank"], "node_id": slowest["node_id"], "round": self.round, "at": now}
+            {
+                "id": number,
+                "kind": kind,
+                "rank": slowest["rank"],
+                "node_id": slowest["node_id"],
+                "round": self.round,
+                "at": now,
+            }
         )
         return True
 
@@ -155,8 +172,11 @@ class StragglerWatch:
         swap: bool,
         budget: int,
         request_swap: Callable[[dict[str, Any]], None],
+        spare_nodes: Callable[[], int] = lambda: 0,
         wall: Callable[[], float] = time.time,
     ) -> None:
+        """``spare_nodes``: how many spare nodes stand by now (the rendezvous document)."""
+        self._spare_nodes = spare_nodes
         self._backend = backend
         self._run_id = run_id
         self._membership = membership
@@ -193,7 +213,9 @@ class StragglerWatch:
             self._resumed = True
         others = [n for n in nodes if n != mine["node_id"]]
         documents = [mine] + [d for d in records.node_documents(self._backend, self._run_id, others) if d]
-        changed = self._verdicts.check(generation, documents, self._wall())
+        # Spare nodes come and go without a new generation: read only while there is a straggler.
+        spare_nodes = self._spare_nodes() if self._verdicts.current or self._verdicts.named_in_a_row else 0
+        changed = self._verdicts.check(generation, documents, self._wall(), spare_nodes)
         if changed is not None:
             records.publish_stragglers(self._backend, self._run_id, changed)
         return self._verdicts.document()
@@ -246,13 +268,23 @@ def straggler_watch(
         swap=swap is not None,
         budget=config.straggler_swaps,
         request_swap=swap.request if swap is not None else lambda order: None,
+        spare_nodes=lambda: len(rdzv.state().spares),
     )
     return watch.observe
 
 
+class SwapOutcome(Enum):
+    """What a ``StragglerSwap.tick`` did to the round."""
+
+    NONE = "none"  # nothing yet (or the order was skipped)
+    SWAPPED = "swapped"  # a hot spare runs the rank now: the round is in a new generation
+    LEFT = "left"  # a spare node took this node's place: this node's round is over, it stands by
+
+
 class StragglerSwap:
-    """Carries out this node's swap orders from the supervisor's loop (``tick``): stop the rank
-    at its next commit, give its place to a waiting hot spare, release the stopped process."""
+    """Carries out this node's swap orders from the supervisor's loop (``tick``): stop the rank (or,
+    for a host swap, every rank of this node) at its next commit, give its place to a waiting hot
+    spare (or this node's place to a spare node), release the stopped processes."""
 
     def __init__(
         self,
@@ -261,6 +293,7 @@ class StragglerSwap:
         in_process: InProcessRecovery,
         processes: Processes,
         telemetry: Telemetry,
+        rdzv: RendezvousClient,
         monotonic: Callable[[], float],
     ) -> None:
         self._fence = fence
@@ -268,10 +301,11 @@ class StragglerSwap:
         self._in_process = in_process
         self._processes = processes
         self._telemetry = telemetry
+        self._rdzv = rdzv
         self._now = monotonic
         self._lock = threading.Lock()
         self._pending: dict[str, Any] | None = None
-        self._asked: tuple[int, float] | None = None  # (pid, when) once the fence was asked
+        self._asked: tuple[list[int], float] | None = None  # (pids, when) once the fence was asked
 
     def request(self, order: dict[str, Any]) -> None:
         """From the status thread; the newest order replaces one not started yet."""
@@ -279,56 +313,100 @@ class StragglerSwap:
             if self._asked is None:
                 self._pending = order
 
-    def tick(self, round_: Round) -> bool:
-        """One step of the pending order, if any; True once the rank changed process (the round
-        moved to a new generation)."""
+    def tick(self, round_: Round) -> SwapOutcome:
+        """One step of the pending order, if any."""
         with self._lock:
             order = self._pending
         if order is None:
-            return False
-        rank = int(order["rank"])
-        worker = next((w for w in round_.workers if w.spec.global_rank == rank and w.poll() is None), None)
-        if worker is None or order.get("round") != round_.state.round:
+            return SwapOutcome.NONE
+        rank, host = int(order["rank"]), order.get("kind") == "host"
+        alive = [w for w in round_.workers if w.poll() is None]
+        targets = alive if host else [w for w in alive if w.spec.global_rank == rank]
+        if not targets or rank not in {w.spec.global_rank for w in alive} or order.get("round") != round_.state.round:
             self._skip(rank, "the rank is no longer this node's in that generation")
-            return False
+            return SwapOutcome.NONE
         if self._asked is None:
-            if not self._control.uses_api([worker.pid]):
+            if not self._control.uses_api([w.pid for w in targets]):
                 self._skip(rank, "the script commits no steps through resilrun: no step boundary to stop it at")
-                return False
-            self._fence.ask(worker.pid)
-            self._asked = (worker.pid, self._now())
-            return False
-        pid, asked_at = self._asked
-        step = self._fence.closed(pid)
+                return SwapOutcome.NONE
+            for worker in targets:
+                self._fence.ask(worker.pid)
+            self._asked = ([w.pid for w in targets], self._now())
+            return SwapOutcome.NONE
+        pids, asked_at = self._asked
+        step = self._closed_at(pids)
         if step is None:
             if self._now() - asked_at > FENCE_WAIT_S:
                 self._skip(rank, f"no commit within {FENCE_WAIT_S:.0f} s")
-            return False
-        fenced_after_s = self._now() - asked_at
-        started = self._now()
+            return SwapOutcome.NONE
+        fenced_after_s, started = self._now() - asked_at, self._now()
+        evidence = {"step": step, "round": round_.state.round, "fenced_after_s": _r6(fenced_after_s)}
+        if host:
+            new = self._rdzv.replace_nodes(round_.state.round, (self._rdzv.me.node_id,), failure=None, newest_step=step)
+            if new.closed or new.round <= round_.state.round or new.node_rank(self._rdzv.me.node_id) is not None:
+                self._skip(rank, "no spare node took this node's place, or the job moved on")
+                return SwapOutcome.NONE
+            self._release(targets)
+            self._telemetry.nodes_replaced(new, [], straggler=(round_.node_rank, socket.gethostname()))
+            swap_s = _r6(self._now() - started)
+            self._telemetry.straggler(
+                "swapped", rank, by="spare node", pids=pids, swap_s=swap_s, **{**evidence, "round": new.round}
+            )
+            logger.warning(
+                "rank %d is a straggler: a spare node takes this node's place after step %d, generation %d; "
+                "this node stands by",
+                rank,
+                step,
+                new.round,
+            )
+            self._done()
+            return SwapOutcome.LEFT
+        (worker,) = targets
         if not self._in_process.swap(round_, worker, step):
             self._skip(rank, "no hot spare waits for a rank, or the job moved on")
-            return False
-        self._fence.release(pid, resume=False)
-        self._processes.stop([worker], signal.SIGKILL, 0.0)  # released: its place is the spare's now
-        worker.finish_output()
+            return SwapOutcome.NONE
+        self._release(targets)
         spare = round_.workers[worker.spec.local_rank]
         self._telemetry.straggler(
             "swapped",
             rank,
-            step=step,
-            pid=pid,
+            by="spare process",
+            pid=worker.pid,
             spare_pid=spare.pid,
-            round=round_.state.round,
-            fenced_after_s=_r6(fenced_after_s),
             swap_s=_r6(self._now() - started),
+            **{**evidence, "round": round_.state.round},
         )
         self._done()
-        return True
+        return SwapOutcome.SWAPPED
+
+    def _closed_at(self, pids: list[int]) -> int | None:
+        """The step every one of ``pids`` is stopped after, once all are; None before.
+
+        Ranks of one node commit the same steps, but not at the same instant: once one is stopped
+        after step S, another that already committed S waits in step S+1's collectives for it and
+        would never commit again, so it is stopped where it is (S is its newest commit)."""
+        closed = [s for pid in pids if (s := self._fence.closed(pid)) is not None]
+        if not closed:
+            return None
+        at = min(closed)
+        for pid in pids:
+            if self._fence.closed(pid) is None and (self._control.newest_step([pid]) or -1) >= at:
+                self._fence.stop_now(pid, at)
+        steps = [self._fence.closed(pid) for pid in pids]
+        return None if any(s is None for s in steps) else min(s for s in steps if s is not None)
+
+    def _release(self, workers: list[WorkerProcess]) -> None:
+        """The stopped processes' places are taken: they go (a slow process is not kept as a spare)."""
+        for worker in workers:
+            self._fence.release(worker.pid, resume=False)
+        self._processes.stop(workers, signal.SIGKILL, 0.0)
+        for worker in workers:
+            worker.finish_output()
 
     def _skip(self, rank: int, why: str) -> None:
         if self._asked is not None:
-            self._fence.release(self._asked[0], resume=True)
+            for pid in self._asked[0]:
+                self._fence.release(pid, resume=True)
         logger.warning("straggler rank %d not swapped: %s", rank, why)
         self._telemetry.straggler("swap_skipped", rank, reason=why)
         self._done()

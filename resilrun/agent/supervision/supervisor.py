@@ -31,7 +31,7 @@ from resilrun.agent.supervision.round_master import RoundMaster
 from resilrun.agent.supervision.rounds import Membership, NodePhase, Round, RoundEnd, SignalFlag
 from resilrun.agent.supervision.spare_nodes import SpareNodeStandby
 from resilrun.agent.supervision.spare_pool import SparePool
-from resilrun.agent.supervision.stragglers import StragglerSwap
+from resilrun.agent.supervision.stragglers import StragglerSwap, SwapOutcome
 from resilrun.agent.supervision.worker_verdicts import HungWorkers, RaisedVerdict
 from resilrun.agent.workers.control import WorkerControl
 from resilrun.agent.workers.failures import FailureLedger
@@ -126,7 +126,7 @@ class Supervisor:
         )
         self.exit_barrier = ExitBarrier(config, rdzv, signals, self.node_watch, self.restarts)
         self.straggler_swap = (
-            StragglerSwap(fence, control, self.in_process, self._processes, self.telemetry, clock.monotonic)
+            StragglerSwap(fence, control, self.in_process, self._processes, self.telemetry, rdzv, clock.monotonic)
             if fence is not None
             else None
         )
@@ -214,8 +214,11 @@ class Supervisor:
         lost: tuple[str, ...] = ()
         while True:
             self._processes.wait_any_exit(round_.workers, interval)
-            if self.straggler_swap is not None and self.straggler_swap.tick(round_):
+            swapped = self.straggler_swap.tick(round_) if self.straggler_swap is not None else SwapOutcome.NONE
+            if swapped is SwapOutcome.SWAPPED:
                 continue  # a straggler's place changed process: look again at the new generation
+            if swapped is SwapOutcome.LEFT:  # a spare node runs this node's ranks: stand by from here
+                return RoundEnd.REJOIN
             state = round_.state
             codes = tuple(w.poll() for w in round_.workers)
             current = self.rdzv.state()

@@ -60,6 +60,17 @@ class StepFence:
             return False
         return True
 
+    def stop_now(self, pid: int, step: int) -> None:
+        """Stop ``pid`` where it is, ``step`` being its newest commit (it waits in the next step's
+        collectives for a rank stopped after ``step``: it would never commit again)."""
+        with self._lock:
+            if pid in self._closed:
+                return
+            self._asked.discard(pid)
+            self._closed[pid] = step
+        with contextlib.suppress(ProcessLookupError):
+            self._stop(pid)
+
     def closed(self, pid: int) -> int | None:
         """The step ``pid`` was stopped after, or None while it runs."""
         with self._lock:
