@@ -30,7 +30,7 @@ from resilrun.option_values import (
     parse_rdzv_conf,
     parse_std_map,
 )
-from resilrun.options import option_meta, parse_every, parse_percent
+from resilrun.options import one_of, option_meta, parse_count, parse_every, parse_percent
 
 R, P, H, C, OBS, SEC = "Rendezvous", "Processes", "Health", "Checkpoints", "Observability", "Security"
 
@@ -204,6 +204,7 @@ class Config:
             "A rank persistently slower than the others: report it, swap it for a hot spare at a step "
             "boundary (swap), or neither (off).",
             pet=False,
+            parse=one_of("report", "swap", "off"),
             value="report|swap|off",
         ),
     )
@@ -216,6 +217,7 @@ class Config:
             H,
             "With --stragglers swap: at most this many swaps in any hour, job-wide.",
             pet=False,
+            parse=parse_count,
             value="INTEGER",
         ),
     )

@@ -94,10 +94,6 @@ def _processes(config: Config) -> None:
         raise ConfigError(f"--hang-timeout ({config.hang_timeout_s}) must be > 0")
     if not config.first_step_timeout_s > 0:
         raise ConfigError(f"--first-step-timeout ({config.first_step_timeout_s}) must be > 0")
-    if config.stragglers not in ("report", "swap", "off"):
-        raise ConfigError(f"--stragglers '{config.stragglers}' is unknown", hint="use report (default), swap or off")
-    if config.straggler_swaps < 0:
-        raise ConfigError(f"--straggler-swaps ({config.straggler_swaps}) must be >= 0")
     if config.spares < 0:
         raise ConfigError(f"--spares ({config.spares}) must be >= 0")
     if config.rerun_in_process and config.spares < 1:

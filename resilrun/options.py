@@ -87,6 +87,29 @@ def parse_percent(flag: str, value: str) -> float:
         raise ConfigError(f"{flag} '{value}' is not a percentage", hint=f"e.g. {flag} 3") from None
 
 
+def one_of(*choices: str) -> Callable[[str, str], str]:
+    """A parser for an option that takes one of ``choices`` (the first is the default, named in the hint)."""
+
+    def parse(flag: str, value: str) -> str:
+        if value.strip().lower() not in choices:
+            others = ", ".join(choices[1:-1])
+            raise ConfigError(
+                f"{flag} '{value}' is unknown",
+                hint=f"use {choices[0]} (default){', ' + others if others else ''} or {choices[-1]}",
+            )
+        return value.strip().lower()
+
+    return parse
+
+
+def parse_count(flag: str, value: str) -> int:
+    """A number of things, 0 or more."""
+    number = _integer(flag, value)
+    if number < 0:
+        raise ConfigError(f"{flag} ({number}) must be >= 0")
+    return number
+
+
 _BY_TYPE: dict[str, Callable[[str, str], Any]] = {"int": _integer, "float": _seconds}
 
 

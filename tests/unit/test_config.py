@@ -572,3 +572,22 @@ def test_nproc_told_without_torch_is_the_number_or_the_cpu_count(value: str, exp
 @pytest.mark.parametrize("value", ["gpu", "cuda", "auto"])
 def test_nproc_that_needs_the_device_count_is_left_to_torch(value: str) -> None:
     assert nproc_without_devices(value) is None
+
+
+def test_straggler_options_are_parsed_where_they_are_defined() -> None:
+    from resilrun.config import CONFIG_FIELDS
+    from resilrun.options import cli_value
+
+    fields = {f.name: f for f in CONFIG_FIELDS}
+    assert cli_value(fields["stragglers"], " Swap ") == "swap"
+    assert cli_value(fields["straggler_swaps"], "0") == 0
+    with pytest.raises(ConfigError) as info:
+        cli_value(fields["stragglers"], "evict")
+    assert (info.value.message, info.value.hint) == (
+        "--stragglers 'evict' is unknown",
+        "use report (default), swap or off",
+    )
+    with pytest.raises(ConfigError, match=r"--straggler-swaps \(-1\) must be >= 0"):
+        cli_value(fields["straggler_swaps"], "-1")
+    with pytest.raises(ConfigError, match="is not an integer"):
+        cli_value(fields["straggler_swaps"], "two")
