@@ -3,6 +3,8 @@
     python benchmarks/straggler_swap.py [--steps 900] [--slow-after-s 15] [--slow-ms 20]
         [--heartbeat-interval 1] [--json out.json]    # about 4 minutes
 
+    python benchmarks/straggler_swap.py --netns    # hosts in network namespaces, a spare host (root)
+
 The same job three times, one after the other on this machine: ``--nproc-per-node 3`` workers of
 examples/train_checkpointless.py (DDP over gloo, ``--sleep`` after each step as data loading would),
 rank ``--slow-rank``'s process made slow ``--slow-after-s`` seconds after it starts (each of its
@@ -13,6 +15,10 @@ only the first process to run as that rank, so a spare that takes it runs at ful
 - **report**: ``resilrun --spares 1`` (the default ``--stragglers report``): named, not swapped, so
   the job runs at the straggler's pace to its end;
 - **torchrun**: which cannot tell which rank it waits for.
+
+``--netns``: the same on "hosts" in network namespaces (tests/helpers/netns_cluster.py): two hosts
+of one worker each (rank 1's slow), and for resilrun a third host standing by as a spare node and
+no spare process (``--spares 0``), so the swap gives the slow host's place to the spare host.
 
 Reported per run: wall time to the end, steps per second before the slow-down, while slowed, and
 after the swap; for resilrun the time from the first slowed forward to ``straggler_detected`` and to
@@ -35,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.helpers.netns_cluster import Cluster, available  # noqa: E402 - the test suite's fixture
+
 EXAMPLE = ROOT / "examples" / "train_checkpointless.py"
 SLOW = ROOT / "tests" / "helpers" / "slow_rank.py"
 STEP = re.compile(rb"^step (\d+) ")
@@ -53,27 +62,25 @@ def _run(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     script = [str(SLOW), str(EXAMPLE), "--steps", str(args.steps), "--hidden", "256", "--sleep", str(args.sleep)]
     script += ["--progress", "--checksum-file", str(digest)]
     logs = work / kind
-    if kind == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
-    else:
-        argv = [sys.executable, "-m", "resilrun", "--standalone", "--nproc-per-node", str(args.nproc), "--spares", "1"]
-        argv += ["--log-dir", str(logs), "--heartbeat-interval", str(args.heartbeat_interval)]
-        argv += ["--stragglers", "swap" if kind == "swap" else "report"]
+    agents = _agents(kind, args, logs, script, env)
     steps: dict[int, float] = {}
     started = time.time()
-    job = subprocess.Popen([*argv, *script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+    jobs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=e, cwd=ROOT) for a, e in agents]
 
-    def read() -> None:
+    def read(job: subprocess.Popen[bytes]) -> None:
         assert job.stdout is not None
         for line in job.stdout:
             found = STEP.match(line)
             if found:
                 steps.setdefault(int(found.group(1)), time.time())
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    code = job.wait(args.steps * 2)
-    reader.join(10)
+    readers = [threading.Thread(target=read, args=(job,), daemon=True) for job in jobs]
+    for reader in readers:
+        reader.start()
+    codes = [job.wait(args.steps * 2) for job in jobs]
+    code = max(codes, key=abs)
+    for reader in readers:
+        reader.join(10)
     ended = time.time()
     events = [json.loads(line) for path in logs.glob("*/events.jsonl") for line in path.read_text().splitlines()]
     slowed = float(mark.read_text()) if mark.exists() else None
@@ -86,6 +93,38 @@ def _run(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "events": events,
         "checksum": digest.read_text() if digest.exists() else None,
     }
+
+
+def _agents(
+    kind: str, args: argparse.Namespace, logs: Path, script: list[str], env: dict[str, str]
+) -> list[tuple[list[str], dict[str, str]]]:
+    """The launcher processes of one run: one on this machine, or one per host (``--netns``: two
+    hosts of one worker each, and for resilrun a third host standing by as a spare node)."""
+    resilrun = [
+        sys.executable,
+        "-m",
+        "resilrun",
+        "--log-dir",
+        str(logs),
+        "--heartbeat-interval",
+        str(args.heartbeat_interval),
+    ]
+    resilrun += ["--stragglers", "swap" if kind == "swap" else "report"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    if args.cluster is None:
+        if kind == "torchrun":
+            return [([*torchrun, "--standalone", "--nproc-per-node", str(args.nproc), *script], env)]
+        return [([*resilrun, "--standalone", "--nproc-per-node", str(args.nproc), "--spares", "1", *script], env)]
+    cluster, port = args.cluster, 29400 + ("swap", "report", "torchrun").index(kind)
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"h0:{port}"]
+    env = {**env, "OMP_NUM_THREADS": "1"}
+    if kind == "torchrun":  # it cannot start on these hosts without both
+        return [
+            (cluster.command(h, [*torchrun, *common, "--rdzv-backend", "c10d", "--local-addr", h.addr, *script]),
+             {**env, "GLOO_SOCKET_IFNAME": "eth0"})
+            for h in cluster.hosts[:2]
+        ]  # fmt: skip
+    return [(cluster.command(h, [*resilrun, *common, "--rdzv-id", kind, *script]), env) for h in cluster.hosts]
 
 
 def _rate(steps: dict[int, float], start: float, end: float) -> float | None:
@@ -105,7 +144,8 @@ def summarize(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     if slowed is None or ends is None:
         return out
     detected, swapped = _first(run["events"], "straggler_detected"), _first(run["events"], "straggler_swapped")
-    recovered = _first(run["events"], "recovered")
+    # (a spare node's own "recovered" has no steps_redone: it held no step before; the others' do)
+    recovered = next((e for e in run["events"] if e["event"] == "recovered" and "steps_redone" in e), None)
     slow_until = swapped["wall"] if swapped else ends
     out.update(
         steps_per_s_before=_rate(steps, slowed - 10, slowed),
@@ -131,12 +171,23 @@ def main() -> int:
     parser.add_argument(
         "--heartbeat-interval", type=float, default=1.0, help="resilrun's (its default: a verdict takes 5 of them)"
     )
+    parser.add_argument("--netns", action="store_true", help="hosts in network namespaces, a spare host (root)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    if args.netns and (why := available()) is not None:
+        parser.error(f"--netns: {why}")
     work = Path(tempfile.mkdtemp(prefix="straggler-swap-"))
-    results = {kind: summarize(_run(kind, args, work), args) for kind in ("swap", "report", "torchrun")}
+    if args.netns:
+        args.slow_rank = 1  # one worker per host: the host that runs rank 1 is the slow one
+    args.cluster = Cluster(3).__enter__() if args.netns else None
+    try:
+        results = {kind: summarize(_run(kind, args, work), args) for kind in ("swap", "report", "torchrun")}
+    finally:
+        if args.cluster is not None:
+            args.cluster.close()
+    where = "2 hosts in network namespaces (a spare host for resilrun)" if args.netns else f"{args.nproc} ranks"
     print(
-        f"{args.nproc} ranks, {args.steps} steps, rank {args.slow_rank} slowed by {args.slow_ms:g} ms per nn.Linear "
+        f"{where}, {args.steps} steps, rank {args.slow_rank} slowed by {args.slow_ms:g} ms per nn.Linear "
         f"forward {args.slow_after_s:g} s after it starts (this machine)"
     )
     for kind, r in results.items():
