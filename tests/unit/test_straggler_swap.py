@@ -283,3 +283,21 @@ def test_a_straggler_host_stops_every_rank_after_the_same_step_and_a_spare_node_
     swapped = [args for kind, args in job.telemetry.calls if kind == "straggler_swapped"]
     assert [(rank, e["by"], e["step"], e["round"]) for rank, e in swapped] == [(3, "spare node", 7, 1)]
     assert {pid for pid, sig in job.processes.stopped if sig == signal.SIGKILL} >= set(pids.values())
+
+
+def test_a_straggler_and_its_swap_are_in_the_metrics_with_the_evidence() -> None:
+    from resilrun.agent.observability.metrics import AgentMetrics
+
+    metrics = AgentMetrics()
+
+    def sample(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(f"resilrun_{name}", labels)
+
+    metrics.on_straggler("detected", 2, {"ratio": 2.25, "compute_s": 0.09, "others_median_s": 0.04})
+    assert sample("rank_straggler_ratio", rank="2") == 2.25
+    metrics.on_straggler("swapped", 2, {"by": "spare node", "step": 7})
+    assert sample("rank_straggler_ratio", rank="2") == 0.0
+    assert sample("straggler_swaps_total", by="spare node") == 1.0
+    metrics.on_straggler("detected", 3, {"ratio": 1.8})
+    metrics.on_straggler("cleared", 3, {})
+    assert sample("rank_straggler_ratio", rank="3") == 0.0

@@ -178,6 +178,18 @@ class AgentMetrics:
             registry=r,
         )  # fmt: skip
         self.generation = Gauge(f"{_PREFIX}_generation", "Rendezvous round (generation) this node runs.", registry=r)
+        self.straggler_ratio = Gauge(
+            f"{_PREFIX}_rank_straggler_ratio",
+            "While a rank of this node is a straggler: its compute time over the other ranks' median (else 0).",
+            ["rank"],
+            registry=r,
+        )
+        self.straggler_swaps = Counter(
+            f"{_PREFIX}_straggler_swaps",
+            "Stragglers of this node swapped, by a spare process or node.",
+            ["by"],
+            registry=r,
+        )
         r.register(StatusCollector(lambda: self._status))
         self._server: Any = None
         self.address: tuple[str, int] | None = None
@@ -194,6 +206,15 @@ class AgentMetrics:
             self.snapshot_seconds.labels(tier="memory").observe(copy_s)
         if step_s is not None:
             self.step_seconds.observe(step_s)
+
+    def on_straggler(self, kind: str, rank: int, evidence: dict[str, Any]) -> None:
+        """A straggler verdict on a rank of this node (``kind``: detected, cleared, swapped, swap_skipped)."""
+        if kind == "detected":
+            self.straggler_ratio.labels(rank=str(rank)).set(float(evidence.get("ratio") or 0.0))
+        elif kind in ("cleared", "swapped"):
+            self.straggler_ratio.labels(rank=str(rank)).set(0.0)
+        if kind == "swapped":
+            self.straggler_swaps.labels(by=str(evidence.get("by", "spare process"))).inc()
 
     def on_snapshot(self, tier: str, nbytes: int, seconds: float) -> None:
         self.snapshot_bytes.labels(tier=tier).inc(nbytes)

@@ -295,6 +295,8 @@ class AgentTelemetry(Telemetry):
 
     def straggler(self, kind: str, rank: int, **evidence: Any) -> None:
         self.events.record(f"straggler_{kind}", rank=rank, **evidence)
+        if self.metrics is not None:
+            self.metrics.on_straggler(kind, rank, evidence)
 
     def device_unhealthy(self, rank: int, pid: int, check: dict[str, Any]) -> None:
         fields = ("device", "round", "reason", "answer_s", "gflops", "expected_gflops")
