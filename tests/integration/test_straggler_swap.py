@@ -32,6 +32,23 @@ def _run(launcher, tmp_path: Path, name: str, *flags: str):  # noqa: ANN001, ANN
     return run, target.read_text()
 
 
+def _agents(launcher, tmp_path: Path, name: str, count: int, *flags: str) -> tuple[list, str]:  # noqa: ANN001
+    """``count`` agents of a 2-node job of 1 worker each on this machine (a third stands by as a
+    spare node), rank 1 slow, ``--stragglers swap``, run to their end; the Launches and the checksum."""
+    port, target = free_port(), tmp_path / f"{name}.sha"
+    env = {"SLOW_RANK": "1", "SLOW_S": "0.02", "SLOW_ONCE": str(tmp_path / f"{name}.slow"), "OMP_NUM_THREADS": "1"}
+    argv = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name,
+        "--max-restarts", "0", "--heartbeat-interval", "0.5", "--stragglers", "swap", *flags,
+        str(SLOW_RANK), str(EXAMPLE), *ARGS, "--checksum-file", str(target),
+    ]  # fmt: skip
+    nodes = [launcher("resilrun", *argv, env=env) for _ in range(count)]
+    for node in nodes:
+        assert node.wait(240) == 0, node.stderr()[-3000:]
+        assert_nothing_left(node)
+    return nodes, target.read_text()
+
+
 def test_a_straggler_is_swapped_for_the_hot_spare_at_a_step_boundary(launcher, tmp_path: Path) -> None:
     # Given a job of three ranks whose rank 1 computes about 3x longer than the others, and a hot spare
     run, checksum = _run(launcher, tmp_path, "swap", "--spares", "1", "--stragglers", "swap")
@@ -66,18 +83,7 @@ def test_a_straggler_on_another_node_is_judged_by_the_leader_and_swapped_by_its_
 ) -> None:
     # Given 2 agents of 1 worker each on this machine, each with a hot spare, rank 1 (node rank 1:
     # not the leader) slow
-    port = free_port()
-    target = tmp_path / "two.sha"
-    env = {"SLOW_RANK": "1", "SLOW_S": "0.02", "SLOW_ONCE": str(tmp_path / "two.slow"), "OMP_NUM_THREADS": "1"}
-    flags = [
-        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stragglers",
-        "--spares", "1", "--max-restarts", "0", "--heartbeat-interval", "0.5", "--stragglers", "swap",
-        str(SLOW_RANK), str(EXAMPLE), *ARGS, "--checksum-file", str(target),
-    ]  # fmt: skip
-    nodes = [launcher("resilrun", *flags, env=env) for _ in range(2)]
-    for node in nodes:
-        assert node.wait(240) == 0, node.stderr()[-3000:]
-        assert_nothing_left(node)
+    nodes, checksum = _agents(launcher, tmp_path, "two", 2, "--spares", "1")
     # Then the node running rank 1 said so and swapped it; the leader's node only followed
     (detected,) = events(*nodes, kind="straggler_detected")
     (swapped,) = events(*nodes, kind="straggler_swapped")
@@ -85,7 +91,7 @@ def test_a_straggler_on_another_node_is_judged_by_the_leader_and_swapped_by_its_
     assert resumed(*nodes) == dict.fromkeys(range(2), (swapped["step"], "memory"))
     assert events(*nodes, kind="failure_detected") == events(*nodes, kind="restart") == []
     # and the result is bitwise the failure-free run's
-    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *ARGS)
+    assert checksum == clean_checksum(launcher, tmp_path, 2, *ARGS)
 
 
 def test_without_a_spare_process_a_straggler_host_is_given_to_a_spare_node_and_stands_by(
@@ -93,18 +99,7 @@ def test_without_a_spare_process_a_straggler_host_is_given_to_a_spare_node_and_s
 ) -> None:
     # Given 2 active agents of 1 worker each, no spare process, a third agent standing by as a spare
     # node, and rank 1 slow
-    port = free_port()
-    target = tmp_path / "host.sha"
-    env = {"SLOW_RANK": "1", "SLOW_S": "0.02", "SLOW_ONCE": str(tmp_path / "host.slow"), "OMP_NUM_THREADS": "1"}
-    flags = [
-        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "slowhost",
-        "--max-restarts", "0", "--heartbeat-interval", "0.5", "--stragglers", "swap",
-        str(SLOW_RANK), str(EXAMPLE), *ARGS, "--checksum-file", str(target),
-    ]  # fmt: skip
-    nodes = [launcher("resilrun", *flags, env=env) for _ in range(3)]
-    for node in nodes:
-        assert node.wait(240) == 0, node.stderr()[-3000:]
-        assert_nothing_left(node)
+    nodes, checksum = _agents(launcher, tmp_path, "host", 3)
     # Then rank 1's node gave its place to the spare node after a commit, and stood by to the end
     (swapped,) = events(*nodes, kind="straggler_swapped")
     assert (swapped["rank"], swapped["by"], swapped["node_rank"]) == (1, "spare node", 1)
@@ -114,4 +109,4 @@ def test_without_a_spare_process_a_straggler_host_is_given_to_a_spare_node_and_s
     # every rank resumed from the step the straggler host stopped after (rank 1 from its peer replica)
     assert resumed(*nodes) == {0: (swapped["step"], "memory"), 1: (swapped["step"], "peer")}
     # and the result is bitwise the failure-free run's
-    assert target.read_text() == clean_checksum(launcher, tmp_path, 2, *ARGS)
+    assert checksum == clean_checksum(launcher, tmp_path, 2, *ARGS)
