@@ -346,6 +346,7 @@ def build_node(
                 captured=catalog,
                 on_health=telemetry.replica_health,
                 on_dropped=telemetry.replica_dropped,
+                local_ranks=membership.local_ranks,
             )
             opened_so_far.callback(peers.close)
         me = NodeInfo(

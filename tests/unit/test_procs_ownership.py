@@ -222,3 +222,25 @@ def test_a_round_read_during_a_promotion_sees_it_whole_or_not_at_all(
     finally:
         procs.stop([survivor, failed, spare], signal.SIGKILL, 0.0)
         publisher.close()
+
+
+def test_the_ranks_a_node_runs_are_the_ones_its_workers_are_given(tmp_path) -> None:  # noqa: ANN001 - pytest's
+    from resilrun.agent.workers.specs import NodeSetup, worker_specs
+    from resilrun.config import Config
+    from resilrun.rendezvous.protocol import NodeInfo, RdzvState
+
+    # Given three nodes of 2, 3 and 2 workers (uneven, as --nproc-per-node may differ per node)
+    nodes = (NodeInfo("n0", "127.0.0.1", 2), NodeInfo("n1", "127.0.0.1", 3), NodeInfo("n2", "127.0.0.1", 2))
+    state = RdzvState(round=4, complete=True, participants=nodes)
+    for node_rank, node in enumerate(nodes):
+        membership = Membership(node.node_id)
+        membership.enter(state)
+        setup = NodeSetup(nproc=node.local_world_size, addr="127.0.0.1", log_root=tmp_path, base_env={})
+        config = Config(nproc_per_node=str(node.local_world_size), script="train.py")
+        specs = worker_specs(config, setup, "run", state, node_rank, "127.0.0.1:29500")
+        # Then the replicator's view of the node's ranks is the workers' ranks
+        assert list(membership.local_ranks()) == [spec.global_rank for spec in specs]
+    # and a node without a node rank (joining, a spare node) runs none
+    outsider = Membership("n9")
+    outsider.enter(state)
+    assert list(outsider.local_ranks()) == [] and list(Membership("n0").local_ranks()) == []

@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 
 from resilrun import keys
@@ -65,11 +65,13 @@ class PeerTier:
         captured: Catalog | None = None,
         on_health: Callable[[str, bool, str], None] | None = None,
         on_dropped: Callable[[str], None] | None = None,
+        local_ranks: Callable[[], Collection[int]] | None = None,
     ) -> None:
         """``generation``: the newest generation this node follows: the fencing token its pushes carry,
         and the server's bar (it refuses pushes from senders that follow an older one).
         ``every``: ``--replicate-every`` (which snapshots are replicated).
-        ``captured``: the node's captured files (``--capture-dir``), which the server also serves."""
+        ``captured``: the node's captured files (``--capture-dir``), which the server also serves.
+        ``local_ranks``: the ranks this node runs (the replicator keeps their replicas in step)."""
         self.secret = secret
         self.store = ReplicaStore(run_id)
         self.server = ReplicaServer(
@@ -86,6 +88,7 @@ class PeerTier:
             every=every,
             on_health=on_health,
             on_dropped=on_dropped,
+            local_ranks=local_ranks,
         )
         self._peers = peers
 

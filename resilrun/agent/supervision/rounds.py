@@ -95,6 +95,16 @@ class Membership:
         state = self.state
         return state.round if state is not None else -1
 
+    def local_ranks(self) -> range:
+        """The global ranks this node runs in the generation it follows (none while it has no node
+        rank: joining, or a spare node); as ``workers/specs.py`` numbers them."""
+        state = self.state
+        rank = state.node_rank(self.node_id) if state is not None else None
+        if state is None or rank is None:
+            return range(0)
+        first = sum(p.local_world_size for p in state.participants[:rank])
+        return range(first, first + state.participants[rank].local_world_size)
+
     def world_size(self) -> int:
         """World size of the current round (0 before the first)."""
         state = self.state

@@ -10,11 +10,13 @@ slot may be rewritten (``NodeMemoryTier.add_overwrite_guard``: a worker writes i
 its older slot only after the answer to its commit, which waits for the guards). Each replica
 referring to a released step is then:
 
-- dropped, when its rank already has a newer replica (a step behind is all a recovery can need
-  from a rank's replicas and the newer one now holds that place);
-- otherwise kept: the guard waits, up to most of a step, for the rank's next replica (the usual
-  case: it is on its way), and copies the referenced bytes into the replica's slot when none came,
-  so that a rank whose replication stalled keeps its newest replica.
+- dropped, when every rank held here already has a newer replica (a restore resumes all ranks of
+  a lost node at one step: while one rank's newest is this step, the others' copy of it is that
+  common step, even when they hold a newer one);
+- otherwise kept: the guard waits, up to most of a step, for those newer replicas (the usual case:
+  they are on their way), and copies the referenced bytes into the replica's slot when they did
+  not all come, so that a rank whose replication stalled, and the ranks beside it, keep a step in
+  common.
 
 The wait costs the worker nothing while it is shorter than a step: the worker reads its commit's
 answer only when it is about to write its next snapshot. A push for a step whose slot has already
@@ -114,7 +116,7 @@ class LocalReferences:
                     break
                 self._changed.wait(left)
         for rank, held in self.replicas.referencing(step, round):
-            if self.replicas.wait_newer(rank, held, max(0.0, deadline - time.monotonic())):
+            if self.replicas.wait_newer_everywhere(held, max(0.0, deadline - time.monotonic())):
                 self.replicas.discard(rank, held)
             elif not self.materialize(rank, held):
                 logger.warning("replica of rank %d step %d lost its shared bytes: dropped", rank, held)

@@ -14,7 +14,9 @@ the newest commit of each rank, skipping steps only when it fell behind; the byt
 exactly one committed step, checked against the crc32s the commit recorded (a slot rewritten
 meanwhile is aborted, never sent as complete; the sequence counter only ends such a push early) and
 leased so a reallocation cannot unmap them mid-stream; a slow or dead peer makes replicas lag, each
-peer on its own thread, and is logged once per change.
+peer on its own thread, and is logged once per change. At each peer, a rank is not pushed while it
+is ahead of another local rank of the same generation there (``_in_step``): a peer keeps two steps
+per rank, so it then always holds one step of every rank this node runs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -96,6 +98,7 @@ class _Target:
     def __init__(self, address: str) -> None:
         self.address = address
         self.acked: dict[int, int] = {}  # rank -> newest step the peer confirmed
+        self.acked_at: dict[int, tuple[int, int]] = {}  # rank -> (generation trained in, step) of it
         self.done: dict[int, int] = {}  # rank -> generation last handled (replicated or skipped)
         self.healthy: bool | None = None
         # Slower than its usual pace: the gate gave up on it; not waited for until a push at its
@@ -109,6 +112,12 @@ class _Target:
         self.last_rank = -1
         self.sock: socket.socket | None = None
         self.thread: threading.Thread | None = None
+
+
+def _position(target: _Target, rank: int) -> tuple[int, int, int]:
+    """How far ``rank``'s replicas at ``target`` are (ordered; lowest while it confirmed none)."""
+    at = target.acked_at.get(rank)
+    return (0, 0, 0) if at is None else (1, *at)
 
 
 def _keeps_up(target: _Target) -> bool:
@@ -134,6 +143,7 @@ class Replicator:
         every: int = 1,
         on_health: Callable[[str, bool, str], None] | None = None,
         on_dropped: Callable[[str], None] | None = None,
+        local_ranks: Callable[[], Collection[int]] | None = None,
     ) -> None:
         """Start replicating what ``on_commit`` is given (node memory's announcements, wired by
         whoever composes them: the agent's commit pipeline); ``hold_commit`` is the commit gate
@@ -152,6 +162,8 @@ class Replicator:
             on_dropped: ``(peer)`` when a peer told behind stops being a target (the peers were
                 chosen again: a lost node's replacement), so that it is not reported behind for
                 ever; called outside the replicator's lock.
+            local_ranks: the global ranks this node runs in the generation it follows (a rank that
+                left it holds no other back: ``_in_step``); None: every rank that committed here.
             push_delay_s: a fault hook for tests: each push waits this long before its bytes.
             every: replicate the first snapshot at or past each multiple of this many steps
                 (``--replicate-every``; ``Committed.crosses``), the same steps on every node; a
@@ -168,6 +180,7 @@ class Replicator:
         self._on_replicated = on_replicated
         self._on_health = on_health
         self._on_dropped = on_dropped
+        self._local_ranks = local_ranks
         self._cond = threading.Condition()
         # Health and drop reports go out one at a time, outside the condition: a target's thread
         # that decided to report a failure just before its peer was dropped must not report it
@@ -273,7 +286,8 @@ class Replicator:
         """Mark the targets the gate gave up on as lagging (cond held); those newly behind, with why."""
         newly = []
         for target in self._targets.values():
-            if self._holds_back(target, source, now):
+            # A push held back for another local rank's late commit (``_in_step``) is not the peer's doing.
+            if self._holds_back(target, source, now) and self._in_step(target, source):
                 target.lagging = True
                 step = source.committed.step
                 why = f"slower than training: rank {source.rank}'s step {step} not there after {budget * 1000:.0f} ms"
@@ -370,6 +384,7 @@ class Replicator:
                 nbytes = source.committed.nbytes
                 if replicated:
                     target.acked[source.rank] = source.committed.step
+                    target.acked_at[source.rank] = (source.committed.round, source.committed.step)
                     if target.lagging and self._at_usual_pace(seconds, nbytes):
                         target.lagging = False
                     if nbytes > 0:
@@ -384,15 +399,42 @@ class Replicator:
                 self._tell_health(target, True, "")
 
     def _next_source(self, target: _Target) -> _Source | None:
-        """The next rank (round robin) whose newest commit this target has not handled; None to wait."""
+        """The next rank (round robin) whose newest commit this target has not handled and that is not
+        ahead of another local rank there (``_in_step``); None to wait."""
         if self._closed or target.stopped or time.monotonic() < target.retry_at:
             return None
-        pending = [s for r, s in sorted(self._latest.items()) if target.done.get(r) != s.generation]
+        pending = [
+            s
+            for r, s in sorted(self._latest.items())
+            if target.done.get(r) != s.generation and self._in_step(target, s)
+        ]
         if not pending:
             return None
         source = next((s for s in pending if s.rank > target.last_rank), pending[0])
         target.last_rank = source.rank
         return source
+
+    def _in_step(self, target: _Target, source: _Source) -> bool:
+        """Whether ``source``'s rank holds no newer step at ``target`` than any other rank this node
+        runs (cond held).
+
+        A peer keeps two steps per rank and a push overwrites the older one as it starts, so a rank
+        pushed while ahead of another (its commit reached this agent first: a late worker message
+        on a loaded node, or the first commits of a new generation) would leave the peer holding no
+        step of both: a node lost then could not be resumed from its replicas. Pushing the ranks
+        furthest behind first keeps a common step there at every moment, and in lockstep training
+        costs nothing (a rank's next commit is never more than a step ahead). The furthest behind
+        is always free to go once it commits again; while it does not (a failing rank, until the
+        recovery), the others' replicas wait, and the commit gate does not blame the peer for it
+        (``_lagging``).
+        """
+        mine = _position(target, source.rank)
+        ranks = self._local_ranks() if self._local_ranks is not None else None
+        return all(
+            _position(target, rank) >= mine
+            for rank in self._latest
+            if rank != source.rank and (ranks is None or rank in ranks)
+        )
 
     def _at_usual_pace(self, seconds: float, nbytes: int) -> bool:
         """Whether a push took no longer than the gate allows one of its size (cond held)."""

@@ -195,16 +195,23 @@ class ReplicaStore:
                 and (slot.replica.local.round, slot.replica.step) <= (round, step)
             ]
 
-    def wait_newer(self, rank: int, step: int, timeout_s: float) -> bool:
-        """Whether a replica of ``rank`` newer than ``step`` is held, waiting up to ``timeout_s``."""
+    def wait_newer_everywhere(self, step: int, timeout_s: float) -> bool:
+        """Whether every rank whose newest replica here is ``step`` or newer has one newer than
+        ``step``, waiting up to ``timeout_s``: then no rank needs ``step`` as the step it shares
+        with the others (a restore resumes every rank of a lost node at one step)."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            while not any(s.replica is not None and s.replica.step > step for s in self._slots.get(rank, [])):
+            while any(newest == step for newest in self._newest()):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     return False
                 self._changed.wait(left)
             return True
+
+    def _newest(self) -> list[int]:
+        """Each rank's newest complete step (lock held)."""
+        steps = ([s.replica.step for s in slots if s.replica is not None] for slots in self._slots.values())
+        return [max(held) for held in steps if held]
 
     def materialize(
         self, rank: int, step: int, fill: Callable[[LocalRef, memoryview], bool], checksum: bool = True

@@ -708,3 +708,106 @@ def test_a_push_that_fails_after_its_peer_stopped_being_a_target_reports_nothing
         assert health == [] and dropped == []
     finally:
         listener.close()
+
+
+# -- a node's ranks at one peer: a step common to all of them is never overwritten ----------------------
+class Holdings:
+    """What a peer's store holds for ``ranks`` after each replica it publishes."""
+
+    def __init__(self, store: ReplicaStore, ranks: tuple[int, ...]) -> None:
+        self.seen: list[dict[int, set[int]]] = []
+        publish = store.publish
+
+        def recording(*args: Any) -> None:
+            publish(*args)
+            self.seen.append({rank: set(store.steps(rank)) for rank in ranks})
+
+        store.publish = recording  # type: ignore[method-assign]
+
+    def without_a_common_step(self) -> list[dict[int, set[int]]]:
+        """The holdings, once every rank held something, in which no step was held for every rank."""
+        started = [held for held in self.seen if all(held.values())]
+        return [held for held in started if not set.intersection(*held.values())]
+
+
+def test_a_rank_whose_commit_arrives_before_another_local_ranks_older_one_waits_for_it_at_the_peer(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    # Given two local ranks replicated to one peer that keeps two steps per rank
+    peer = make_peer()
+    holdings = Holdings(peer.store, (0, 1))
+    replicator = fed_by(memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH)
+    replicators.append(replicator)
+    for rank in (0, 1):
+        commit(memory, rank, 1, snapshot(10 * rank + 1))
+    eventually(lambda: peer.store.steps(0) == peer.store.steps(1) == [1])  # pushed, not skipped for a newer one
+    commit(memory, 0, 2, snapshot(2))
+    eventually(lambda: peer.store.steps(0) == [2, 1] and peer.store.steps(1) == [1])
+    # When rank 0's step 3 reaches the agent before rank 1's step 2 (a worker's commit message is
+    # late on a loaded node: rank 1 already trains step 3 beside rank 0)
+    commit(memory, 0, 3, snapshot(3))
+    with contextlib.suppress(AssertionError):  # give rank 0's push the time to go (it should not)
+        wait_until(lambda: 3 in peer.store.steps(0), timeout=0.5)
+    commit(memory, 1, 2, snapshot(12))
+    eventually(lambda: peer.store.steps(0)[0] == 3 and peer.store.steps(1)[0] == 2)
+    # Then the peer held a step of both ranks at every moment: a node lost at any point could be
+    # resumed from it (rank 0's step 1 was not dropped for step 3 while rank 1 held step 1 only)
+    assert holdings.without_a_common_step() == []
+    assert peer.store.steps(0) == [3, 2] and peer.store.steps(1) == [2, 1]
+
+
+def test_a_rank_that_left_the_node_holds_no_other_back(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    # Given rank 1 committed here in generation 0 only (its node rank went to another node since:
+    # this node now runs rank 0 alone)
+    peer = make_peer()
+    local = {0, 1}
+    replicator = fed_by(
+        memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH, local_ranks=lambda: local
+    )
+    replicators.append(replicator)
+    for rank, step in ((1, 1), (0, 1)):
+        write_slot(memory, rank, step % 2, snapshot(10 * rank + step))
+        memory.commit(rank, step, step % 2, len(snapshot(1)), {"step": step}, round=0)
+    eventually(lambda: peer.store.steps(1) == [1] and peer.store.steps(0) == [1])
+    local.discard(1)
+    # When rank 0 trains on in generation 1
+    for step in (2, 3, 4):
+        write_slot(memory, 0, step % 2, snapshot(step))
+        memory.commit(0, step, step % 2, len(snapshot(step)), {"step": step}, round=1)
+        assert memory.pass_gates(0, step) < 5
+    # Then each of its steps reaches the peer
+    eventually(lambda: peer.store.steps(0) == [4, 3])
+
+
+def test_in_a_new_generation_a_rank_that_has_not_committed_yet_still_holds_the_others_back(
+    memory: NodeMemoryTier, make_peer: Callable[[], Peer], replicators: list[Replicator]
+) -> None:
+    # Given ranks 0 and 1 both at step 9 of generation 0 at the peer
+    peer = make_peer()
+    holdings = Holdings(peer.store, (0, 1))
+    replicator = fed_by(
+        memory, SECRET, lambda: [peer.server.address], timeout=TIMEOUT, refresh=REFRESH, local_ranks=lambda: (0, 1)
+    )
+    replicators.append(replicator)
+
+    def commit_in(round_: int, rank: int, step: int) -> None:
+        write_slot(memory, rank, step % 2, snapshot(10 * rank + step))
+        memory.commit(rank, step, step % 2, len(snapshot(1)), {"step": step}, round=round_)
+
+    for step in (8, 9):
+        for rank in (0, 1):
+            commit_in(0, rank, step)
+        eventually(lambda step=step: peer.store.steps(0)[:1] == peer.store.steps(1)[:1] == [step])
+    # When, after a recovery into generation 1, rank 0 commits steps 10 and 11 before rank 1's
+    # first commit of the new generation reaches the agent
+    commit_in(1, 0, 10)
+    eventually(lambda: peer.store.steps(0)[0] == 10)
+    commit_in(1, 0, 11)
+    with contextlib.suppress(AssertionError):  # give rank 0's push the time to go (it should not)
+        wait_until(lambda: 11 in peer.store.steps(0), timeout=0.5)
+    commit_in(1, 1, 10)
+    eventually(lambda: peer.store.steps(0)[0] == 11 and peer.store.steps(1)[0] == 10)
+    # Then the peer held a step of both ranks at every moment
+    assert holdings.without_a_common_step() == []

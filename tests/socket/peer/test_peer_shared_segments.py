@@ -334,3 +334,27 @@ def test_a_push_whose_sender_was_superseded_during_the_transfer_is_not_kept(
         assert store.steps(0) == []
     finally:
         server.close()
+
+
+def test_a_replica_kept_by_reference_is_not_dropped_while_another_rank_holds_no_newer_step(
+    server: ReplicaServer, store: ReplicaStore, memory: NodeMemoryTier
+) -> None:
+    # Given ranks 0 and 2 of another node, both replicated at step 5 by reference to this node's
+    # own step 5, and rank 0 already at step 6 while rank 2's step 6 has not arrived (in flight
+    # when that node was lost)
+    weight = torch.randn(1000, generator=torch.Generator().manual_seed(12))
+    commit_to_memory(memory, 1, 5, _ddp_snapshot(weight, own=1), None)
+    for rank in (0, 2):
+        sent = _ddp_snapshot(torch.zeros_like(weight), own=7 + rank)
+        assert push_view(server.address, SECRET, _shared_announce(sent, rank, 5), memoryview(sent), Deadline.total(5))
+    whole = _ddp_snapshot(weight + 1, own=7)
+    plain = Announce(0, 6, None, len(whole), None, snapshot_bounds(memoryview(whole)))
+    assert push_view(server.address, SECRET, plain, memoryview(whole), Deadline.total(5))
+    # When this node's rank commits step 6 (its worker may then rewrite step 5's slot)
+    commit_to_memory(memory, 1, 6, _ddp_snapshot(weight + 1, own=1), None)
+    # Then rank 0's step 5 is kept (its bytes copied in), not dropped for its newer step: step 5 is
+    # the only step of both, what a restore of their node needs
+    assert store.steps(0) == [6, 5] and store.steps(2) == [5]
+    commit_to_memory(memory, 1, 7, _ddp_snapshot(weight + 2, own=1), None)  # step 5's slot rewritten
+    assert bytes(fetch(server.address, SECRET, 0, 5, timeout=SHORT)[0]) == _ddp_snapshot(weight, own=7)
+    assert bytes(fetch(server.address, SECRET, 2, 5, timeout=SHORT)[0]) == _ddp_snapshot(weight, own=9)
