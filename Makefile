@@ -36,9 +36,12 @@ test-tools:
 demo: install
 	$(PY) examples/demo/resilient_demo.py
 
+# Every test's time goes to build/test-times.xml (JUnit XML) and each worker's timeline to
+# build/test-timeline (python -m tools.suite_timeline): where the suite's budget goes.
 test: install test-tools
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
-	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark --durations=25
+	rm -rf build/test-timeline
+	TEST_TIMELINE_DIR=build/test-timeline $(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark --durations=25 --junitxml=build/test-times.xml
 
 # The quick subset: unit, contract, socket and CLI tests, no launcher started (a minute or so on 2 cores).
 quick: install test-tools

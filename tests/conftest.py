@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+pytest_plugins = ["tests.timeline"]
+
 _STRIP_PREFIXES = ("RESILRUN_", "PET_", "TORCHELASTIC_")
 _STRIP_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
 

@@ -292,8 +292,53 @@ def _without_sleep(args: tuple[str, ...]) -> list[str]:
     return kept
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
+    """Keep each phase's report on the test, so a fixture can tell at teardown that it failed."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
+
+def explain_failure(request: pytest.FixtureRequest, launches: list[Launch]) -> None:
+    """After a failed test, print what its launches said and recorded last (into the test's report):
+    a launch still running when a timeout ended the test leaves nothing else to read."""
+    report = getattr(request.node, "report_call", None)
+    if report is None or not report.failed:
+        return
+    for launch in launches:
+        running = launch.popen.poll() is None
+        _say(f"--- launch {launch.pid} ({'still running' if running else 'exited'}): {launch.log.name}")
+        _say(launch.stdout()[-1500:])
+        _say(launch.stderr()[-4000:])
+        for record in recorded(launch.stderr())[-25:]:
+            _say(json.dumps(record, sort_keys=True)[:400])
+        if running:
+            _dump_stacks(launch)
+
+
+def _dump_stacks(launch: Launch) -> None:
+    """Where a hung launch's processes are: their states, then each worker's Python stacks."""
+    for proc in _tree(launch.pid):
+        with contextlib.suppress(psutil.Error):
+            _say(f"pid {proc.pid} {proc.status()} {' '.join(proc.cmdline())[:160]}")
+    _say(worker_stacks(launch, settle_s=1.5))
+
+
+def _say(text: str) -> None:
+    """To the test's captured output (shown with its failure)."""
+    sys.stdout.write(f"{text}\n")
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    return []
+
+
 @pytest.fixture
-def launcher(tmp_path: Path) -> Iterator:
+def launcher(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
     """Factory: launcher(kind, *args) with kind 'resilrun' or 'torchrun'; reaps everything."""
     launches: list[Launch] = []
 
@@ -305,6 +350,7 @@ def launcher(tmp_path: Path) -> Iterator:
         return launch
 
     yield start
+    explain_failure(request, launches)
     for launch in launches:
         launch.close()
 
@@ -314,7 +360,7 @@ PORT = 29400  # the rendezvous port: every host has a network of its own, no por
 
 
 @pytest.fixture
-def cluster_of(tmp_path: Path) -> Iterator:
+def cluster_of(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
     """cluster_of(n) -> (Cluster, start(host, *resilrun_args, env=, cwd=) -> Launch); removes everything after."""
     why = available()
     if why is not None:
@@ -340,6 +386,7 @@ def cluster_of(tmp_path: Path) -> Iterator:
         return cluster, start
 
     yield make
+    explain_failure(request, launches)
     for launch in launches:
         launch.close()
     for cluster in clusters:
