@@ -12,8 +12,10 @@ spent:
    its 2048² multiply, and how long it took: on the recovery's critical path for a spare);
 2. ``nccl_inprocess``: a worker SIGKILLed at step 12 under ``--spares 1`` on NCCL: the hot spare
    takes its rank in its process, the job ends bitwise equal to a failure-free run (its checksum);
-   the recovery's timeline from the events; with one GPU the job has one rank, so the spare is the
-   only rank: NCCL is initialised again in a new process on the same device;
+   the recovery's timeline from the events, and each rank's first collective per generation (the
+   spare's bounded hand-off check; NCCL sets up its communicator there); with one GPU the job has
+   one rank, so the spare is the only rank: NCCL is initialised again in a new process on the same
+   device;
 3. ``nccl_restart``: the same kill with ``--spares 0 --max-restarts 1`` (the restart path on NCCL);
 4. ``captured_torn_save``: the tutorial-style script (``torch.save`` of its own snapshot) on NCCL with
    one save torn by the writer's death, under ``--capture-dir``: it must finish (torchrun cannot);
@@ -124,8 +126,15 @@ def main() -> int:
                                       "--checksum-file", str(out / "inprocess.sha")], 150, env=kill)  # fmt: skip
         if hot is not None and clean is not None:
             logged = (out / "nccl_inprocess.log").read_text(errors="replace")
-            recovered = [e for e in events_of(logged) if e.get("event") == "recovered"]
+            seen = events_of(logged)
+            recovered = [e for e in seen if e.get("event") == "recovered"]
             hot["recovered"] = recovered[-1] if recovered else None
+            # The hand-off's first collective per rank and generation (NCCL sets up its communicator there)
+            hot["first_collective_s"] = [
+                (e.get("round"), e.get("rank"), e.get("first_collective_s"))
+                for e in seen
+                if e.get("event") == "collectives_rebuilt"
+            ]
             hot["bitwise_equal"] = (
                 (out / "inprocess.sha").exists()
                 and (out / "clean.sha").exists()

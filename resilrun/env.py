@@ -25,6 +25,9 @@ STOP_EXIT_CODES = (STATE_LOST_EXIT_CODE, STATE_REFUSED_EXIT_CODE)
 UNHEALTHY_EXIT_CODE = 78
 # The median multiply rate (GFLOP/s) the node's processes measured, given to a spare with its rank.
 EXPECTED_GFLOPS_ENV = "RESILRUN_EXPECTED_GFLOPS"
+# Seconds a promoted spare's first collective with the others may take (worker/health.py's
+# PEER_BUDGET_S when unset): a tuning knob for very large jobs, and how the tests keep it short.
+PEER_CHECK_ENV = "RESILRUN_PEER_CHECK_S"
 
 # Secrets the agent reads from its own environment and no worker needs: job_secret.SECRET_ENV and
 # rendezvous.factory.ETCD_PASSWORD_ENV (named here, not imported: this module is a leaf).
@@ -250,6 +253,7 @@ class WorkerVariables:
     max_overhead: float = 0.03  # --max-overhead, as a fraction of step time
     replicate_auto: bool = False  # --replicate-every auto: Job.commit says which snapshots go to peers
     expected_gflops: float | None = None  # the node's device rate, for a spare's check (worker/health.py)
+    peer_check_s: float | None = None  # a promoted spare's first-collective budget (None: health.PEER_BUDGET_S)
 
 
 def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVariables:
@@ -274,6 +278,7 @@ def read_worker_variables(environ: Mapping[str, str] | None = None) -> WorkerVar
         max_overhead=float(env.get("RESILRUN_MAX_OVERHEAD", "3")) / 100,
         replicate_auto=env.get("RESILRUN_REPLICATE_EVERY") == "auto",
         expected_gflops=float(env[EXPECTED_GFLOPS_ENV]) if env.get(EXPECTED_GFLOPS_ENV) else None,
+        peer_check_s=float(env[PEER_CHECK_ENV]) if env.get(PEER_CHECK_ENV) else None,
     )
 
 

@@ -291,7 +291,8 @@ WORKER_EXIT_CODES = [
     (
         UNHEALTHY_EXIT_CODE,
         "its device failed the check before it took its rank (it did not answer within 20 s, or a GPU "
-        "multiplied at under half its node's rate): the next spare takes the rank in-process "
+        "multiplied at under half its node's rate), or, a spare given a rank, its first collective with the "
+        "other ranks did not complete within 60 s: the next spare takes the rank in-process "
         "(`device_unhealthy` event, docs/status.md)",
     ),
 ]

@@ -66,6 +66,7 @@ _FALLBACKS = {
     "dataloader_workers": "a failed generation's DataLoader workers end only when their iterator is collected",
     "ddp_hook_removal": "a failed generation's DDP keeps its hooks on a model kept across a re-run until collected",
     "default_group_read": "hot spares wait for their rank before the script's first line (no head start)",
+    "default_store": "a spare's hand-off budget starts at its group's set-up, not once every rank arrived",
 }
 _WARNED: set[str] = set()
 
@@ -146,6 +147,11 @@ def _default_group_probe() -> property | None:
     return prop
 
 
+@functools.cache
+def _default_store_probe() -> bool:
+    return callable(getattr(dist.distributed_c10d, "_get_default_store", None))
+
+
 _PROBES: dict[str, Callable[[], Any]] = {
     "deferred_ddp_sync": _sync_helpers,
     "ddp_bucket_rebuild": _bucket_rebuild_probe,
@@ -156,6 +162,7 @@ _PROBES: dict[str, Callable[[], Any]] = {
     "dataloader_workers": _loader_iterator_probe,
     "ddp_hook_removal": _hook_removal_probe,
     "default_group_read": _default_group_probe,
+    "default_store": _default_store_probe,
 }
 
 
@@ -310,6 +317,14 @@ def stop_dataloader_workers() -> int:
                 logger.debug("shutting down a DataLoader iterator's workers: %s", exc)
     _LOADER_ITERATORS.clear()
     return stopped
+
+
+def default_store() -> Any | None:
+    """The store the default group was set up with (None: not reachable on this torch)."""
+    if not _default_store_probe():
+        _fall_back("default_store")
+        return None
+    return dist.distributed_c10d._get_default_store()
 
 
 def can_wait_on_default_group() -> bool:

@@ -12,6 +12,8 @@
                                          a recovery: the others are mid-restore)
     unhealthy:rank=1,round=1         the device check of the process that joins rank 1 in
                                      generation 1 fails (a spare on a device that does not answer)
+    isolated:rank=1,round=1          the process that joins rank 1 in generation 1 never completes
+                                     its first collective (a spare whose links to the others are down)
 
 ``attempt=N`` (default 0) limits a fault to one restart attempt (TORCHELASTIC_RESTART_COUNT), so
 the recovered run does not fail again. Faults fire at the start of the step, before its work.
@@ -25,7 +27,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-KINDS = ("kill", "exit", "raise", "hang", "stall", "unhealthy")
+KINDS = ("kill", "exit", "raise", "hang", "stall", "unhealthy", "isolated")
+_JOINING = ("unhealthy", "isolated")  # faults of the process that joins a generation, not of a step
 # ``step=restore``: the fault fires while the rank restores a snapshot, after the restore plan was
 # agreed with the other ranks and before its state is loaded.
 RESTORE_STEP = -1
@@ -38,7 +41,7 @@ class Fault:
     step: int
     attempt: int = 0
     code: int = 1
-    round: int = 0  # ``unhealthy`` only: the generation whose joining process fails its device check
+    round: int = 0  # ``unhealthy``, ``isolated``: the generation whose joining process fails its check
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:
@@ -60,7 +63,7 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
                     f"fault field {item!r} in {part!r} is not rank|step|attempt|code|round=INT or step=restore"
                 )
             fields[key] = int(value)
-        when = "round" if kind == "unhealthy" else "step"
+        when = "round" if kind in _JOINING else "step"
         if "rank" not in fields or when not in fields:
             raise ValueError(f"fault {part!r} needs rank= and {when}=")
         fields.setdefault("step", 0)
@@ -71,7 +74,7 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
 def fire(faults: tuple[Fault, ...], *, rank: int, step: int, attempt: int) -> None:
     """Inject the fault planned for (rank, step, attempt), if any."""
     for fault in faults:
-        if fault.kind == "unhealthy" or (fault.rank, fault.step, fault.attempt) != (rank, step, attempt):
+        if fault.kind in _JOINING or (fault.rank, fault.step, fault.attempt) != (rank, step, attempt):
             continue
         sys.stdout.flush()
         sys.stderr.flush()
@@ -95,3 +98,8 @@ def unhealthy(faults: tuple[Fault, ...], *, rank: int, round: int) -> str:
         if fault.kind == "unhealthy" and (fault.rank, fault.round) == (rank, round):
             return f"injected: the device did not answer (unhealthy:rank={rank},round={round})"
     return ""
+
+
+def isolated(faults: tuple[Fault, ...], *, rank: int, round: int) -> bool:
+    """Whether the process joining ``rank`` in generation ``round`` is to hang in its first collective."""
+    return any(f.kind == "isolated" and (f.rank, f.round) == (rank, round) for f in faults)

@@ -35,7 +35,7 @@ from resilrun.env import (
 from resilrun.worker import _ddp_sync, _torch_compat, health, pending
 from resilrun.worker._abort import GenerationWatchdog, SetupGuard, opened_since, peer_hosts, shut_down, tcp_sockets
 from resilrun.worker.agent_client import AgentClient
-from resilrun.worker.faults import parse_faults, unhealthy
+from resilrun.worker.faults import isolated, parse_faults, unhealthy
 from resilrun.worker.job import Job, Seat
 from resilrun.worker.snapshot import Snapshotter
 
@@ -54,6 +54,8 @@ _RERUN_REFUSED: str | None = None
 # Set while init() builds the API's own group: the --rerun-in-process wrapper must leave it alone.
 _API_JOINING = False
 _DEVICE_CHECKED = False  # this process's device passed its check (once per process: worker/health.py)
+# A spare given a rank, until it completed its first collective with the others (health.hand_off).
+_PROMOTED = False
 # A spare asks again after this long, so a wedged agent shows up as an error, not a silent hang.
 _SPARE_POLL_S = 60.0
 
@@ -146,13 +148,25 @@ def _join(job: Job, backend: str | None, timeout: timedelta | None) -> Seat:
         max_overhead=variables.max_overhead,
         replicate_auto=variables.replicate_auto,
     )
+    first_collective_s = None
     if variables.agent_socket:
         _ddp_sync.install()
         job._watchdog = _follow_generations(
             variables.agent_socket, variables.round, before, group_sockets, variables.heartbeat_interval_s
         )
+        if snapshotter is not None:  # the API's own group (a plain script's is its own business)
+            try:
+                first_collective_s = _hand_off(device, variables)
+            except BaseException:
+                # This generation is over for this process: the next one has its own watchdog and
+                # snapshots. It took part in it (its group was set up): its failure is recovered
+                # in-process like a broken collective, from the first generation on.
+                job._watchdog.disarm()
+                snapshotter.close()
+                _took_part()
+                raise
     if pg_seconds is not None and snapshotter is not None:
-        _report_joined(snapshotter, variables.round, pg_seconds)
+        _report_joined(snapshotter, variables.round, pg_seconds, first_collective_s)
     return seat
 
 
@@ -167,20 +181,71 @@ def _check_device(client: AgentClient, device: torch.device, variables: WorkerVa
     plan = parse_faults(variables.faults)
     check = health.check_device(device, fail=unhealthy(plan, rank=variables.rank, round=variables.round))
     reason = health.judge(check, variables.expected_gflops)
-    detail = {**check.to_dict(), "reason": reason, "round": variables.round}
+    detail = {**check.to_dict(), "reason": reason, "round": variables.round, "check": "device"}
     detail["expected_gflops"] = variables.expected_gflops
     client.call(Report(pid=os.getpid(), rank=variables.rank, event="device_checked", detail=detail))
     if reason:
-        logger.error("this process's device failed its check; it does not take rank %d: %s", variables.rank, reason)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(UNHEALTHY_EXIT_CODE)
+        _exit_unhealthy(variables.rank, f"its device failed its check: {reason}")
 
 
-def _report_joined(snapshotter: Snapshotter, generation: int, seconds: float) -> None:
+def _hand_off(device: torch.device, variables: WorkerVariables) -> float:
+    """The generation's first collective (worker/health.py): bounded for a spare given a rank, which
+    ends the process with ``UNHEALTHY_EXIT_CODE`` when it cannot complete it in time."""
+    global _PROMOTED
+    promoted = _PROMOTED
+    budget = (variables.peer_check_s or health.PEER_BUDGET_S) if promoted else None
+
+    def overdue(budget_s: float) -> None:
+        reason = f"its first collective with the other ranks did not complete within {budget_s:g} s"
+        detail = {"device": str(device), "reason": reason, "round": variables.round, "check": "collective"}
+        try:
+            client = AgentClient(variables.agent_socket or "")
+            client.call(Report(pid=os.getpid(), rank=variables.rank, event="device_checked", detail=detail))
+        except Exception as exc:  # noqa: BLE001 - the exit code alone still tells the agent
+            logger.debug("could not report the failed collective: %s", exc)
+        _exit_unhealthy(variables.rank, reason)
+
+    hang = promoted and isolated(parse_faults(variables.faults), rank=variables.rank, round=variables.round)
+    arrive, everyone_here = _arrivals(variables)
+    arrive()
+    seconds = health.hand_off(device, budget, overdue, hang=hang, everyone_here=everyone_here)
+    _PROMOTED = False  # only now: a spare whose hand-off broke (another failure) is still new to the next one
+    return seconds
+
+
+def _arrivals(variables: WorkerVariables) -> tuple[Callable[[], None], Callable[[], None] | None]:
+    """Each rank counts itself in the group's store as it reaches the hand-off; a promoted spare's
+    budget starts once all have (``everyone_here``), so that it is not charged for the others'
+    re-entry (setting up an NCCL group waits for no one). Without the store: both do nothing."""
+    store = _torch_compat.default_store()
+    if store is None:
+        return lambda: None, None
+    key = f"resilrun/hand-off/{variables.round}"
+
+    def arrive() -> None:
+        if store.add(key, 1) == variables.world_size:
+            store.set(f"{key}/all", b"1")
+
+    return arrive, lambda: store.wait([f"{key}/all"])
+
+
+def _took_part() -> None:
+    global _TOOK_PART
+    _TOOK_PART = True
+
+
+def _exit_unhealthy(rank: int, reason: str) -> None:
+    logger.error("this process does not take rank %d: %s", rank, reason)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(UNHEALTHY_EXIT_CODE)
+
+
+def _report_joined(snapshotter: Snapshotter, generation: int, seconds: float, first_collective_s: float | None) -> None:
     """The process group's set-up time, for the agent's recovery timeline (informational)."""
     try:
-        snapshotter.report("collectives_rebuilt", round=generation, at=time.time(), seconds=round(seconds, 6))
+        extra = {} if first_collective_s is None else {"first_collective_s": round(first_collective_s, 6)}
+        snapshotter.report("collectives_rebuilt", round=generation, at=time.time(), seconds=round(seconds, 6), **extra)
     except Exception as exc:  # noqa: BLE001 - the timeline is informational
         logger.debug("could not report collectives_rebuilt to the agent: %s", exc)
 
@@ -412,8 +477,8 @@ def _await_assignment() -> dict[str, str]:
 
 
 def _take_assignment(env: Mapping[str, str]) -> None:
-    global _TOOK_PART
-    _TOOK_PART = True
+    global _TOOK_PART, _PROMOTED
+    _TOOK_PART = _PROMOTED = True
     apply_assignment(env)
 
 

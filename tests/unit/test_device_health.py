@@ -3,17 +3,20 @@ what the agent does with a spare that fails it (the next spare takes the rank, n
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from resilrun.agent.supervision.rounds import RoundEnd
 from resilrun.agent.workers.control import WorkerControl
 from resilrun.env import UNHEALTHY_EXIT_CODE
 from resilrun.worker import health
-from resilrun.worker.faults import parse_faults, unhealthy
+from resilrun.worker.faults import isolated, parse_faults, unhealthy
 from tests.unit.test_recovery_paths import World, fail, finish_all, make_job, run_round
 
 
@@ -108,3 +111,54 @@ def test_the_check_leaves_the_scripts_random_stream_alone() -> None:
     torch.manual_seed(1)
     assert health.check_device(torch.device("cpu")).reason == ""
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_isolation_is_injected_for_the_process_joining_one_rank_in_one_generation() -> None:
+    plan = parse_faults("kill:rank=1,step=8;isolated:rank=1,round=1")
+    assert isolated(plan, rank=1, round=1)
+    assert not isolated(plan, rank=1, round=2) and not isolated(plan, rank=0, round=1)
+    with pytest.raises(ValueError, match="needs rank= and round="):
+        parse_faults("isolated:rank=1")
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_first_collective_completes_and_is_timed_without_a_budget_left_running(world_of_one: None) -> None:
+    overdue: list[float] = []
+    seconds = health.hand_off(torch.device("cpu"), 0.2, overdue.append, hang=False)
+    assert 0 <= seconds < 0.2
+    time.sleep(0.3)
+    assert overdue == []  # done in time: the budget's timer was cancelled
+
+
+def test_a_first_collective_past_its_budget_is_told_overdue(world_of_one: None) -> None:
+    # Given an isolated process (its all-reduce never completes); hand_off blocks, so on a thread
+    overdue = threading.Event()
+    budgets: list[float] = []
+
+    def told(budget_s: float) -> None:
+        budgets.append(budget_s)
+        overdue.set()
+
+    threading.Thread(
+        target=health.hand_off, args=(torch.device("cpu"), 0.2, told), kwargs={"hang": True}, daemon=True
+    ).start()
+    # Then the process is told once its budget is spent (the caller's ``overdue`` ends the process)
+    assert overdue.wait(5)
+    assert budgets == [0.2]
+
+
+def test_the_budget_starts_once_every_rank_reached_the_hand_off(world_of_one: None) -> None:
+    # Given the others still re-running their set-up for longer than the budget
+    overdue: list[float] = []
+    seconds = health.hand_off(
+        torch.device("cpu"), 0.2, overdue.append, hang=False, everyone_here=lambda: time.sleep(0.4)
+    )
+    # Then the spare is not charged for their time: its collective took far less than its budget
+    time.sleep(0.3)
+    assert overdue == [] and seconds < 0.2

@@ -63,6 +63,7 @@ def test_the_report_names_every_probe_with_its_fallback() -> None:
         "dataloader_workers",
         "ddp_hook_removal",
         "default_group_read",
+        "default_store",
     ]
     assert [p.name for p in probes] == names
     assert all(p.fallback for p in probes)

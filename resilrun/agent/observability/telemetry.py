@@ -299,7 +299,7 @@ class AgentTelemetry(Telemetry):
             self.metrics.on_straggler(kind, rank, evidence)
 
     def device_unhealthy(self, rank: int, pid: int, check: dict[str, Any]) -> None:
-        fields = ("device", "round", "reason", "answer_s", "gflops", "expected_gflops")
+        fields = ("device", "round", "check", "reason", "answer_s", "gflops", "expected_gflops")
         self.events.record("device_unhealthy", rank=rank, pid=pid, **{k: check.get(k) for k in fields})
 
     def nodes_replaced(

@@ -132,7 +132,10 @@ def _describe_exit(pid: int, exit_code: int) -> str:
             name = f"signal {-exit_code}"
         return f"Signal {-exit_code} ({name}) received by PID {pid}"
     if exit_code == UNHEALTHY_EXIT_CODE:
-        return f"its device failed the check before it took its rank (exit code {exit_code}; device_unhealthy event)"
+        return (
+            f"its device or its first collective failed the check before it took its rank (exit code {exit_code}; "
+            "device_unhealthy event)"
+        )
     return f"exited with code {exit_code} (no error file: the script failed outside Python, or called sys.exit)"
 
 

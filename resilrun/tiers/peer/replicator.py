@@ -15,8 +15,8 @@ exactly one committed step, checked against the crc32s the commit recorded (a sl
 meanwhile is aborted, never sent as complete; the sequence counter only ends such a push early) and
 leased so a reallocation cannot unmap them mid-stream; a slow or dead peer makes replicas lag, each
 peer on its own thread, and is logged once per change. At each peer, a rank is not pushed while it
-is ahead of another local rank of the same generation there (``_in_step``): a peer keeps two steps
-per rank, so it then always holds one step of every rank this node runs.
+is ahead there of another rank this node runs in the generation it follows (``_in_step``): a peer
+keeps two steps per rank, so it then always holds one step of every such rank.
 """
 
 from __future__ import annotations
