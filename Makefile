@@ -38,15 +38,17 @@ demo: install
 
 # Every test's time goes to build/test-times.xml (JUnit XML) and each worker's timeline to
 # build/test-timeline (python -m tools.suite_timeline): where the suite's budget goes.
+# --dist worksteal: with xdist's default (load), one worker took the integration tests in one chunk
+# and ran all of them alone while the other had finished and stood idle for most of the suite.
 test: install test-tools
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
 	rm -rf build/test-timeline
-	TEST_TIMELINE_DIR=build/test-timeline $(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark --durations=25 --junitxml=build/test-times.xml
+	TEST_TIMELINE_DIR=build/test-timeline $(PY) -m pytest -n 2 --dist worksteal -q -p no:cacheprovider -p no:benchmark --durations=25 --junitxml=build/test-times.xml
 
 # The quick subset: unit, contract, socket and CLI tests, no launcher started (a minute or so on 2 cores).
 quick: install test-tools
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
-	$(PY) -m pytest -n 2 -q -p no:cacheprovider -p no:benchmark tests/unit tests/contract tests/socket tests/cli
+	$(PY) -m pytest -n 2 --dist worksteal -q -p no:cacheprovider -p no:benchmark tests/unit tests/contract tests/socket tests/cli
 
 lint: $(PY)
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
