@@ -12,21 +12,20 @@ binding fails (another local agent won the race) it connects as a client.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
-import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from resilrun.errors import StoreConnectionError
 from resilrun.rendezvous.api import RendezvousBackend
-
-if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+from resilrun.rendezvous.c10d_wire import WireClient, WireServer
 
 T = TypeVar("T")
 # A sentinel stored in place of "absent": TCPStore.compare_set treats an empty expected value as
@@ -115,9 +114,9 @@ def _unframe(raw: bytes) -> bytes:
 
 
 class C10dBackend(RendezvousBackend):
-    """See base class. Wraps a connected ``torch.distributed.TCPStore``."""
+    """See base class. Wraps a connected store client (torch's TCPStore protocol)."""
 
-    def __init__(self, store: TCPStore, endpoint: str, timeout: timedelta = timedelta(seconds=60)) -> None:
+    def __init__(self, store: WireClient, endpoint: str, timeout: timedelta = timedelta(seconds=60)) -> None:
         """``timeout``: the most any one operation may take (``--rdzv-conf read_timeout``)."""
         self.store = store
         self.endpoint = endpoint
@@ -182,27 +181,57 @@ def is_local_address(host: str) -> bool:
     return False
 
 
-def host_store(host: str, port: int, timeout: timedelta) -> TCPStore:
-    """Bind a TCPStore server on ``port`` (0 = any free port).
+class HostedStore(WireClient):
+    """A store server this process hosts (torch's TCPStore protocol, resilrun/rendezvous/c10d_wire.py)
+    and this process's own client of it; the server stops with ``close`` or when it is dropped."""
 
-    TCPStore itself listens on every interface whatever ``host`` says, and the store holds the
-    job's secret. So when ``host`` is a literal IP address other than a wildcard (the user named
-    the exact address, e.g. ``--rdzv-endpoint 127.0.0.1:29400``), the listening socket is bound
-    here to that address only and handed to TCPStore. A host *name* keeps torchrun's wildcard:
-    the name may resolve differently here (127.0.1.1 from /etc/hosts) than on the other nodes.
+    def __init__(self, server: WireServer, timeout_s: float) -> None:
+        self._server = server
+        bound = server.address
+        if bound in ("0.0.0.0", "::"):  # noqa: S104 - a wildcard: reach it on loopback
+            bound = "127.0.0.1" if server.family == socket.AF_INET else "::1"
+        super().__init__(bound, server.port, timeout_s)
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    def close(self) -> None:
+        super().close()
+        self._server.close()
+
+    def __del__(self) -> None:  # as a dropped TCPStore does: nothing of it stays open
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def host_store(host: str, port: int, timeout: timedelta) -> HostedStore:
+    """Bind a store server on ``port`` (0 = any free port).
+
+    The store holds the job's secret. So when ``host`` is a literal IP address other than a wildcard
+    (the user named the exact address, e.g. ``--rdzv-endpoint 127.0.0.1:29400``), the server listens
+    on that address only. A host *name* keeps torchrun's wildcard: the name may resolve differently
+    here (127.0.1.1 from /etc/hosts) than on the other nodes.
     """
-    from torch.distributed import TCPStore
-
     listener = _bind_exact(host, port)
     if listener is None:
-        return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
-    bound_port = listener.getsockname()[1]
-    fd = listener.detach()  # TCPStore owns the descriptor from here on (it does not dup it)
+        listener = _bind_any(port)
+    server = WireServer(listener)
     try:
-        return TCPStore(host, bound_port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd)
+        return HostedStore(server, timeout.total_seconds())
     except BaseException:
-        os.close(fd)
+        server.close()
         raise
+
+
+def _bind_any(port: int) -> socket.socket:
+    """Every interface, IPv6 and IPv4 where the machine has both (as TCPStore listens)."""
+    if socket.has_dualstack_ipv6():
+        with contextlib.suppress(OSError):
+            return socket.create_server(
+                ("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=socket.SOMAXCONN
+            )
+    return socket.create_server(("0.0.0.0", port), backlog=socket.SOMAXCONN)  # noqa: S104 - torchrun's wildcard
 
 
 def _bind_exact(host: str, port: int) -> socket.socket | None:
@@ -229,26 +258,27 @@ def _bind_exact(host: str, port: int) -> socket.socket | None:
     return listener
 
 
-def connect_store(host: str, port: int, timeout: timedelta) -> TCPStore:
-    """Connect to a TCPStore server, failing with a clear error after ``timeout``."""
-    from torch.distributed import TCPStore
-
+def connect_store(host: str, port: int, timeout: timedelta) -> WireClient:
+    """Connect to a store server, failing with a clear error after ``timeout`` (the host may still
+    be starting: refused connections are retried until then, as torch's client does)."""
     endpoint = f"{host}:{port}"
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.01
+    while True:
+        try:
+            return WireClient(host, port, timeout.total_seconds())
+        except OSError as exc:
+            if time.monotonic() + pause >= deadline:
+                raise StoreConnectionError(
+                    f"could not reach the rendezvous store at {endpoint} within {timeout.total_seconds():g} s",
+                    hint="check --rdzv-endpoint, that the first node is up, and firewalls; "
+                    "raise the wait with --rdzv-conf read_timeout=SECONDS",
+                ) from exc
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
-    def connect() -> TCPStore:
-        return TCPStore(host, port, is_master=False, timeout=timeout)
 
-    try:
-        return _call(endpoint, connect)
-    except StoreConnectionError as exc:
-        raise StoreConnectionError(
-            f"could not reach the rendezvous store at {endpoint} within {timeout.total_seconds():g} s",
-            hint="check --rdzv-endpoint, that the first node is up, and firewalls; "
-            "raise the wait with --rdzv-conf read_timeout=SECONDS",
-        ) from exc.__cause__
-
-
-def open_store(host: str, port: int, *, is_host: bool | None, timeout: timedelta) -> tuple[TCPStore, bool]:
+def open_store(host: str, port: int, *, is_host: bool | None, timeout: timedelta) -> tuple[WireClient, bool]:
     """Host or connect to the rendezvous store; returns ``(store, hosting)``."""
     if is_host is None:
         is_host = port == 0 or is_local_address(host)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import selectors
 import socket
 import struct
@@ -27,6 +28,8 @@ import threading
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 MAGIC = 0x3C85F7CE
 STOP_WAITING = 0
@@ -115,6 +118,9 @@ class WireClient:
     def __init__(self, host: str, port: int, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        # As torch's client: no deadline on an answer once connected (a deadline mid-answer would
+        # leave its late bytes to be read as the next answer); a WAIT's own timeout is the exception.
+        self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
         nonce = threading.get_native_id() & 0xFFFFFFFF
@@ -210,13 +216,13 @@ class WireClient:
         try:
             answer = self._u8()
         except TimeoutError:
-            self._sock.settimeout(self.timeout_s)
+            self._sock.settimeout(None)
             self._send(_U8.pack(Query.CANCEL_WAIT))
             if self._u8() == STOP_WAITING:  # the keys came as the wait was cancelled
                 self._u8()
             raise TimeoutError(f"keys {list(keys)} not set within {timeout_s:g} s") from None
         finally:
-            self._sock.settimeout(self.timeout_s)
+            self._sock.settimeout(None)
         if answer != STOP_WAITING:
             raise ConnectionError(f"unexpected answer {answer} to a wait")
 
@@ -254,10 +260,25 @@ class WireServer:
     def port(self) -> int:
         return int(self._listener.getsockname()[1])
 
+    @property
+    def address(self) -> str:
+        return str(self._listener.getsockname()[0])
+
+    @property
+    def family(self) -> int:
+        return int(self._listener.family)
+
+    def stop(self) -> None:
+        """Ask the server to stop (its thread closes every connection and the listener)."""
+        if not self._stopping:
+            self._stopping = True
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+
     def close(self) -> None:
-        self._stopping = True
-        self._wake_w.send(b"x")
-        self._thread.join(5)
+        self.stop()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
 
     def _serve(self) -> None:
         try:
@@ -268,7 +289,11 @@ class WireServer:
                     elif key.data == "wake":
                         self._wake_r.recv(64)
                     else:
-                        self._readable(key.data)
+                        try:
+                            self._readable(key.data)
+                        except Exception:  # one connection's trouble never ends the server
+                            logger.exception("store server: dropping a connection after an error")
+                            self._drop(key.data)
         finally:
             for key in list(self._selector.get_map().values()):
                 key.fileobj.close()  # type: ignore[union-attr]
@@ -278,10 +303,14 @@ class WireServer:
     def _accept(self) -> None:
         try:
             sock, _ = self._listener.accept()
-        except BlockingIOError:
+        except OSError:  # nothing to accept after all, or a client gone before it was accepted
             return
-        sock.setblocking(True)  # answers are small: sent whole (a slow reader only delays itself)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setblocking(True)  # answers are small: sent whole (a slow reader only delays itself)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            sock.close()
+            return
         self._selector.register(sock, selectors.EVENT_READ, _Conn(sock))
 
     def _readable(self, conn: _Conn) -> None:

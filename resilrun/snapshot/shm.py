@@ -20,8 +20,10 @@ import mmap
 import os
 import struct
 import threading
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _PAGE = mmap.PAGESIZE
 
@@ -35,7 +37,7 @@ class SharedBuffer:
         self.owner = owner
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self._map = mmap.mmap(fd, max(nbytes, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1))
+        self._tensor: torch.Tensor | None = None
         self._state = threading.Lock()
         self._leases = 0
         self._retired = False  # close() was called: no new leases; unmapped when the last one ends
@@ -53,7 +55,7 @@ class SharedBuffer:
             os.close(fd)
             raise
         if populate:
-            buffer.tensor.zero_()  # allocate every page now, not on the training path
+            buffer.zero()  # allocate every page now, not on the training path
         return buffer
 
     @classmethod
@@ -63,6 +65,27 @@ class SharedBuffer:
 
     def view(self) -> memoryview:
         return memoryview(self._map)[: self.nbytes]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The buffer as a uint8 tensor (workers copy state through it); made on first use, so the
+        agent, which moves bytes only, never imports torch for it."""
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=max(self.nbytes, 1))
+        return self._tensor
+
+    def zero(self) -> None:
+        """Write zeros over the whole mapping, a chunk at a time (touches every page)."""
+        view, chunk = memoryview(self._map), 1 << 24
+        zeros = bytes(min(chunk, len(view)))
+        try:
+            for begin in range(0, len(view), chunk):
+                end = min(begin + chunk, len(view))
+                view[begin:end] = zeros[: end - begin]
+        finally:
+            view.release()
 
     def acquire(self) -> bool:
         """Take a lease: the buffer stays mapped until ``release``; False once it was closed.
@@ -96,7 +119,7 @@ class SharedBuffer:
             self._unmap()
 
     def _unmap(self) -> None:
-        del self.tensor
+        self._tensor = None
         with contextlib.suppress(BufferError):  # a view is still alive; the mapping goes with the process
             self._map.close()
         os.close(self.fd)

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import psutil
-import torch
 
 from resilrun.errors import CheckpointError
 from resilrun.snapshot.crc import crc32
@@ -377,11 +376,15 @@ class NodeMemoryTier:
                 return False
             found, own = sources[0][1], sources[0][2]
             owners = {memory.rank: (c, buffer) for memory, c, buffer in sources[1:]}
-            target = torch.frombuffer(into, dtype=torch.uint8) if len(into) else torch.empty(0, dtype=torch.uint8)
+            target = into.cast("B") if into.format != "B" else into
             pieces = [piece for begin, end in ranges for piece in _segments.pieces(found.borrowed, begin, end)]
             for piece_begin, piece_end, owner in pieces:
                 buffer = own if owner is None else owners[owner][1]
-                target[piece_begin:piece_end].copy_(buffer.tensor[piece_begin:piece_end])
+                source = buffer.view()
+                try:
+                    target[piece_begin:piece_end] = source[piece_begin:piece_end]
+                finally:
+                    source.release()
             if not all(memory.seq.is_stable(c.slot, c.seq) for memory, c, _ in sources):
                 return False
             for piece_begin, piece_end, owner in pieces:
