@@ -188,8 +188,8 @@ class HostedStore(WireClient):
     def __init__(self, server: WireServer, timeout_s: float) -> None:
         self._server = server
         bound = server.address
-        if bound in ("0.0.0.0", "::"):  # noqa: S104 - a wildcard: reach it on loopback
-            bound = "127.0.0.1" if server.family == socket.AF_INET else "::1"
+        if bound in ("0.0.0.0", "::"):  # noqa: S104 - a wildcard: reach it on IPv4 loopback (a
+            bound = "127.0.0.1"  # dual-stack socket takes it; ::1 is missing where IPv6 is disabled)
         super().__init__(bound, server.port, timeout_s)
 
     @property
@@ -266,7 +266,7 @@ def connect_store(host: str, port: int, timeout: timedelta) -> WireClient:
     pause = 0.01
     while True:
         try:
-            return WireClient(host, port, timeout.total_seconds())
+            return WireClient(host, port, timeout.total_seconds(), max(deadline - time.monotonic(), 0.1))
         except OSError as exc:
             if time.monotonic() + pause >= deadline:
                 raise StoreConnectionError(

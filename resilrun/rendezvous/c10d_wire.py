@@ -32,6 +32,10 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x3C85F7CE
+# Far above anything resilrun or torch stores; a length beyond them is a broken or hostile client.
+MAX_VALUE_BYTES = 64 << 20
+MAX_KEY_COUNT = 1 << 20
+OUTBOX_LIMIT = 256 << 20
 STOP_WAITING = 0
 WAIT_CANCELED = 1
 READY, NOT_READY = 0, 1
@@ -101,10 +105,16 @@ class Reader:
         return int(_U64.unpack(self.take(8))[0])
 
     def bytes_(self) -> bytes:
-        return self.take(self.u64())
+        length = self.u64()
+        if length > MAX_VALUE_BYTES:
+            raise ValueError(f"a value of {length} bytes is over {MAX_VALUE_BYTES}")
+        return self.take(length)
 
     def key_list(self) -> list[bytes]:
-        return [self.bytes_() for _ in range(self.u64())]
+        count = self.u64()
+        if count > MAX_KEY_COUNT:
+            raise ValueError(f"{count} keys in one request is over {MAX_KEY_COUNT}")
+        return [self.bytes_() for _ in range(count)]
 
 
 # -- the client ---------------------------------------------------------------------------------
@@ -115,19 +125,24 @@ class WireClient:
     ``delete_key``/``num_keys``, keys as torch's client names them ("/" + key). One caller at a time
     (as torch's client serialises its operations)."""
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, timeout_s: float, connect_timeout_s: float | None = None) -> None:
+        """``timeout_s``: a ``get``'s wait for its key; ``connect_timeout_s`` (default the same):
+        the connection and the server's answer to the opening ping."""
         self.timeout_s = timeout_s
-        self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        self._sock = socket.create_connection((host, port), timeout=connect_timeout_s or timeout_s)
+        self._lock = threading.Lock()
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce = threading.get_native_id() & 0xFFFFFFFF
+            self._send(_U8.pack(Query.VALIDATE) + _U32.pack(MAGIC) + _U8.pack(Query.PING) + _U32.pack(nonce))
+            if self._u32() != nonce:  # within timeout_s: a peer that accepts and says nothing fails too
+                raise ConnectionError(f"{host}:{port} is not a TCPStore (its answer to a ping did not match)")
+        except BaseException:
+            self._sock.close()
+            raise
         # As torch's client: no deadline on an answer once connected (a deadline mid-answer would
         # leave its late bytes to be read as the next answer); a WAIT's own timeout is the exception.
         self._sock.settimeout(None)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._lock = threading.Lock()
-        nonce = threading.get_native_id() & 0xFFFFFFFF
-        self._send(_U8.pack(Query.VALIDATE) + _U32.pack(MAGIC) + _U8.pack(Query.PING) + _U32.pack(nonce))
-        if self._u32() != nonce:
-            self.close()
-            raise ConnectionError(f"{host}:{port} is not a TCPStore (its answer to a ping did not match)")
 
     def close(self) -> None:
         self._sock.close()
@@ -211,6 +226,7 @@ class WireClient:
             return self._i64()
 
     def _wait_locked(self, keys: Sequence[str], timeout_s: float) -> None:
+        timeout_s = max(timeout_s, 1e-3)  # 0 would make the socket non-blocking, not bounded
         self._send(_U8.pack(Query.WAIT) + pack_keys([self._key(k) for k in keys]))
         self._sock.settimeout(timeout_s)
         try:
@@ -234,8 +250,10 @@ class WireClient:
 class _Conn:
     sock: socket.socket
     inbox: bytearray = field(default_factory=bytearray)
+    outbox: bytearray = field(default_factory=bytearray)  # answers the client has not taken yet
     validated: bool = False
     awaited: int = 0  # keys this connection's pending WAIT/BARRIER still needs
+    closed: bool = False
 
 
 class WireServer:
@@ -283,14 +301,17 @@ class WireServer:
     def _serve(self) -> None:
         try:
             while not self._stopping:
-                for key, _ in self._selector.select():
+                for key, events in self._selector.select():
                     if key.data is None:
                         self._accept()
                     elif key.data == "wake":
                         self._wake_r.recv(64)
                     else:
                         try:
-                            self._readable(key.data)
+                            if events & selectors.EVENT_WRITE:
+                                self._flush(key.data)
+                            if events & selectors.EVENT_READ and not key.data.closed:
+                                self._readable(key.data)
                         except Exception:  # one connection's trouble never ends the server
                             logger.exception("store server: dropping a connection after an error")
                             self._drop(key.data)
@@ -306,7 +327,7 @@ class WireServer:
         except OSError:  # nothing to accept after all, or a client gone before it was accepted
             return
         try:
-            sock.setblocking(True)  # answers are small: sent whole (a slow reader only delays itself)
+            sock.setblocking(False)  # one thread serves everyone: no client may make it wait
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             sock.close()
@@ -316,13 +337,15 @@ class WireServer:
     def _readable(self, conn: _Conn) -> None:
         try:
             chunk = conn.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError:
             chunk = b""
         if not chunk:
             self._drop(conn)
             return
         conn.inbox += chunk
-        while conn.inbox:
+        while conn.inbox and not conn.closed:
             reader = Reader(conn.inbox)
             try:
                 answer = self._handle(conn, reader)
@@ -336,18 +359,48 @@ class WireServer:
                 self._answer(conn, answer)
 
     def _answer(self, conn: _Conn, data: bytes) -> None:
+        """Queue an answer and send what the socket takes now; the rest goes when it is writable.
+        A client that takes nothing while ``OUTBOX_LIMIT`` piles up is dropped."""
+        if conn.closed:
+            return
+        conn.outbox += data
+        if len(conn.outbox) > OUTBOX_LIMIT:
+            logger.warning("store server: dropping a client that does not read its answers")
+            self._drop(conn)
+            return
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
         try:
-            conn.sock.sendall(data)
+            sent = conn.sock.send(conn.outbox) if conn.outbox else 0
+        except (BlockingIOError, InterruptedError):
+            sent = 0
         except OSError:
             self._drop(conn)
+            return
+        del conn.outbox[:sent]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            if self._selector.get_key(conn.sock).events != events:
+                self._selector.modify(conn.sock, events, conn)
 
     def _drop(self, conn: _Conn) -> None:
-        for waiting in self._waiters.values():
-            while conn in waiting:
-                waiting.remove(conn)
+        if conn.closed:
+            return
+        conn.closed = True
+        self._forget_waits(conn)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.sock)
         conn.sock.close()
+
+    def _forget_waits(self, conn: _Conn) -> None:
+        for key in [k for k, waiting in self._waiters.items() if conn in waiting]:
+            waiting = [c for c in self._waiters[key] if c is not conn]
+            if waiting:
+                self._waiters[key] = waiting
+            else:
+                del self._waiters[key]
+        conn.awaited = 0
 
     def _handle(self, conn: _Conn, reader: Reader) -> bytes:  # noqa: C901, PLR0911, PLR0912 - one case per query type
         kind = Query(reader.u8())
@@ -398,7 +451,10 @@ class WireServer:
         if kind == Query.MULTI_GET:
             return b"".join(pack_bytes(self._data.get(k, b"")) for k in reader.key_list())
         if kind == Query.MULTI_SET:
-            pairs = [(reader.bytes_(), reader.bytes_()) for _ in range(reader.u64())]
+            count = reader.u64()
+            if count > MAX_KEY_COUNT:
+                raise ValueError(f"{count} keys in one request is over {MAX_KEY_COUNT}")
+            pairs = [(reader.bytes_(), reader.bytes_()) for _ in range(count)]
             for key, value in pairs:
                 self._write(key, value)
             return b""
@@ -446,21 +502,22 @@ class WireServer:
         return b""
 
     def _wake(self, keys: Iterable[bytes], *, one: bool = False) -> None:
+        """A key was written: each wait on it counts it, and one whose keys all exist is answered
+        (``one``: a queue push, which stops at the first wait it completes, as torch's server does;
+        the waits after it stay registered)."""
         for key in keys:
             waiting = self._waiters.pop(key, [])
-            if one and len(waiting) > 1:
-                self._waiters[key] = waiting[1:]
-                waiting = waiting[:1]
-            for conn in waiting:
+            for index, conn in enumerate(waiting):
                 conn.awaited -= 1
                 if conn.awaited == 0:
                     self._answer(conn, _U8.pack(STOP_WAITING))
+                    if one:
+                        if waiting[index + 1 :]:
+                            self._waiters[key] = waiting[index + 1 :]
+                        break
 
     def _cancel(self, conn: _Conn) -> None:
-        for waiting in self._waiters.values():
-            while conn in waiting:
-                waiting.remove(conn)
-        conn.awaited = 0
+        self._forget_waits(conn)
 
 
 def listen(host: str, port: int) -> socket.socket:

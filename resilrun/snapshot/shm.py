@@ -71,6 +71,8 @@ class SharedBuffer:
         """The buffer as a uint8 tensor (workers copy state through it); made on first use, so the
         agent, which moves bytes only, never imports torch for it."""
         if self._tensor is None:
+            if self.closed:
+                raise ValueError("the buffer was unmapped")
             import torch
 
             self._tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=max(self.nbytes, 1))

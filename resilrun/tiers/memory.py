@@ -376,15 +376,10 @@ class NodeMemoryTier:
                 return False
             found, own = sources[0][1], sources[0][2]
             owners = {memory.rank: (c, buffer) for memory, c, buffer in sources[1:]}
-            target = into.cast("B") if into.format != "B" else into
             pieces = [piece for begin, end in ranges for piece in _segments.pieces(found.borrowed, begin, end)]
             for piece_begin, piece_end, owner in pieces:
                 buffer = own if owner is None else owners[owner][1]
-                source = buffer.view()
-                try:
-                    target[piece_begin:piece_end] = source[piece_begin:piece_end]
-                finally:
-                    source.release()
+                _copy(into, buffer.view(), piece_begin, piece_end)
             if not all(memory.seq.is_stable(c.slot, c.seq) for memory, c, _ in sources):
                 return False
             for piece_begin, piece_end, owner in pieces:
@@ -460,3 +455,20 @@ class NodeMemoryTier:
             ranks, self._ranks = list(self._ranks.values()), {}
         for memory in ranks:
             memory.close()
+
+
+_COPY_CHUNK = 64 << 20
+
+
+def _copy(into: memoryview, source: memoryview, begin: int, end: int) -> None:
+    """``into[begin:end] = source[begin:end]`` in chunks: a memoryview copy holds the GIL, and the
+    agent's store server is a Python thread of the same process, which must not wait seconds."""
+    target = into.cast("B") if into.format != "B" else into
+    try:
+        for start in range(begin, end, _COPY_CHUNK):
+            stop = min(start + _COPY_CHUNK, end)
+            target[start:stop] = source[start:stop]
+    finally:
+        source.release()
+        if target is not into:
+            target.release()

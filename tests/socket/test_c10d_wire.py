@@ -3,6 +3,7 @@ against torch's implementation of the other side, and torch's process groups for
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -121,3 +122,53 @@ def test_torchs_process_groups_form_on_our_server(our_server: WireServer) -> Non
     outputs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
     assert [out.split() for out, _ in outputs] == [["6", "2"], ["6", "2"]]
+
+
+def test_a_client_that_never_reads_its_answers_does_not_stop_the_store_for_the_others(our_server: WireServer) -> None:
+    import select
+    import socket
+    import struct
+
+    from resilrun.rendezvous.c10d_wire import MAGIC, Query, pack_bytes
+
+    writer = WireClient("127.0.0.1", our_server.port, 10)
+    writer.set("big", b"x" * (4 << 20))
+    # Given a client that asks for a 4 MiB value again and again and never reads an answer
+    greedy = socket.create_connection(("127.0.0.1", our_server.port))
+    greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    greedy.sendall(struct.pack("<BI", Query.VALIDATE, MAGIC))
+    request = struct.pack("<B", Query.GET) + pack_bytes(b"/big")
+    greedy.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(200):
+            greedy.send(request)
+    readable, _, _ = select.select([greedy], [], [], 10)  # the server is answering it
+    assert readable
+    # When another client uses the store meanwhile, then it is served at once
+    started = time.monotonic()
+    other = WireClient("127.0.0.1", our_server.port, 10, connect_timeout_s=5)
+    other.set("k", b"v")
+    assert other.get("k") == b"v"
+    assert time.monotonic() - started < 2
+    greedy.close()
+
+
+def test_a_peer_that_accepts_and_never_answers_fails_the_connection_within_its_timeout() -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody answers
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            WireClient("127.0.0.1", silent.getsockname()[1], 10, connect_timeout_s=0.5)
+        assert time.monotonic() - started < 3
+
+
+def test_a_hosted_store_on_a_host_name_is_reached_on_ipv4_loopback() -> None:
+    from resilrun.rendezvous.c10d import host_store
+
+    store = host_store("localhost", 0, timedelta(seconds=10))
+    try:
+        store.set("k", b"v")
+        assert WireClient("127.0.0.1", store.port, 10).get("k") == b"v"
+    finally:
+        store.close()
