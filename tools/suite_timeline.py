@@ -20,6 +20,11 @@ def _events(folder: Path) -> dict[str, list[dict]]:
     return workers
 
 
+def _short(test: str, width: int = 120) -> str:
+    """A parametrized id can be kilobytes long (a fuzzed input); a gap's line names it, not shows it."""
+    return test if len(test) <= width else test[: width - 3] + "..."
+
+
 def report(folder: Path, gaps: int = 10) -> str:
     workers = _events(folder)
     if not workers:
@@ -51,7 +56,7 @@ def report(folder: Path, gaps: int = 10) -> str:
         )
     out.append(f"longest gaps between tests ({gaps}):")
     for seconds, name, before, after in sorted(all_gaps, reverse=True)[:gaps]:
-        out.append(f"  {seconds:6.1f} s  {name}  after {before}  before {after}")
+        out.append(f"  {seconds:6.1f} s  {name}  after {_short(before)}  before {_short(after)}")
     out.append("test files by time in tests (20):")
     for path, seconds in sorted(by_file.items(), key=lambda item: -item[1])[:20]:
         out.append(f"  {seconds:7.1f} s  {path}")

@@ -543,13 +543,16 @@ def _open_storage(config: Config) -> Storage | None:
 
 
 def _linger_for_peers(rdzv: RendezvousClient, supervisor: Supervisor, close_timeout_s: float) -> None:
-    """The store host leaves last, so other nodes can read the job's end (bounded wait)."""
+    """The store host leaves last, so other nodes can read the job's end (bounded wait): the nodes
+    that trained and the spare nodes standing by, each of which acknowledges the close it reads
+    (a spare node that polls after the host left reads a reset connection, an error exit)."""
     state = supervisor.last_state
-    expected = len(state.participants) if state is not None else 1
     deadline = time.monotonic() + close_timeout_s
     try:
-        if not rdzv.state().closed:
+        closed = rdzv.state()
+        if not closed.closed:
             return
+        expected = len(state.participants if state is not None else closed.participants) + len(closed.spares)
         while time.monotonic() < deadline and rdzv.closed_acks() < expected:
             time.sleep(0.05)
     except (ResilrunError, ShutdownRequested):

@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,21 @@ def _run(*argv: str) -> None:
     done = subprocess.run(list(argv), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+
+
+def _await_carrier(ns: str, timeout_s: float = 10.0) -> None:
+    """Wait until ``eth0`` in ``ns`` is operationally up. ``ip link set up`` returns before the kernel
+    reports the link running (its link-state events are batched, up to a second apart): an agent
+    started in that window finds no usable interface and stops ("this machine's addresses are:
+    none"), where a real machine's network is up before anything is launched on it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shown = subprocess.run(["ip", "-n", ns, "-o", "link", "show", "eth0"], capture_output=True, text=True)
+        if "state UP" in shown.stdout:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"eth0 in {ns} not up after {timeout_s:g} s: {shown.stdout.strip()}")
+        time.sleep(0.02)
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,8 @@ class Cluster:
             etc.mkdir(parents=True, exist_ok=True)
             others = "".join(f"{h.addr}\t{h.name}\n" for h in self.hosts if h != host)
             (etc / "hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{host.name}\n{others}")
+        for host in self.hosts:
+            _await_carrier(host.ns)
 
     def host(self, name: str) -> Host:
         return next(h for h in self.hosts if h.name == name)
@@ -157,6 +175,7 @@ class Cluster:
     def heal(self, host: Host | str) -> None:
         h = self.host(host) if isinstance(host, str) else host
         _run("ip", "-n", h.ns, "link", "set", "eth0", "up")
+        _await_carrier(h.ns)
 
     def block(self, src: Host | str, dst: Host | str, *, port: int | None = None) -> None:
         """Drop every packet ``src`` sends to ``dst`` (to that TCP port of ``dst`` only, if given)."""
