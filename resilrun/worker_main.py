@@ -105,9 +105,12 @@ _RANK_AT_IMPORT = frozenset({"lightning", "pytorch_lightning", "lightning_fabric
 def script_imports(target: str, as_module: bool) -> list[str]:
     """The installed packages a script imports at its top level, in order (what a spare preloads).
 
-    Only statements at the top level (also inside top-level ``try``/``if`` blocks) and only absolute
-    imports of modules found outside the script's own directory: the user's own modules may read the
-    environment when imported, and they are quick to import anyway.
+    Only statements at the top level (also inside top-level ``try``/``if`` blocks), only those
+    before the script runs any code of its own, and only absolute imports of modules found outside
+    the script's own directory: the user's own modules may read the environment when imported, and
+    they are quick to import anyway. An import after the script's own code may depend on it (an
+    environment variable set, a library patched, a path added): importing it first would run the
+    package in a world the script has not made yet, so the script imports it itself.
     """
     path = _script_path(target) if as_module else target
     if path is None:
@@ -120,14 +123,20 @@ def script_imports(target: str, as_module: bool) -> list[str]:
     local_dir = os.path.dirname(os.path.abspath(path))
     names: list[str] = []
 
-    def visit(body: list[ast.stmt]) -> None:
+    def visit(body: list[ast.stmt]) -> bool:
+        """Collect the imports of ``body``; False once a statement may have run the script's own code."""
         for node in body:
             if isinstance(node, ast.Import):
                 names.extend(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.append(node.module)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 0 and node.module:
+                    names.append(node.module)
             elif isinstance(node, (ast.Try, ast.If)):
-                visit(node.body)
+                if not visit(node.body):
+                    return False
+            elif not _runs_nothing(node):
+                return False
+        return True
 
     visit(tree.body)
     found = []
@@ -137,6 +146,32 @@ def script_imports(target: str, as_module: bool) -> list[str]:
             continue
         found.append(name)
     return found
+
+
+def _runs_nothing(node: ast.stmt) -> bool:
+    """Whether a statement runs none of the script's code: a docstring, ``pass``, a name bound to a
+    literal, or a function defined without decorators (its body runs only when called)."""
+    if isinstance(node, ast.Pass):
+        return True
+    if isinstance(node, ast.Expr):
+        return isinstance(node.value, ast.Constant)
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return all(isinstance(target, ast.Name) for target in targets) and _literal(node.value)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        defaults = [*node.args.defaults, *node.args.kw_defaults]
+        return not node.decorator_list and all(_literal(value) for value in defaults)
+    return False
+
+
+def _literal(node: ast.expr | None) -> bool:
+    if node is None:
+        return True
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
 
 
 def uses_resilrun_api(target: str, as_module: bool) -> bool:

@@ -1,0 +1,66 @@
+"""What a hot spare imports before it has a rank (``worker_main.script_imports``): the installed
+packages the script imports before it runs any code of its own, and no others. An import after a
+statement of the script may depend on it (an environment variable set, a library patched, a path
+added), so importing it first would run the package against a world the script has not made yet.
+Seen with torchtitan: a script patching torch's device lookup before ``from torchtitan.train import
+main`` had its spare import torchtitan first, which then trained on the wrong device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from resilrun.worker_main import script_imports
+
+
+def _imports(tmp_path: Path, source: str) -> list[str]:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    return script_imports(str(script), as_module=False)
+
+
+def test_the_leading_imports_are_preloaded_in_order(tmp_path: Path) -> None:
+    source = '''"""A training script."""
+from __future__ import annotations
+import json
+import torch.nn as nn
+from torch.utils.data import DataLoader
+try:
+    import safetensors
+except ImportError:
+    safetensors = None
+__all__ = ["main"]
+STEPS = 10
+def main() -> None:
+    import tokenizers
+if __name__ == "__main__":
+    import psutil
+    main()
+'''
+    assert _imports(tmp_path, source) == ["json", "torch.nn", "torch.utils.data", "safetensors", "psutil"]
+
+
+def test_imports_after_the_scripts_own_code_are_left_to_the_script(tmp_path: Path) -> None:
+    source = '''import os
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+import tokenizers
+'''
+    assert _imports(tmp_path, source) == ["os"]
+
+
+def test_an_import_after_a_call_in_the_main_block_is_left_to_the_script(tmp_path: Path) -> None:
+    source = '''import sys
+def apply() -> None:
+    pass
+if __name__ == "__main__":
+    import os
+    apply()
+    from torchtitan.train import main
+    main()
+'''
+    assert _imports(tmp_path, source) == ["sys", "os"]
+
+
+def test_a_decorated_function_or_a_class_ends_the_preload(tmp_path: Path) -> None:
+    for definition in ("@staticmethod\ndef f() -> None:\n    pass\n", "class Config:\n    steps = 3\n"):
+        assert _imports(tmp_path, f"import json\n{definition}import psutil\n") == ["json"]
