@@ -136,6 +136,11 @@ def test_a_failure_that_repeats_at_the_same_step_is_not_recovered_forever(launch
     assert promoted(run) == [1]  # one recovery, then the repeat took the restart path (none left)
     assert events(run, kind="exit")[-1]["outcome"] == "failed"
     assert "ValueError: bad batch at step 5" in run.stderr()  # the root cause the user reads
+    # and the agent read it from the spare's error file in generation 1's folder (made when the
+    # spare took the rank: without it the report said "no error file", and torch's @record, which
+    # writes that file itself, raised FileNotFoundError over the script's own exception)
+    second = [e for e in events(run, kind="failure_detected") if e.get("round") == 1]
+    assert [e["message"] for e in second] == ["ValueError: bad batch at step 5"], second
 
 
 def test_a_failure_during_a_recovery_is_recovered_too(launcher, tmp_path: Path) -> None:

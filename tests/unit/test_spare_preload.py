@@ -41,15 +41,15 @@ if __name__ == "__main__":
 
 
 def test_imports_after_the_scripts_own_code_are_left_to_the_script(tmp_path: Path) -> None:
-    source = '''import os
+    source = """import os
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 import tokenizers
-'''
+"""
     assert _imports(tmp_path, source) == ["os"]
 
 
 def test_an_import_after_a_call_in_the_main_block_is_left_to_the_script(tmp_path: Path) -> None:
-    source = '''import sys
+    source = """import sys
 def apply() -> None:
     pass
 if __name__ == "__main__":
@@ -57,7 +57,7 @@ if __name__ == "__main__":
     apply()
     from torchtitan.train import main
     main()
-'''
+"""
     assert _imports(tmp_path, source) == ["sys", "os"]
 
 

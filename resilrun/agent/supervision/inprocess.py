@@ -23,7 +23,7 @@ from resilrun.agent.supervision.rounds import Membership, Round
 from resilrun.agent.supervision.spare_pool import SparePool
 from resilrun.agent.workers.control import WorkerControl
 from resilrun.agent.workers.failures import root_cause
-from resilrun.agent.workers.procs import WorkerProcess
+from resilrun.agent.workers.procs import WorkerProcess, prepare_log_dir
 from resilrun.agent.workers.specs import NodeSetup, worker_specs
 from resilrun.clock import Clock
 from resilrun.config import Config
@@ -186,6 +186,8 @@ class InProcessRecovery:
         if master is None:
             return False
         specs = worker_specs(self._config, self._setup, self._rdzv.run_id, new, round_.node_rank, master)
+        for spec in specs:
+            prepare_log_dir(spec)
         survivors = [w.pid for w in round_.workers if w.spec.local_rank not in replacements]
         if self._captured is not None and self._reruns(survivors):
             # The survivors load the script's checkpoint as soon as the generation is published: the

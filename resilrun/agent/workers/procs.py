@@ -361,12 +361,19 @@ def _forked(
     return process
 
 
-def spawn(spec: WorkerSpec, template: WorkerTemplate | None = None) -> WorkerProcess:
-    """Start one worker in its own session: forked from the node's ``template`` where it can be,
-    else as a new process, with the signals handled by the agent blocked meanwhile."""
+def prepare_log_dir(spec: WorkerSpec) -> None:
+    """The folder a worker's logs and error file go to in its generation, made before the worker
+    is given the spec (a new process, or one that enters a generation in-process: it writes its
+    error file there, and torch's ``@record`` does not make the folder), with no stale error file."""
     _make_log_dir(spec.log_dir)
     with contextlib.suppress(FileNotFoundError):
         spec.error_file.unlink()
+
+
+def spawn(spec: WorkerSpec, template: WorkerTemplate | None = None) -> WorkerProcess:
+    """Start one worker in its own session: forked from the node's ``template`` where it can be,
+    else as a new process, with the signals handled by the agent blocked meanwhile."""
+    prepare_log_dir(spec)
     out_arg, out_file, out_tee = _open_stream(spec, Std.OUT, "stdout")
     try:
         err_arg, err_file, err_tee = _open_stream(spec, Std.ERR, "stderr")
