@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test-tools demo test quick lint bench
+.PHONY: install test-tools test-torchtitan demo test quick lint bench
 
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -33,6 +33,23 @@ test-tools:
 		echo "not installed:$$missing (tests that need them skip; as root on Debian, make test installs them)"; \
 	fi
 
+# torchtitan for its integration's tests (tests/integration/test_framework_torchtitan.py), in a folder of
+# its own that only those tests' launches put on PYTHONPATH: its datasets pins a huggingface-hub older
+# than the one transformers needs. Its dependencies already in the environment (torch, torchdata,
+# tokenizers, safetensors, numpy) are not installed again (--no-deps, the rest named here).
+TORCHTITAN_SITE := build/torchtitan-site
+TORCHTITAN_PACKAGES := torchtitan==0.3.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 tyro==1.0.17 \
+	docstring_parser==0.18.0 typeguard==4.6.1 einops==0.8.2 datasets==4.7.0 huggingface-hub==1.33.0 \
+	dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 pyarrow==26.0.1 pandas==3.1.1 python-dateutil==4.0.0 \
+	tzdata==2026.6 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 sniffio==1.3.1 \
+	tensorboard==2.21.0 tensorboard-data-server==0.7.2 absl-py==2.5.1 grpcio==1.85.4 markdown==3.11.4 \
+	protobuf==7.36.2 werkzeug==3.1.9
+
+test-torchtitan: $(PY)
+	@[ -f $(TORCHTITAN_SITE)/torchtitan/__init__.py ] || \
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --target $(TORCHTITAN_SITE) $(TORCHTITAN_PACKAGES) \
+	|| echo "could not install torchtitan: its tests will skip (and fail under CI=true)"
+
 demo: install
 	$(PY) examples/demo/resilient_demo.py
 
@@ -40,7 +57,7 @@ demo: install
 # build/test-timeline (python -m tools.suite_timeline): where the suite's budget goes.
 # --dist worksteal: with xdist's default (load), one worker took the integration tests in one chunk
 # and ran all of them alone while the other had finished and stood idle for most of the suite.
-test: install test-tools
+test: install test-tools test-torchtitan
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
 	rm -rf build/test-timeline
 	TEST_TIMELINE_DIR=build/test-timeline $(PY) -m pytest -n 2 --dist worksteal -q -p no:cacheprovider -p no:benchmark --durations=25 --junitxml=build/test-times.xml

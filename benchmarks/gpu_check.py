@@ -21,8 +21,9 @@ spent:
    one save torn by the writer's death, under ``--capture-dir``: it must finish (torchrun cannot);
 5. ``pinned_copy``: ``snapshot_cost.py`` part 2 at 64 and 1,024 MiB: the device-to-host snapshot copy
    into pinned memory, as step time against torchrun's;
-6. ``torchtitan``: torchtitan's llama3 debug model under resilrun with a killed rank, if torchtitan
-   is installed (issue 46); else skipped with the reason.
+6. ``torchtitan``: torchtitan's ``llama3_debugmodel`` (``-m torchtitan.train``) under resilrun with a
+   rank killed at step 13 and a hot spare, recovered in-process by the integration (issue 46), if
+   torchtitan is installed; else skipped with the reason.
 
 Why one script: device time is lent in minutes, a few times a month; whoever gets it must not
 have to decide what to run. Exits 0 when every step that ran passed.
@@ -71,14 +72,20 @@ def events_of(text: str) -> list[dict]:
     return found
 
 
-def _torchtitan_debug_config() -> Path | None:
-    """torchtitan's llama3 debug-model config, where the installed torchtitan ships it."""
-    try:
-        import torchtitan
-    except ImportError:
-        return None
-    found = sorted(Path(torchtitan.__file__).parent.glob("models/llama3/train_configs/debug_model.toml"))
-    return found[0] if found else None
+def _torchtitan(out: Path) -> tuple[Path, dict[str, str]] | str:
+    """Where torchtitan runs (a working folder holding its test assets) and its environment, or why
+    it cannot: torchtitan from ``build/torchtitan-site`` (``make test-torchtitan``) or the machine's own."""
+    sys.path.insert(0, str(ROOT))
+    from tests.torchtitan_assets import make, torchtitan_site
+
+    site = torchtitan_site()
+    env = {"PYTHONPATH": str(site)} if site is not None else {}
+    found = subprocess.run([PY, "-c", "import torchtitan"], env={**os.environ, **env}, capture_output=True)
+    if found.returncode != 0:
+        return "torchtitan is not installed (make test-torchtitan, or pip install torchtitan==0.3.0)"
+    work = out / "torchtitan"
+    make(work)
+    return work, {**env, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(out / "hf")}
 
 
 def main() -> int:
@@ -149,12 +156,21 @@ def main() -> int:
         step("pinned_copy", [PY, str(ROOT / "benchmarks" / "snapshot_cost.py"), "--skip", "inproc", "--nproc", "1",
                              "--sizes", "64,1024", "--runs", "1", "--steps", "60", "--warmup", "15",
                              "--json", str(out / "pinned_copy.json")], 200)  # fmt: skip
-        config = _torchtitan_debug_config()
-        if config is None:
-            results.append({"name": "torchtitan", "skipped": "torchtitan or its llama3 debug config is not installed"})
-        else:
-            titan = ["-m", "torchtitan.train", "--job.config_file", str(config), "--training.steps", "30"]
-            step("torchtitan", [*resilrun, "--spares", "1", *titan], 150, env=kill)
+        titan = _torchtitan(out)
+        if isinstance(titan, str):
+            results.append({"name": "torchtitan", "skipped": titan})
+        else:  # torchtitan's own entry point on a GPU; its CPU shim (tests/helpers) under --cpu
+            work, env = titan
+            entry = [str(ROOT / "tests" / "helpers" / "torchtitan_cpu.py")] if not gpus else ["-m", "torchtitan.train"]
+            config = [
+                "--module", "llama3", "--config", "llama3_debugmodel", "--training.steps", "30",
+                "--training.seq_len", "256", "--training.local_batch_size", "2", "--debug.seed", "42",
+            ]  # fmt: skip
+            if not gpus:  # the CPU's settings (tests/integration/test_framework_torchtitan.py says why)
+                config += ["--training.mixed_precision_param", "float32"]
+                config += ["--parallelism.spmd_backend", "partial_dtensor"]
+            step("torchtitan", [*resilrun, "--spares", "1", "--max-restarts", "0", *entry, *config], 200,
+                 env={**kill, **env}, cwd=work)  # fmt: skip
     summary = {"seconds": round(time.monotonic() - began, 1), "steps": results}
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     for item in results:

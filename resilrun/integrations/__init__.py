@@ -31,6 +31,7 @@ _HOOKS: dict[str, tuple[str, str]] = {
     "accelerate.accelerator": ("resilrun.integrations.accelerate", "adapt_accelerator"),
     "lightning.pytorch.trainer.trainer": ("resilrun.integrations.lightning", "adapt_trainer"),
     "pytorch_lightning.trainer.trainer": ("resilrun.integrations.lightning", "adapt_trainer"),
+    "torchtitan.trainer": ("resilrun.integrations.torchtitan", "adapt_trainer"),
 }
 
 

@@ -344,3 +344,38 @@ def lightning_callback_base(package: str) -> type:
     """Lightning's ``Callback`` (from the Lightning the script imported), for resilrun's to subclass."""
     base: type = importlib.import_module(f"{package}.callbacks").Callback
     return base
+
+
+# -- torchtitan --------------------------------------------------------------------------------------
+def torchtitan_lacks(trainer_class: type, dist_utils: ModuleType | None) -> Missing:
+    """What of torchtitan's trainer this version lacks: ``Trainer.train`` and ``Trainer.train_step``
+    (each wrapped), and ``torchtitan.distributed.utils.init_distributed``, during which the
+    process group torchtitan asks for is made by resilrun."""
+    missing = _callables(trainer_class, "Trainer", ("train", "train_step", "init_distributed"))
+    missing += [] if _takes_an_argument(getattr(trainer_class, "train_step", None)) else ["Trainer.train_step(data)"]
+    if not callable(getattr(dist_utils, "init_distributed", None)):
+        missing.append("torchtitan.distributed.utils.init_distributed")
+    return missing
+
+
+def torchtitan_instance_lacks(trainer: Any) -> Missing:
+    """What a torchtitan Trainer builds in its constructor and resilrun snapshots or uses in ``train``."""
+    checks = (
+        ("Trainer.model_parts", isinstance(getattr(trainer, "model_parts", None), list)),
+        ("Trainer.optimizers.optimizers", isinstance(getattr(trainer.optimizers, "optimizers", None), list)),
+        ("Trainer.lr_schedulers.schedulers", isinstance(getattr(trainer.lr_schedulers, "schedulers", None), list)),
+        ("Trainer.step", isinstance(getattr(trainer, "step", None), int)),
+        ("Trainer.state_dict", callable(getattr(trainer, "state_dict", None))),
+        ("Trainer.checkpointer.load", callable(getattr(getattr(trainer, "checkpointer", None), "load", None))),
+        ("Trainer.parallel_dims.pp_enabled", hasattr(getattr(trainer, "parallel_dims", None), "pp_enabled")),
+        ("a StatefulDataLoader as Trainer.dataloader", stateful_loader_class(getattr(trainer, "dataloader", None))),
+    )
+    return [what for what, holds in checks if not holds]
+
+
+def stateful_loader_class(loader: Any) -> type | None:
+    """The torchdata ``StatefulDataLoader`` class ``loader`` is an instance of, or None. torchtitan's
+    own ``state_dict`` pickles the loader's state; resilrun keeps the unpickled one (no pickle in a
+    snapshot), through the base class's methods."""
+    base = getattr(_module("torchdata.stateful_dataloader"), "StatefulDataLoader", None)
+    return base if isinstance(base, type) and isinstance(loader, base) else None

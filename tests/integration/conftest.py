@@ -342,10 +342,10 @@ def launcher(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
     """Factory: launcher(kind, *args) with kind 'resilrun' or 'torchrun'; reaps everything."""
     launches: list[Launch] = []
 
-    def start(kind: str, *args: str, env: dict[str, str] | None = None) -> Launch:
+    def start(kind: str, *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> Launch:
         module = "resilrun" if kind == "resilrun" else "torch.distributed.run"
         log = tmp_path / f"{kind}_{len(launches)}.log"
-        launch = Launch([sys.executable, "-m", module, *args], log, env)
+        launch = Launch([sys.executable, "-m", module, *args], log, env, cwd)
         launches.append(launch)
         return launch
 

@@ -1,0 +1,170 @@
+"""torchtitan's own ``torchtitan.train`` entry point, run on this machine's CPU: test scaffolding.
+
+torchtitan is written for GPUs. What this file changes is only what a CPU with gloo cannot do,
+so that the training torchtitan runs here is its own (its Trainer, FSDP2, DCP checkpoints,
+data loader) and a launcher sees the script a user runs (``-m torchtitan.train``):
+- the device: torchtitan falls back to "cuda" when torch reports no accelerator; here it gets
+  "cpu", with the few memory-report functions torchtitan asks of a device module;
+- FlexAttention: its backward has no CPU kernel; the same attention (the block mask made dense,
+  the log-sum-exp returned when asked for) is computed in plain tensor operations;
+- FSDP2's gradient reduce-scatter: torchtitan sets a divide factor of 1, which FSDP2 sends as
+  ``PREMUL_SUM(1.0)``, an operation gloo refuses; a sum with the same factor is the same number;
+- ``torch.distributed.set_timeout``, missing from torch 2.13's CPU build: the groups keep their
+  set-up timeout;
+- the expert-parallel kernels module imports triton, which this machine lacks: a module that
+  refuses when used stands in (the models these tests train never call it).
+Every change is made once per process, before torchtitan is imported (its device module is read
+at import), and is idempotent: resilrun runs the script again in the same process after a failure.
+
+Usage (as ``-m torchtitan.train`` takes them): ``python tests/helpers/torchtitan_cpu.py --module
+llama3 --config llama3_debugmodel ...``; the tests put torchtitan on PYTHONPATH and run in a folder
+holding ``tests/assets`` (tokenizer and dataset: see ``tests/torchtitan_assets.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from typing import Any
+
+_PATCHED = "__resilrun_tests_cpu__"
+
+
+def _cpu_device_module() -> types.ModuleType:
+    import psutil
+    import torch
+
+    module = types.ModuleType("torchtitan_cpu_device")
+    module.__dict__.update({name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("__")})
+    total = psutil.virtual_memory().total
+    module.current_device = lambda: 0  # an index, as barrier(device_ids=[...]) takes it (torch.cpu's is "cpu")
+    module.get_device_name = lambda device=None: "cpu"
+    module.get_device_properties = lambda device=None: types.SimpleNamespace(name="cpu", total_memory=total)
+    module.memory_stats = lambda device=None: {}
+    module.reset_peak_memory_stats = lambda device=None: None
+    module.empty_cache = lambda: None
+    return module
+
+
+def _dense_attention(
+    q: Any, k: Any, v: Any, mask: Any, scale: float | None, enable_gqa: bool, want_lse: bool
+) -> tuple[Any, Any]:
+    import torch
+
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1) if want_lse else None
+    return torch.softmax(scores, dim=-1) @ v, lse
+
+
+def _patch_flex_attention() -> None:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+    from torchtitan.models.common import attention
+
+    attention._compiled_create_block_mask = create_block_mask  # eager: no compiler run per launch
+
+    def forward(self: Any, q_BLNH: Any, k_BLNH: Any, v_BLNH: Any, *, attention_masks: Any, **kwargs: Any) -> Any:
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        mask = create_mask(attention_masks.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+        if kwargs.get("score_mod") is not None:
+            raise NotImplementedError("the CPU stand-in for FlexAttention takes no score_mod")
+        out_transform = kwargs.get("out_transform")
+        scale, gqa = kwargs.get("scale"), kwargs.get("enable_gqa", False)
+        out, lse = _dense_attention(q, k, v, mask.to(torch.bool), scale, gqa, out_transform is not None)
+        out_BLNH = out.transpose(1, 2)
+        return out_BLNH if out_transform is None else out_transform(out_BLNH, lse.transpose(1, 2))
+
+    attention.FlexAttention.forward = forward
+
+
+def _patch_fsdp_sum() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    own = FSDPModule.set_gradient_divide_factor
+
+    def set_gradient_divide_factor(self: Any, factor: float) -> None:
+        own(self, factor)
+        self.set_force_sum_reduction_for_comms(True)
+
+    FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
+
+
+def _stub_triton_kernels() -> None:
+    name = "torchtitan.distributed.minimal_async_ep.kernels"
+    stub = types.ModuleType(name)
+
+    def missing(attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"{attribute} needs triton (a GPU); the CPU tests do not use expert-parallel kernels")
+
+        return kernel
+
+    stub.__getattr__ = missing  # type: ignore[method-assign]  # a module-level __getattr__ (PEP 562)
+    sys.modules.setdefault(name, stub)
+
+
+def apply() -> None:
+    import torch
+    import torch._utils
+    import torch.distributed as dist
+
+    if getattr(torch, _PATCHED, False):
+        return
+    device = _cpu_device_module()
+    own_module = torch._utils._get_device_module
+    torch._utils._get_available_device_type = lambda: "cpu"
+    torch._utils._get_device_module = lambda device_type: device if device_type == "cpu" else own_module(device_type)
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = lambda timeout, group=None: None
+    _stub_triton_kernels()
+    _patch_fsdp_sum()
+    _patch_flex_attention()
+    setattr(torch, _PATCHED, True)
+
+
+def _record_digests(folder: str) -> None:
+    """At the end of training, each rank writes the SHA-256 of its model shards (``digest_rank{R}``):
+    two runs with equal digests on every rank hold bitwise-equal weights."""
+    import hashlib
+    import os
+
+    import torchtitan.trainer
+
+    trainer_class = torchtitan.trainer.Trainer
+    if getattr(trainer_class, _PATCHED, False):
+        return
+    own_close = trainer_class.close
+
+    def close(self: Any) -> None:
+        digest = hashlib.sha256()
+        for part in getattr(self, "model_parts", []):
+            for name, tensor in sorted(part.state_dict().items()):
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                digest.update(name.encode())
+                digest.update(local.detach().contiguous().cpu().numpy().tobytes())
+        if self.step > 0:
+            with open(os.path.join(folder, f"digest_rank{os.environ['RANK']}"), "w", encoding="utf-8") as handle:
+                handle.write(f"{self.step} {digest.hexdigest()}\n")
+        own_close(self)
+
+    trainer_class.close = close
+    setattr(trainer_class, _PATCHED, True)
+
+
+if __name__ == "__main__":
+    import os
+
+    apply()
+    if os.environ.get("TORCHTITAN_TEST_DIGESTS"):
+        _record_digests(os.environ["TORCHTITAN_TEST_DIGESTS"])
+    from torchtitan.train import main
+
+    main()
