@@ -43,6 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+CPU_SHIM = ROOT / "tests" / "helpers" / "torchtitan_on_cpu"  # a sitecustomize: torchtitan on a CPU
 
 
 def run(name: str, argv: list[str], out: Path, timeout: float, env: dict[str, str] | None = None,
@@ -159,9 +160,10 @@ def main() -> int:
         titan = _torchtitan(out)
         if isinstance(titan, str):
             results.append({"name": "torchtitan", "skipped": titan})
-        else:  # torchtitan's own entry point on a GPU; its CPU shim (tests/helpers) under --cpu
+        else:  # torchtitan's own entry point; under --cpu with its CPU shim
             work, env = titan
-            entry = [str(ROOT / "tests" / "helpers" / "torchtitan_cpu.py")] if not gpus else ["-m", "torchtitan.train"]
+            if not gpus:  # torchtitan's CPU shim (a sitecustomize) on the path
+                env["PYTHONPATH"] = os.pathsep.join([*env.get("PYTHONPATH", "").split(os.pathsep), str(CPU_SHIM)])
             config = [
                 "--module", "llama3", "--config", "llama3_debugmodel", "--training.steps", "30",
                 "--training.seq_len", "256", "--training.local_batch_size", "2", "--debug.seed", "42",
@@ -169,8 +171,8 @@ def main() -> int:
             if not gpus:  # the CPU's settings (tests/integration/test_framework_torchtitan.py says why)
                 config += ["--training.mixed_precision_param", "float32"]
                 config += ["--parallelism.spmd_backend", "partial_dtensor"]
-            step("torchtitan", [*resilrun, "--spares", "1", "--max-restarts", "0", *entry, *config], 200,
-                 env={**kill, **env}, cwd=work)  # fmt: skip
+            titan_run = [*resilrun, "--spares", "1", "--max-restarts", "0", "-m", "torchtitan.train", *config]
+            step("torchtitan", titan_run, 200, env={**kill, **env}, cwd=work)
     summary = {"seconds": round(time.monotonic() - began, 1), "steps": results}
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     for item in results:

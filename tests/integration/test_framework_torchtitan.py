@@ -2,7 +2,7 @@
 
 What runs is torchtitan's ``torchtitan.train`` with its registered ``llama3_debugmodel`` config, FSDP2
 over 2 ranks, its torchdata loader over a local text dataset and its own tokenizer format, through
-a CPU shim that changes only what gloo on a CPU cannot do (tests/helpers/torchtitan_cpu.py). A
+a CPU shim that changes only what gloo on a CPU cannot do (tests/helpers/torchtitan_on_cpu). A
 rank SIGKILLed mid-run must be replaced by the hot spare in-process, with no restart and no step
 redone, and the run must end bitwise equal to a failure-free one: the same loss at every step and
 the same weights on every rank.
@@ -21,7 +21,7 @@ from tests.torchtitan_assets import make, torchtitan_site
 
 pytestmark = pytest.mark.integration
 
-HELPER = ROOT / "tests" / "helpers" / "torchtitan_cpu.py"
+SHIM = ROOT / "tests" / "helpers" / "torchtitan_on_cpu"  # a sitecustomize: the run is -m torchtitan.train
 # The debug model at a length and batch a CPU trains in a third of a second a step: float32
 # parameters in FSDP's compute (a CPU multiplies bfloat16 matrices on a slow path, 7x slower here);
 # a fixed seed, so that two runs draw the same initial weights.
@@ -45,7 +45,7 @@ def titan(tmp_path: Path) -> dict[str, str]:
         pytest.skip(message)
     make(tmp_path / "work")
     return {
-        "PYTHONPATH": str(site),
+        "PYTHONPATH": f"{site}{os.pathsep}{SHIM}",
         "HF_HOME": str(tmp_path / "hf"),
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
@@ -59,7 +59,8 @@ def _train(
     out = tmp_path / name
     out.mkdir()
     run = launcher(
-        "resilrun", "--standalone", "--nproc-per-node", "2", *flags, str(HELPER), *ARGS, "--training.steps", str(steps),
+        "resilrun", "--standalone", "--nproc-per-node", "2", *flags, "-m", "torchtitan.train", *ARGS,
+        "--training.steps", str(steps),
         env={**env, "TORCHTITAN_TEST_DIGESTS": str(out), "RESILRUN_FAULTS": faults}, cwd=tmp_path / "work",
     )  # fmt: skip
     assert run.wait(300) == 0, run.stderr()[-4000:]

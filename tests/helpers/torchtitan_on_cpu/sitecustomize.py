@@ -1,8 +1,10 @@
-"""torchtitan's own ``torchtitan.train`` entry point, run on this machine's CPU: test scaffolding.
+"""torchtitan on this machine's CPU: test scaffolding, never product code.
 
-torchtitan is written for GPUs. What this file changes is only what a CPU with gloo cannot do,
-so that the training torchtitan runs here is its own (its Trainer, FSDP2, DCP checkpoints,
-data loader) and a launcher sees the script a user runs (``-m torchtitan.train``):
+This folder goes on the PYTHONPATH of a torchtitan run in the tests and benchmarks, so that what
+runs is exactly what a user runs, ``-m torchtitan.train``, unmodified: Python imports this
+``sitecustomize`` at start-up, and it only installs an import hook (nothing else is imported: the
+launcher's own processes start as they would). torchtitan is written for GPUs; when it is first
+imported, what a CPU with gloo cannot do is changed, and nothing else:
 - the device: torchtitan falls back to "cuda" when torch reports no accelerator; here it gets
   "cpu", with the few memory-report functions torchtitan asks of a device module;
 - FlexAttention: its backward has no CPU kernel; the same attention (the block mask made dense,
@@ -13,19 +15,25 @@ data loader) and a launcher sees the script a user runs (``-m torchtitan.train``
   set-up timeout;
 - the expert-parallel kernels module imports triton, which this machine lacks: a module that
   refuses when used stands in (the models these tests train never call it).
-Every change is made once per process, before torchtitan is imported (its device module is read
-at import), and is idempotent: resilrun runs the script again in the same process after a failure.
+With ``TORCHTITAN_TEST_DIGESTS=DIR``, each rank also writes the SHA-256 of its model shards when
+its trainer closes (``DIR/digest_rank{R}``): equal digests, bitwise-equal weights.
 
-Usage (as ``-m torchtitan.train`` takes them): ``python tests/helpers/torchtitan_cpu.py --module
-llama3 --config llama3_debugmodel ...``; the tests put torchtitan on PYTHONPATH and run in a folder
-holding ``tests/assets`` (tokenizer and dataset: see ``tests/torchtitan_assets.py``).
+Why a start-up hook and not a wrapper script: a hot spare imports a script's leading imports
+while it waits (``resilrun.worker_main.script_imports``); torchtitan must be changed whoever
+imports it first. The tests run in a folder holding ``tests/assets`` (``tests/torchtitan_assets.py``).
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import math
+import os
 import sys
+import threading
 import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _PATCHED = "__resilrun_tests_cpu__"
@@ -61,10 +69,9 @@ def _dense_attention(
     return torch.softmax(scores, dim=-1) @ v, lse
 
 
-def _patch_flex_attention() -> None:
+def _patch_flex_attention(attention: types.ModuleType) -> None:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, create_mask
-    from torchtitan.models.common import attention
 
     attention._compiled_create_block_mask = create_block_mask  # eager: no compiler run per launch
 
@@ -126,21 +133,17 @@ def apply() -> None:
         dist.set_timeout = lambda timeout, group=None: None
     _stub_triton_kernels()
     _patch_fsdp_sum()
-    _patch_flex_attention()
     setattr(torch, _PATCHED, True)
 
 
-def _record_digests(folder: str) -> None:
-    """At the end of training, each rank writes the SHA-256 of its model shards (``digest_rank{R}``):
-    two runs with equal digests on every rank hold bitwise-equal weights."""
+def _record_digests(trainer_module: types.ModuleType) -> None:
+    """Each rank writes the SHA-256 of its model shards when its trainer closes (``digest_rank{R}``)."""
     import hashlib
-    import os
 
-    import torchtitan.trainer
-
-    trainer_class = torchtitan.trainer.Trainer
-    if getattr(trainer_class, _PATCHED, False):
+    folder = os.environ.get("TORCHTITAN_TEST_DIGESTS")
+    if not folder:
         return
+    trainer_class = trainer_module.Trainer
     own_close = trainer_class.close
 
     def close(self: Any) -> None:
@@ -156,15 +159,52 @@ def _record_digests(folder: str) -> None:
         own_close(self)
 
     trainer_class.close = close
-    setattr(trainer_class, _PATCHED, True)
 
 
-if __name__ == "__main__":
-    import os
+class _Loader(importlib.abc.Loader):
+    """A module's own loader, with ``after`` run once the module has executed."""
 
-    apply()
-    if os.environ.get("TORCHTITAN_TEST_DIGESTS"):
-        _record_digests(os.environ["TORCHTITAN_TEST_DIGESTS"])
-    from torchtitan.train import main
+    def __init__(self, loader: importlib.abc.Loader, after: Callable[[types.ModuleType], None]) -> None:
+        self._loader, self._after = loader, after
 
-    main()
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._after(module)
+
+
+class _OnTorchtitan(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: changes torch before torchtitan's first import, and two of
+    torchtitan's modules right after theirs."""
+
+    _AFTER: dict[str, Callable[[types.ModuleType], None]] = {
+        "torchtitan.models.common.attention": _patch_flex_attention,
+        "torchtitan.trainer": _record_digests,
+    }
+
+    def __init__(self) -> None:
+        self._busy = threading.local()
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "torchtitan":
+            apply()
+        after = self._AFTER.get(fullname)
+        if after is None or getattr(self._busy, "name", None) == fullname:
+            return None
+        self._busy.name = fullname
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.name = None
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Loader(spec.loader, after)
+        return spec
+
+
+if not any(isinstance(finder, _OnTorchtitan) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _OnTorchtitan())
