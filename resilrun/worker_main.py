@@ -107,10 +107,11 @@ def script_imports(target: str, as_module: bool) -> list[str]:
 
     Only statements at the top level (also inside top-level ``try``/``if`` blocks), only those
     before the script runs any code of its own, and only absolute imports of modules found outside
-    the script's own directory: the user's own modules may read the environment when imported, and
-    they are quick to import anyway. An import after the script's own code may depend on it (an
+    the script's own directory. An import after the script's own code may depend on it (an
     environment variable set, a library patched, a path added): importing it first would run the
-    package in a world the script has not made yet, so the script imports it itself.
+    package in a world the script has not made yet, so the script imports it itself. Importing one
+    of the script's own modules (a file beside it, a relative import) is running its code: the
+    preload stops there too.
     """
     path = _script_path(target) if as_module else target
     if path is None:
@@ -123,16 +124,31 @@ def script_imports(target: str, as_module: bool) -> list[str]:
     local_dir = os.path.dirname(os.path.abspath(path))
     names: list[str] = []
 
-    def visit(body: list[ast.stmt]) -> bool:
-        """Collect the imports of ``body``; False once a statement may have run the script's own code."""
+    def own(module: str) -> bool:
+        return _is_local(module.partition(".")[0], local_dir)
+
+    def visit(body: list[ast.stmt], collect: bool = True) -> bool:
+        """Collect the imports of ``body``; False once a statement may have run the script's own code
+        (its own module imported, a call in a condition, anything but an import or a definition)."""
         for node in body:
             if isinstance(node, ast.Import):
-                names.extend(alias.name for alias in node.names)
+                if any(own(alias.name) for alias in node.names):
+                    return False
+                names.extend(alias.name for alias in node.names if collect)
             elif isinstance(node, ast.ImportFrom):
-                if node.level == 0 and node.module:
-                    names.append(node.module)
-            elif isinstance(node, (ast.Try, ast.If)):
-                if not visit(node.body):
+                if node.level or not node.module or own(node.module):
+                    return False
+                names.extend([node.module] if collect else [])
+            elif isinstance(node, ast.If):
+                if any(isinstance(part, ast.Call) for part in ast.walk(node.test)):
+                    return False
+                if not visit(node.body, collect) or not visit(node.orelse, collect):
+                    return False
+            elif isinstance(node, ast.Try):
+                # A handler runs only when an import failed: what it does is checked, not preloaded.
+                if not visit(node.body, collect) or not all(visit(h.body, collect=False) for h in node.handlers):
+                    return False
+                if not visit(node.orelse, collect) or not visit(node.finalbody, collect):
                     return False
             elif not _runs_nothing(node):
                 return False

@@ -110,7 +110,10 @@ def _not_integrated(trainer: Any) -> str | None:
     if not _joins():
         return "integrations are off"
     if not getattr(trainer, _JOINED, False):
-        return "torchtitan made its own process group (CPU offload, torchcomms or a fake communication mode)"
+        return (
+            "torchtitan made its own process group (CPU offload, torchcomms, a fake communication mode, or a "
+            "Trainer whose init_distributed does not call torchtitan's)"
+        )
     missing = compat.lacks("torchtitan", compat.torchtitan_instance_lacks(trainer))
     if missing is not None:
         return missing
@@ -141,17 +144,30 @@ def _group_made_by_resilrun() -> Iterator[None]:
 
 class _LoaderPosition:
     """Where a torchdata ``StatefulDataLoader`` stands, read and set through the base class: its
-    subclass in torchtitan pickles that state, which a snapshot never holds."""
+    subclass in torchtitan pickles that state, which a snapshot never holds. With it, the number of
+    data-parallel ranks it was sharded for: a position in a dataset sharded otherwise means nothing
+    (samples skipped or seen twice), so a restore across a resize is refused, as torchtitan refuses
+    it for its own checkpoints ("dataloader resharding is not supported")."""
 
     def __init__(self, loader: Any, base: type) -> None:
         self._loader = loader
         self._base = base
 
     def state_dict(self) -> Any:
-        return self._base.state_dict(self._loader)
+        return {
+            "dp_world_size": getattr(self._loader, "dp_world_size", None),
+            "loader": self._base.state_dict(self._loader),
+        }
 
     def load_state_dict(self, state: Any) -> None:
-        self._base.load_state_dict(self._loader, state)
+        now = getattr(self._loader, "dp_world_size", None)
+        if state.get("dp_world_size") != now:
+            raise RuntimeError(
+                f"resilrun cannot restore torchtitan's data loader across a resize ({state.get('dp_world_size')} "
+                f"data-parallel ranks when snapshotted, {now} now): its position is per shard of the dataset, "
+                "and torchtitan does not reshard it either; resume at the snapshot's world size"
+            )
+        self._base.load_state_dict(self._loader, state["loader"])
 
 
 class _Session:

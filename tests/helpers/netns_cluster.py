@@ -79,7 +79,8 @@ def _await_carrier(ns: str, timeout_s: float = 10.0) -> None:
     none"), where a real machine's network is up before anything is launched on it."""
     deadline = time.monotonic() + timeout_s
     while True:
-        shown = subprocess.run(["ip", "-n", ns, "-o", "link", "show", "eth0"], capture_output=True, text=True)
+        command = ["ip", "-n", ns, "-o", "link", "show", "eth0"]
+        shown = subprocess.run(command, capture_output=True, text=True, timeout=5)
         if "state UP" in shown.stdout:
             return
         if time.monotonic() >= deadline:

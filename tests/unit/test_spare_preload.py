@@ -64,3 +64,19 @@ if __name__ == "__main__":
 def test_a_decorated_function_or_a_class_ends_the_preload(tmp_path: Path) -> None:
     for definition in ("@staticmethod\ndef f() -> None:\n    pass\n", "class Config:\n    steps = 3\n"):
         assert _imports(tmp_path, f"import json\n{definition}import psutil\n") == ["json"]
+
+
+def test_the_scripts_own_module_ends_the_preload(tmp_path: Path) -> None:
+    (tmp_path / "cpu_patch.py").write_text("import os\n")
+    assert _imports(tmp_path, "import json\nimport cpu_patch\nfrom torchtitan.train import main\n") == ["json"]
+    assert _imports(tmp_path, "import json\nfrom cpu_patch import apply\nimport psutil\n") == ["json"]
+    assert _imports(tmp_path, "import json\nfrom . import patch\nimport psutil\n") == ["json"]
+
+
+def test_a_condition_that_calls_or_a_block_that_runs_code_ends_the_preload(tmp_path: Path) -> None:
+    calls = "import json\nimport torch\nif torch.cuda.is_available():\n    import psutil\nimport tokenizers\n"
+    assert _imports(tmp_path, calls) == ["json", "torch"]
+    finally_runs = "import json\ntry:\n    import psutil\nfinally:\n    print('x')\nimport tokenizers\n"
+    assert _imports(tmp_path, finally_runs) == ["json", "psutil"]
+    handled = "try:\n    import psutil\nexcept ImportError:\n    psutil = None\nimport tokenizers\n"
+    assert _imports(tmp_path, handled) == ["psutil", "tokenizers"]

@@ -191,7 +191,7 @@ def test_the_loaders_position_is_the_torchdata_state_not_torchtitans_pickle(fake
     iterator = iter(trainer.dataloader)
     first = next(iterator)
     state = position.state_dict()
-    assert not any(isinstance(value, bytes) for value in state.values())
+    assert not any(isinstance(value, bytes) for value in state["loader"].values())
     second = next(iterator)
     restored = fake_titan.Trainer()
     titan._LoaderPosition(restored.dataloader, StatefulDataLoader).load_state_dict(state)
@@ -250,3 +250,13 @@ def test_a_trainer_lacking_what_it_wraps_is_left_as_it_is(
         titan.adapt_trainer(fake_titan)
     assert fake_titan.Trainer.train is own
     assert any("torchtitan.distributed.utils.init_distributed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_loader_position_from_another_data_parallel_size_is_refused(fake_titan: types.ModuleType) -> None:
+    # A position in a dataset sharded for 2 ranks restored into a loader sharded for 4 would skip
+    # or repeat samples silently: refused, as torchtitan refuses it for its own checkpoints
+    before, after = fake_titan.Trainer(), fake_titan.Trainer()
+    before.dataloader.dp_world_size, after.dataloader.dp_world_size = 2, 4
+    state = titan._LoaderPosition(before.dataloader, StatefulDataLoader).state_dict()
+    with pytest.raises(RuntimeError, match="across a resize"):
+        titan._LoaderPosition(after.dataloader, StatefulDataLoader).load_state_dict(state)
