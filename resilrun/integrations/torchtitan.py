@@ -17,9 +17,9 @@ What changes under resilrun (nothing changes elsewhere):
   spare fresh): torchtitan builds its Trainer and meshes on the new group, and ``train`` resumes.
 
 Not integrated (a failure then restarts the job, as under torchrun, with a one-line warning):
-pipeline parallelism (its schedule's stages are not restored in place; torchtitan's own
-checkpoints resume it), a CPU-offload backend pair, torchcomms or fake communication modes, and
-torchtitan versions outside ``SUPPORTED``.
+pipeline parallelism (its schedule's stages are not restored in place, so torchtitan keeps its own
+process group and torchtitan's own checkpoints resume it), a CPU-offload backend pair, torchcomms or
+fake communication modes, and torchtitan versions outside ``SUPPORTED``.
 """
 
 from __future__ import annotations
@@ -99,27 +99,38 @@ def _joins() -> bool:
 
 
 def _group_is_ours(config: Any) -> bool:
-    """Whether resilrun can make the group this configuration asks for: one backend, real processes."""
+    """Whether resilrun makes the group this configuration asks for: one backend, real processes, and
+    no pipeline stages. Why not under pipeline parallelism: a group made by resilrun follows its
+    generations, so the survivors of a failure would re-run torchtitan in-process with nothing
+    restored into their stages; with torchtitan's own group a failure restarts the job, as under
+    torchrun, and torchtitan's checkpoints resume it."""
     comm = getattr(config, "comm", None)
     training = getattr(config, "training", None)
-    return getattr(comm, "mode", "default") == "default" and not getattr(training, "enable_cpu_offload", False)
+    return (
+        getattr(comm, "mode", "default") == "default"
+        and not getattr(training, "enable_cpu_offload", False)
+        and not _pipelined(config)
+    )
+
+
+def _pipelined(config: Any) -> bool:
+    return int(getattr(getattr(config, "parallelism", None), "pipeline_parallel_degree", 1) or 1) > 1
 
 
 def _not_integrated(trainer: Any) -> str | None:
     """Why this training runs as under torchrun (None: it is snapshotted)."""
     if not _joins():
         return "integrations are off"
+    if _pipelined(getattr(trainer, "config", None)) or getattr(
+        getattr(trainer, "parallel_dims", None), "pp_enabled", False
+    ):
+        return "pipeline parallelism is not recovered in-process (torchtitan's own checkpoints resume it)"
     if not getattr(trainer, _JOINED, False):
         return (
             "torchtitan made its own process group (CPU offload, torchcomms, a fake communication mode, or a "
             "Trainer whose init_distributed does not call torchtitan's)"
         )
-    missing = compat.lacks("torchtitan", compat.torchtitan_instance_lacks(trainer))
-    if missing is not None:
-        return missing
-    if trainer.parallel_dims.pp_enabled:
-        return "pipeline parallelism is not recovered in-process (torchtitan's own checkpoints resume it)"
-    return None
+    return compat.lacks("torchtitan", compat.torchtitan_instance_lacks(trainer))
 
 
 @contextmanager
@@ -200,7 +211,9 @@ class _Session:
             logger.info("resilrun resumes torchtitan at step %d from its snapshot", trainer.step + 1)
 
             def load(*args: Any, **kwargs: Any) -> bool:
-                return False  # the snapshot just restored is newer than any checkpoint of torchtitan's
+                # Every rank resumed from the same snapshot; a checkpoint of torchtitan's would put
+                # them elsewhere (docs/integrations.md: when one of its is newer, it is not used).
+                return False
 
             trainer.checkpointer.load = load
 

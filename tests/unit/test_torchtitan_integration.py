@@ -45,7 +45,9 @@ class _Trainer:
 
     def __init__(self, steps: int = 3, pp: bool = False) -> None:
         self.config = types.SimpleNamespace(
-            comm=types.SimpleNamespace(mode="default"), training=types.SimpleNamespace(enable_cpu_offload=False)
+            comm=types.SimpleNamespace(mode="default"),
+            training=types.SimpleNamespace(enable_cpu_offload=False),
+            parallelism=types.SimpleNamespace(pipeline_parallel_degree=2 if pp else 1),
         )
         model = torch.nn.Linear(2, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -144,6 +146,29 @@ def test_the_group_torchtitan_asks_for_is_made_by_resilrun_with_its_backend_and_
     assert asked == [("gloo", timedelta(seconds=123))]
     assert dist.init_process_group is own  # only while torchtitan sets up distributed
     assert getattr(trainer, "_resilrun_joined", False)
+
+
+def test_a_pipeline_parallel_training_keeps_torchtitans_own_group_and_a_failure_restarts_the_job(
+    fake_titan: types.ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a training with pipeline stages, which resilrun does not restore in place
+    asked: list[object] = []
+    monkeypatch.setattr(membership, "init", lambda backend=None, timeout=None: asked.append(backend))
+    made: list[str | None] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend=None, timeout=None, **_: made.append(backend))
+    titan.adapt_trainer(fake_titan)
+    trainer = fake_titan.Trainer(steps=2, pp=True)
+    # When torchtitan sets up distributed and trains
+    trainer.init_distributed()
+    with caplog.at_level(logging.WARNING, logger="resilrun"):
+        trainer.train()
+    # Then the group is torchtitan's own, as under torchrun: a failure cannot be recovered in-process
+    # by re-running the survivors (their pipeline schedule is not restored), so it restarts the job
+    assert asked == [] and made == ["gloo"]
+    assert not getattr(trainer, "_resilrun_joined", False)
+    assert trainer.trained == [1, 2]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "pipeline parallelism is not recovered in-process" in warnings[0], warnings
 
 
 def test_each_step_is_bracketed_with_resilruns_count_and_the_run_finishes(

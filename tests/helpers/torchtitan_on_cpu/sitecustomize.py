@@ -14,7 +14,13 @@ imported, what a CPU with gloo cannot do is changed, and nothing else:
 - ``torch.distributed.set_timeout``, missing from torch 2.13's CPU build: the groups keep their
   set-up timeout;
 - the expert-parallel kernels module imports triton, which this machine lacks: a module that
-  refuses when used stands in (the models these tests train never call it).
+  refuses when used stands in (the models these tests train never call it);
+- gpt_oss's experts multiply in bfloat16 and return bfloat16 whatever the parameters' dtype; the
+  token combine then adds them into a float32 buffer, which a CPU refuses: their output is cast back
+  to the input's dtype, as torchtitan's base experts class does.
+With ``TORCHTITAN_TEST_MOE_HIDDEN=N`` (and ``TORCHTITAN_TEST_MOE_LAYERS=L``), gpt_oss's debug model is
+built with experts of hidden size N (and L layers) instead of 2,880 (and 4): 81.5M parameters train
+at ~5 s a step on this CPU, a few million in a fraction of a second.
 With ``TORCHTITAN_TEST_DIGESTS=DIR``, each rank also writes the SHA-256 of its model shards when
 its trainer closes (``DIR/digest_rank{R}``): equal digests, bitwise-equal weights.
 
@@ -118,6 +124,29 @@ def _stub_triton_kernels() -> None:
     sys.modules.setdefault(name, stub)
 
 
+def _patch_gpt_oss(gpt_oss: types.ModuleType) -> None:
+    from torchtitan.models.gpt_oss import moe
+
+    own_forward = moe.GptOssGroupedExperts.forward
+
+    def forward(self: Any, x: Any, num_tokens_per_expert: Any) -> Any:
+        return own_forward(self, x, num_tokens_per_expert).to(x.dtype)
+
+    moe.GptOssGroupedExperts.forward = forward
+    hidden, layers = os.environ.get("TORCHTITAN_TEST_MOE_HIDDEN"), os.environ.get("TORCHTITAN_TEST_MOE_LAYERS")
+    if hidden is None and layers is None:
+        return
+    own_layers = gpt_oss._build_gptoss_layers
+
+    def build_layers(**kwargs: Any) -> Any:
+        if kwargs.get("dim") == 256:  # the debug model's; the real flavours are left as they are
+            kwargs["hidden_dim"] = int(hidden or kwargs["hidden_dim"])
+            kwargs["n_layers"] = int(layers or kwargs["n_layers"])
+        return own_layers(**kwargs)
+
+    gpt_oss._build_gptoss_layers = build_layers
+
+
 def apply() -> None:
     import torch
     import torch._utils
@@ -182,6 +211,7 @@ class _OnTorchtitan(importlib.abc.MetaPathFinder):
     _AFTER: dict[str, Callable[[types.ModuleType], None]] = {
         "torchtitan.models.common.attention": _patch_flex_attention,
         "torchtitan.trainer": _record_digests,
+        "torchtitan.models.gpt_oss": _patch_gpt_oss,
     }
 
     def __init__(self) -> None:
