@@ -22,7 +22,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.conftest import ROOT, Launch, assert_nothing_left, recorded, resumed_from, wait_for
+from tests.conftest import free_port
+from tests.integration.conftest import (
+    ROOT,
+    Launch,
+    assert_nothing_left,
+    events,
+    recorded,
+    resumed,
+    resumed_from,
+    wait_for,
+)
 from tests.torchtitan_assets import make, torchtitan_site
 
 pytestmark = pytest.mark.integration
@@ -146,6 +156,55 @@ def test_a_killed_rank_is_replaced_by_the_spare_in_process_and_training_ends_bit
     assert losses == _losses(clean)
     assert _digests(tmp_path / "faulty") == _digests(tmp_path / "clean")
     assert len(_digests(tmp_path / "clean")) == layout.ranks
+
+
+def test_a_lost_node_is_replaced_by_a_spare_node_in_process_and_training_ends_bitwise_equal(
+    launcher, tmp_path: Path, titan: dict[str, str]
+) -> None:
+    # Given torchtitan (llama3, FSDP2) on 2 nodes x 1 rank replicating to each other, a third agent
+    # standing by as a spare node
+    layout = Layout(2, LLAMA3, steps=24, kill_at=-1)
+    out = tmp_path / "faulty"
+    out.mkdir()
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        "--rdzv-id", "titan", "--replicas", "1", "--heartbeat-timeout", "3", "--max-restarts", "0",
+        "-m", "torchtitan.train", *layout.model, *COMMON, "--training.steps", str(layout.steps),
+    ]  # fmt: skip
+    env = {**titan, "TORCHTITAN_TEST_DIGESTS": str(out)}
+    nodes = [launcher("resilrun", *flags, env=env, cwd=tmp_path / "work") for _ in range(2)]
+    wait_for(lambda: any("round 0 formed" in n.stderr() for n in nodes), 150, "the round to form")
+    spare = launcher("resilrun", *flags, env=env, cwd=tmp_path / "work")
+    wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare node")
+    # When the node that does not host the store loses its agent and its worker once step 5 is logged
+    wait_for(lambda: any(re.search(r"step:\s+5\s", n.stdout()) for n in nodes), 200, "step 5")
+    doomed = next(n for n in nodes if "hosting store" not in n.stderr())
+    survivor = next(n for n in nodes if n is not doomed)
+    os.killpg(doomed.pid, signal.SIGKILL)
+    for node in (survivor, spare):
+        assert node.wait(300) == 0, node.stderr()[-4000:]
+        assert_nothing_left(node)
+    # Then the spare node took its node rank in-process, with no restart: the lost rank restored from
+    # its peer replica, the survivor from node memory, at the same step
+    assert "spare node takes node rank" in spare.stderr()
+    assert events(survivor, spare, kind="restart") == []
+    found = re.search(r"this node rank \d+ runs ranks? (\d+)", doomed.stderr())
+    assert found is not None, doomed.stderr()[-2000:]
+    lost = int(found.group(1))
+    steps = resumed(survivor, spare)
+    step = steps[lost][0]
+    assert steps == {lost: (step, "peer"), 1 - lost: (step, "memory")}, steps
+    # and the survivor trained again only the steps after that one that it had done before the loss
+    # (the lost node's replica of them had not landed), each with the same loss; every loss and every
+    # rank's weights are a failure-free run's
+    losses = _losses(survivor)
+    logged = [s for s, _ in losses]
+    assert sorted(set(logged)) == list(range(1, layout.steps + 1)), losses
+    assert all(s > step + 1 for s in logged if logged.count(s) > 1), (step, losses)  # torchtitan's = ours + 1
+    clean = _train(launcher, tmp_path, titan, "clean", layout)
+    assert sorted(set(losses)) == sorted(set(_losses(clean)))
+    assert _digests(out) == _digests(tmp_path / "clean")
+    assert len(_digests(out)) == 2
 
 
 def test_pipeline_parallel_training_is_refused_in_process_and_a_failure_restarts_the_job(
