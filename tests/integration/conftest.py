@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers import launch_zygote
 from tests.helpers.netns_cluster import Cluster, available, nft_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,21 +27,34 @@ EXAMPLE = ROOT / "examples" / "train_checkpointless.py"
 
 
 class Launch:
-    """One launcher process (resilrun or torchrun) with its output captured to files."""
+    """One launcher process (resilrun or torchrun) with its output captured to files. A ``python -m
+    resilrun`` launch is forked from the xdist worker's launch server (tests/helpers/launch_zygote.py:
+    no new interpreter, no ``import torch`` for the launcher or its template); anything else, or with
+    ``RESILRUN_TEST_LAUNCH_SERVER=0``, is a new process."""
 
     def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT) -> None:
         self.log = log
         self._out = open(log.with_suffix(".out"), "wb")  # noqa: SIM115 - closed in close()
         self._err = open(log.with_suffix(".err"), "wb")  # noqa: SIM115
-        self.popen = subprocess.Popen(
-            argv,
-            stdout=self._out,
-            stderr=self._err,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-            cwd=cwd,
-        )
+        # Without pytest's name of the running test, which changes with every test: a launch's
+        # processes do not read it, and the launch server's template rule would see a new environment.
+        full_env = {**launch_zygote.base_env(), **(env or {})}
+        self.popen: subprocess.Popen[bytes] | launch_zygote.LaunchedProcess
+        server = launch_zygote.server_for(argv, full_env)
+        if server is not None:
+            with open(os.devnull, "rb") as null:
+                streams = [null.fileno(), self._out.fileno(), self._err.fileno()]
+                self.popen = server.start(argv, full_env, str(cwd), streams)
+        else:
+            self.popen = subprocess.Popen(
+                argv,
+                stdout=self._out,
+                stderr=self._err,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                start_new_session=True,
+                cwd=cwd,
+            )
         self.descendants: set[int] = set()
 
     @property

@@ -158,12 +158,18 @@ def test_a_killed_rank_is_replaced_by_the_spare_in_process_and_training_ends_bit
     assert len(_digests(tmp_path / "clean")) == layout.ranks
 
 
+LOST_NODE = {
+    "llama3-fsdp2": Layout(2, LLAMA3, steps=24, kill_at=-1),
+    "gpt_oss-moe-fsdp2": Layout(2, GPT_OSS, steps=20, kill_at=-1, env=SMALL_EXPERTS),
+}
+
+
+@pytest.mark.parametrize("layout", LOST_NODE.values(), ids=LOST_NODE.keys())
 def test_a_lost_node_is_replaced_by_a_spare_node_in_process_and_training_ends_bitwise_equal(
-    launcher, tmp_path: Path, titan: dict[str, str]
+    launcher, tmp_path: Path, titan: dict[str, str], layout: Layout
 ) -> None:
-    # Given torchtitan (llama3, FSDP2) on 2 nodes x 1 rank replicating to each other, a third agent
-    # standing by as a spare node
-    layout = Layout(2, LLAMA3, steps=24, kill_at=-1)
+    # Given torchtitan (FSDP2) on 2 nodes x 1 rank replicating to each other, a third agent standing
+    # by as a spare node
     out = tmp_path / "faulty"
     out.mkdir()
     flags = [
@@ -171,7 +177,7 @@ def test_a_lost_node_is_replaced_by_a_spare_node_in_process_and_training_ends_bi
         "--rdzv-id", "titan", "--replicas", "1", "--heartbeat-timeout", "3", "--max-restarts", "0",
         "-m", "torchtitan.train", *layout.model, *COMMON, "--training.steps", str(layout.steps),
     ]  # fmt: skip
-    env = {**titan, "TORCHTITAN_TEST_DIGESTS": str(out)}
+    env = {**titan, **layout.env, "TORCHTITAN_TEST_DIGESTS": str(out)}
     nodes = [launcher("resilrun", *flags, env=env, cwd=tmp_path / "work") for _ in range(2)]
     wait_for(lambda: any("round 0 formed" in n.stderr() for n in nodes), 150, "the round to form")
     spare = launcher("resilrun", *flags, env=env, cwd=tmp_path / "work")

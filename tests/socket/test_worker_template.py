@@ -197,3 +197,72 @@ def test_no_python_commands_are_never_forked(template: WorkerTemplate, tmp_path:
     worker = procs.spawn(spec, template)
     assert isinstance(worker.popen, subprocess.Popen) and _wait(worker) == 0
     assert (tmp_path / "rank0" / "stdout.log").read_text() == "plain\n"
+
+
+# A launcher that runs jobs from one interpreter with torch imported (the tests' launch server):
+# it declares its imports and start environment, starts the node's template, forks one worker from
+# it and says where each came from.
+_EMBEDDED = """
+import importlib, json, os, sys, time
+from resilrun import worker_template
+from resilrun.agent.workers import procs
+from resilrun.agent.workers.template import AdoptedProcess, declare_preloaded
+from resilrun.env import python_exec
+from resilrun.option_values import Std
+from pathlib import Path
+for name in worker_template.PRELOAD:
+    importlib.import_module(name)
+if os.fork() == 0:  # OpenBLAS stops its thread pool at a fork: the launcher is single-threaded again
+    os._exit(0)
+os.wait()
+declare_preloaded(dict(os.environ))
+env = {**os.environ, **json.loads(sys.argv[2])}
+started = time.monotonic()
+template = procs.start_template(env)
+spec = procs.WorkerSpec(
+    local_rank=0, global_rank=0, argv=(python_exec(), "-u", "-m", "resilrun.worker_main", sys.argv[1]),
+    env={**env, "RANK": "0"}, log_dir=Path(sys.argv[3]), to_file=Std.ALL, to_console=Std.NONE,
+)
+worker = procs.spawn(spec, template)
+code = worker.popen.wait(60)
+worker.finish_output()
+pid = template._process.pid
+with open(f"/proc/{pid}/cmdline", "rb") as handle:
+    command = handle.read().decode(errors="replace")
+print(json.dumps({
+    "template_parent": int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]),
+    "template_command": command, "forked_worker": isinstance(worker.popen, AdoptedProcess), "code": code,
+    "first_worker_s": time.monotonic() - started, "me": os.getpid(),
+}))
+template.close()
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "forked_here"),
+    [({"RESILRUN_ROUND": "3"}, True), ({"PYTHONPATH": "/nonexistent"}, False)],
+    ids=["same-start-environment", "another-pythonpath"],
+)
+def test_a_launcher_that_declared_its_imports_forks_its_template_unless_the_start_environment_differs(
+    tmp_path: Path, extra: dict[str, str], forked_here: bool
+) -> None:
+    import json
+
+    script = _script(tmp_path, "import os, sys\nprint(os.getppid(), 'torch' in sys.modules, os.environ.get('RANK'))\n")
+    env = {k: v for k, v in _BASE.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", _EMBEDDED, str(script), json.dumps(extra), str(tmp_path / "rank0")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    # The template is the launcher's own child either way; forked from it, it is no new interpreter
+    # (its command line is the launcher's, not the template's entry point)
+    assert said["template_parent"] == said["me"]
+    assert ("resilrun.worker_template" not in said["template_command"]) is forked_here, said
+    # and the worker it forks is the launcher's child, with torch already imported and its own rank
+    assert said["forked_worker"] and said["code"] == 0, done.stderr[-2000:]
+    assert (tmp_path / "rank0" / "stdout.log").read_text() == f"{said['me']} True 0\n"

@@ -8,6 +8,11 @@ what the interpreter and the libraries read when they start (``OMP_NUM_THREADS``
 ``LD_PRELOAD``) is fixed in the template. Anything else, or a template that cannot fork safely
 (it says why), is started as a new process, and the log says so once. A template that dies or
 does not answer is not asked again.
+
+A process that launches jobs from one interpreter with torch already imported (the tests' launcher
+does; a launcher started from a shell never does) may declare it with ``declare_preloaded``: the
+template is then forked from the agent itself instead of started as a new Python, as long as nothing
+the interpreter and its libraries read at start differs (the same rule as for forking workers).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import select
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +44,95 @@ READY_TIMEOUT_S = 120.0
 # A fork takes milliseconds; one that has not answered by now is not waited for. Generous because a
 # worker forked after the deadline would run untracked (the reply naming it never read).
 _FORK_TIMEOUT_S = 60.0
+
+
+# The environment this process started with, when it declared the template's imports done.
+_PRELOADED_START_ENV: dict[str, str] | None = None
+
+
+def declare_preloaded(start_env: Mapping[str, str]) -> None:
+    """Say that this process has imported what the template imports (``worker_template.PRELOAD``)
+    and that its interpreter started with ``start_env`` (and ``-u``, as the template's does), so that
+    the node's template may be forked from it: two or more seconds of CPU (``import torch``) saved
+    each time an agent runs in it. Why a declaration and not a guess from ``/proc/self/environ``: a
+    process may rewrite that area (a forked worker shows its own there), and only the process's
+    creator knows what its libraries read when they were loaded. The process must be
+    single-threaded when the agent starts its template (checked: else a new Python, as always)."""
+    global _PRELOADED_START_ENV
+    _PRELOADED_START_ENV = dict(start_env)
+
+
+def why_not_fork_here(python: str, env: Mapping[str, str]) -> str | None:
+    """Why the template cannot be forked from this process (None: it can)."""
+    from resilrun import worker_template
+
+    if _PRELOADED_START_ENV is None:
+        return "this process did not declare the template's imports done"
+    missing = [name for name in worker_template.PRELOAD if name not in sys.modules]
+    if missing:
+        return f"{missing[0]} is not imported here"
+    if python != sys.executable:
+        return "the template runs another interpreter"
+    reason = worker_template.why_not_fork()
+    if reason is not None:
+        return reason
+    start = _PRELOADED_START_ENV
+    differ = sorted(
+        k
+        for k in env.keys() | start.keys()
+        if k != TEMPLATE_ROOM_ENV and env.get(k) != start.get(k) and not read_after_start(k)
+    )
+    if differ:
+        return f"the template's environment differs from this process's start in {', '.join(differ[:5])}"
+    return None
+
+
+class _ForkedTemplate:
+    """The template forked from the agent: the part of Popen's interface ``_stop`` uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._reaped = False
+
+    def kill(self) -> None:
+        if not self._reaped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> None:
+        if not self._reaped:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+            self._reaped = True
+
+
+def _fork_template(sock: socket.socket, env: Mapping[str, str], child_setup: Callable[[], None]) -> _ForkedTemplate:
+    """Fork this process into the template: in the child, what the spawn path gives a new process
+    (its session, no stdin or stdout, only the socket open, default signal handling, ``env``), then
+    the template's own main. The imports it would do are already here."""
+    keep = sock.fileno()
+    pid = os.fork()
+    if pid != 0:
+        return _ForkedTemplate(pid)
+    try:  # the child: never returns
+        child_setup()
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.closerange(3, keep)
+        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        os.environ.clear()
+        os.environ.update(env)
+        from resilrun import worker_template
+
+        worker_template.main([str(keep)])
+    finally:
+        os._exit(1)
 
 
 def uses_template(config: Config) -> bool:
@@ -119,12 +214,27 @@ class WorkerTemplate:
         self._broken: str | None = None if prctl is not None else "no prctl (not Linux)"
         self._said: set[str] = set()
         self._sock: socket.socket | None = None
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: subprocess.Popen[bytes] | _ForkedTemplate | None = None
         if self._broken is None:
             self._start(child_setup)
 
     def _start(self, child_setup: Callable[[], None]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        why_not = why_not_fork_here(self.python, self.env)
+        if why_not is not None and _PRELOADED_START_ENV is not None:
+            logger.info("worker template started as a new process: %s", why_not)
+        if why_not is None:
+            try:
+                self._process = _fork_template(theirs, self.env, child_setup)
+                logger.info("worker template forked from this process (its imports were done)")
+            except OSError as exc:
+                ours.close()
+                self._broken = f"the template could not be forked: {exc}"
+                return
+            finally:
+                theirs.close()
+            self._sock = ours
+            return
         try:
             self._process = subprocess.Popen(
                 [self.python, *ENTRY[:2], "resilrun.worker_template", str(theirs.fileno()), " " * TEMPLATE_ROOM_BYTES],
