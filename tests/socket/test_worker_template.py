@@ -203,7 +203,8 @@ def test_no_python_commands_are_never_forked(template: WorkerTemplate, tmp_path:
 # it declares its imports and start environment, starts the node's template, forks one worker from
 # it and says where each came from.
 _EMBEDDED = """
-import importlib, json, os, sys, time
+import importlib, json, logging, os, sys, time
+logging.basicConfig(level=logging.INFO, format="%(message)s")
 from resilrun import worker_template
 from resilrun.agent.workers import procs
 from resilrun.agent.workers.template import AdoptedProcess, declare_preloaded
@@ -259,10 +260,11 @@ def test_a_launcher_that_declared_its_imports_forks_its_template_unless_the_star
         check=True,
     )
     said = json.loads(done.stdout.strip().splitlines()[-1])
-    # The template is the launcher's own child either way; forked from it, it is no new interpreter
-    # (its command line is the launcher's, not the template's entry point)
+    # The template is the launcher's own child either way, forked from it only when nothing read at
+    # start differs, and shows the template's command line either way (not the launcher's)
     assert said["template_parent"] == said["me"]
-    assert ("resilrun.worker_template" not in said["template_command"]) is forked_here, said
+    assert ("worker template forked from this process" in done.stderr) is forked_here, done.stderr[-2000:]
+    assert "resilrun.worker_template" in said["template_command"], said
     # and the worker it forks is the launcher's child, with torch already imported and its own rank
     assert said["forked_worker"] and said["code"] == 0, done.stderr[-2000:]
     assert (tmp_path / "rank0" / "stdout.log").read_text() == f"{said['me']} True 0\n"

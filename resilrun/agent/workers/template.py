@@ -130,6 +130,11 @@ def _fork_template(sock: socket.socket, env: Mapping[str, str], child_setup: Cal
         os.environ.update(env)
         from resilrun import worker_template
 
+        # What ps and /proc show of it: its own command line and environment (the agent's secrets
+        # withheld, as from a new template), not the agent's it was forked with.
+        areas = worker_template.StartAreas.of_this_process()
+        if areas is not None:
+            areas.show([sys.executable, *ENTRY[:2], "resilrun.worker_template", str(keep)], dict(env))
         worker_template.main([str(keep)])
     finally:
         os._exit(1)
