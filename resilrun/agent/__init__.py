@@ -50,7 +50,7 @@ def _early_template(config: Config) -> WorkerTemplate | None:
     nproc = nproc_without_devices(config.nproc_per_node)
     if not uses_template(config) or nproc is None:
         return None
-    return start_template(worker_base_env(agent_environ(), nproc))
+    return start_template(worker_base_env(agent_environ(), nproc), before_devices=True)
 
 
 def run(config: Config) -> RunResult:

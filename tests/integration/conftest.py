@@ -41,10 +41,12 @@ class Launch:
         full_env = {**launch_zygote.base_env(), **(env or {})}
         self.popen: subprocess.Popen[bytes] | launch_zygote.LaunchedProcess
         server = launch_zygote.server_for(argv, full_env)
+        forked = None
         if server is not None:
             with open(os.devnull, "rb") as null:
-                streams = [null.fileno(), self._out.fileno(), self._err.fileno()]
-                self.popen = server.start(argv, full_env, str(cwd), streams)
+                forked = server.start(argv, full_env, str(cwd), [null.fileno(), self._out.fileno(), self._err.fileno()])
+        if forked is not None:
+            self.popen = forked
         else:
             self.popen = subprocess.Popen(
                 argv,
@@ -90,8 +92,10 @@ class Launch:
         for pid in self.remember_descendants():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        with contextlib.suppress(subprocess.TimeoutExpired, launch_zygote.ServerGone):
             self.popen.wait(10)
+        if isinstance(self.popen, launch_zygote.LaunchedProcess):
+            self.popen.release()
         self._out.close()
         self._err.close()
 

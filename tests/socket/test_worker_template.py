@@ -21,7 +21,7 @@ import pytest
 from resilrun import worker_template
 from resilrun.agent.workers import procs
 from resilrun.agent.workers.template import AdoptedProcess, WorkerTemplate
-from resilrun.env import python_exec, worker_base_env
+from resilrun.env import TEMPLATE_ROOM_ENV, python_exec, worker_base_env
 from resilrun.option_values import Std
 from tests.conftest import wait_until
 
@@ -203,23 +203,27 @@ def test_no_python_commands_are_never_forked(template: WorkerTemplate, tmp_path:
 # it declares its imports and start environment, starts the node's template, forks one worker from
 # it and says where each came from.
 _EMBEDDED = """
-import importlib, json, logging, os, sys, time
-logging.basicConfig(level=logging.INFO, format="%(message)s")
+import importlib, json, logging, os, signal, sys, time
 from resilrun import worker_template
 from resilrun.agent.workers import procs
-from resilrun.agent.workers.template import AdoptedProcess, declare_preloaded
+from resilrun.agent.workers.template import AdoptedProcess
+from resilrun.agent.workers.template_fork import declare_preloaded
 from resilrun.env import python_exec
 from resilrun.option_values import Std
 from pathlib import Path
 for name in worker_template.PRELOAD:
     importlib.import_module(name)
+os.environ.pop("RESILRUN_TEMPLATE_ROOM")  # the room its children show their own environment in
 if os.fork() == 0:  # OpenBLAS stops its thread pool at a fork: the launcher is single-threaded again
     os._exit(0)
 os.wait()
 declare_preloaded(dict(os.environ))
+# What the agent sets up after: its logging, a handler of its own. Neither may reach the template.
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+signal.signal(signal.SIGUSR1, lambda *args: None)
 env = {**os.environ, **json.loads(sys.argv[2])}
 started = time.monotonic()
-template = procs.start_template(env)
+template = procs.start_template(env, before_devices=True)
 spec = procs.WorkerSpec(
     local_rank=0, global_rank=0, argv=(python_exec(), "-u", "-m", "resilrun.worker_main", sys.argv[1]),
     env={**env, "RANK": "0"}, log_dir=Path(sys.argv[3]), to_file=Std.ALL, to_console=Std.NONE,
@@ -230,8 +234,12 @@ worker.finish_output()
 pid = template._process.pid
 with open(f"/proc/{pid}/cmdline", "rb") as handle:
     command = handle.read().decode(errors="replace")
+status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
 print(json.dumps({
     "template_parent": int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]),
+    "template_session": os.getsid(pid), "template_pid": pid, "template_fds": sorted(os.listdir(f"/proc/{pid}/fd")),
+    "template_blocked": int(status["SigBlk"], 16), "template_caught": int(status["SigCgt"], 16),
+    "template_environ": open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace"),
     "template_command": command, "forked_worker": isinstance(worker.popen, AdoptedProcess), "code": code,
     "first_worker_s": time.monotonic() - started, "me": os.getpid(),
 }))
@@ -249,8 +257,13 @@ def test_a_launcher_that_declared_its_imports_forks_its_template_unless_the_star
 ) -> None:
     import json
 
-    script = _script(tmp_path, "import os, sys\nprint(os.getppid(), 'torch' in sys.modules, os.environ.get('RANK'))\n")
-    env = {k: v for k, v in _BASE.items() if k != "PYTHONPATH"}
+    script = _script(
+        tmp_path,
+        "import logging, os, sys\n"
+        "print(os.getppid(), 'torch' in sys.modules, os.environ.get('RANK'), len(logging.getLogger().handlers))\n",
+    )
+    # with room in its environment for its children to show their own there, as the launch server has
+    env = {k: v for k, v in _BASE.items() if k != "PYTHONPATH"} | {TEMPLATE_ROOM_ENV: "." * 32768}
     done = subprocess.run(
         [sys.executable, "-c", _EMBEDDED, str(script), json.dumps(extra), str(tmp_path / "rank0")],
         env=env,
@@ -265,6 +278,15 @@ def test_a_launcher_that_declared_its_imports_forks_its_template_unless_the_star
     assert said["template_parent"] == said["me"]
     assert ("worker template forked from this process" in done.stderr) is forked_here, done.stderr[-2000:]
     assert "resilrun.worker_template" in said["template_command"], said
+    # and is the process a new template is: a session of its own, nothing blocked, no handler of the
+    # launcher's (SIGINT's is Python's own), only the standard streams and its socket open, and its
+    # own environment in /proc
+    assert said["template_session"] == said["template_pid"]
+    assert said["template_blocked"] == 0
+    assert said["template_caught"] == 1 << (signal.SIGINT - 1), hex(said["template_caught"])
+    assert said["template_fds"][:3] == ["0", "1", "2"] and len(said["template_fds"]) == 4, said["template_fds"]
+    assert "RESILRUN_ROUND=3" in said["template_environ"] or not forked_here
     # and the worker it forks is the launcher's child, with torch already imported and its own rank
     assert said["forked_worker"] and said["code"] == 0, done.stderr[-2000:]
-    assert (tmp_path / "rank0" / "stdout.log").read_text() == f"{said['me']} True 0\n"
+    # (and the launcher's logging set-up not: a new worker's root logger has no handler)
+    assert (tmp_path / "rank0" / "stdout.log").read_text() == f"{said['me']} True 0 0\n"

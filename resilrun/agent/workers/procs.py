@@ -298,9 +298,12 @@ def child_setup() -> Callable[[], None]:
     return lambda: _child_setup(agent_pid, prctl)
 
 
-def start_template(env: Mapping[str, str]) -> WorkerTemplate:
-    """The node's worker template, started as the agent starts its other processes."""
-    return WorkerTemplate(python_exec(), env, resolve_prctl(), child_setup())
+def start_template(env: Mapping[str, str], *, before_devices: bool = False) -> WorkerTemplate:
+    """The node's worker template, started as the agent starts its other processes.
+    ``before_devices``: the agent has not looked for accelerators yet (template_fork.py)."""
+    return WorkerTemplate(
+        python_exec(), env, resolve_prctl(), child_setup(), handled=HANDLED_SIGNALS, before_devices=before_devices
+    )
 
 
 def _new_process(

@@ -9,10 +9,8 @@ what the interpreter and the libraries read when they start (``OMP_NUM_THREADS``
 (it says why), is started as a new process, and the log says so once. A template that dies or
 does not answer is not asked again.
 
-A process that launches jobs from one interpreter with torch already imported (the tests' launcher
-does; a launcher started from a shell never does) may declare it with ``declare_preloaded``: the
-template is then forked from the agent itself instead of started as a new Python, as long as nothing
-the interpreter and its libraries read at start differs (the same rule as for forking workers).
+In a process that declared its imports done (``template_fork.declare_preloaded``: a launch server),
+the template is forked from the agent itself instead of started as a new Python.
 """
 
 from __future__ import annotations
@@ -25,12 +23,12 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
+from resilrun.agent.workers import template_fork
 from resilrun.config import Config
 from resilrun.env import TEMPLATE_ROOM_BYTES, TEMPLATE_ROOM_ENV, read_after_start
 from resilrun.prctl import PR_SET_CHILD_SUBREAPER, Prctl
@@ -44,100 +42,6 @@ READY_TIMEOUT_S = 120.0
 # A fork takes milliseconds; one that has not answered by now is not waited for. Generous because a
 # worker forked after the deadline would run untracked (the reply naming it never read).
 _FORK_TIMEOUT_S = 60.0
-
-
-# The environment this process started with, when it declared the template's imports done.
-_PRELOADED_START_ENV: dict[str, str] | None = None
-
-
-def declare_preloaded(start_env: Mapping[str, str]) -> None:
-    """Say that this process has imported what the template imports (``worker_template.PRELOAD``)
-    and that its interpreter started with ``start_env`` (and ``-u``, as the template's does), so that
-    the node's template may be forked from it: two or more seconds of CPU (``import torch``) saved
-    each time an agent runs in it. Why a declaration and not a guess from ``/proc/self/environ``: a
-    process may rewrite that area (a forked worker shows its own there), and only the process's
-    creator knows what its libraries read when they were loaded. The process must be
-    single-threaded when the agent starts its template (checked: else a new Python, as always)."""
-    global _PRELOADED_START_ENV
-    _PRELOADED_START_ENV = dict(start_env)
-
-
-def why_not_fork_here(python: str, env: Mapping[str, str]) -> str | None:
-    """Why the template cannot be forked from this process (None: it can)."""
-    from resilrun import worker_template
-
-    if _PRELOADED_START_ENV is None:
-        return "this process did not declare the template's imports done"
-    missing = [name for name in worker_template.PRELOAD if name not in sys.modules]
-    if missing:
-        return f"{missing[0]} is not imported here"
-    if python != sys.executable:
-        return "the template runs another interpreter"
-    reason = worker_template.why_not_fork()
-    if reason is not None:
-        return reason
-    start = _PRELOADED_START_ENV
-    differ = sorted(
-        k
-        for k in env.keys() | start.keys()
-        if k != TEMPLATE_ROOM_ENV and env.get(k) != start.get(k) and not read_after_start(k)
-    )
-    if differ:
-        return f"the template's environment differs from this process's start in {', '.join(differ[:5])}"
-    return None
-
-
-class _ForkedTemplate:
-    """The template forked from the agent: the part of Popen's interface ``_stop`` uses."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._reaped = False
-
-    def kill(self) -> None:
-        if not self._reaped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-
-    def wait(self) -> None:
-        if not self._reaped:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.pid, 0)
-            self._reaped = True
-
-
-def _fork_template(sock: socket.socket, env: Mapping[str, str], child_setup: Callable[[], None]) -> _ForkedTemplate:
-    """Fork this process into the template: in the child, what the spawn path gives a new process
-    (its session, no stdin or stdout, only the socket open, default signal handling, ``env``), then
-    the template's own main. The imports it would do are already here."""
-    keep = sock.fileno()
-    pid = os.fork()
-    if pid != 0:
-        return _ForkedTemplate(pid)
-    try:  # the child: never returns
-        child_setup()
-        os.setsid()
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, 0)
-        os.dup2(null, 1)
-        os.closerange(3, keep)
-        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        os.environ.clear()
-        os.environ.update(env)
-        from resilrun import worker_template
-
-        # What ps and /proc show of it: its own command line and environment (the agent's secrets
-        # withheld, as from a new template), not the agent's it was forked with.
-        areas = worker_template.StartAreas.of_this_process()
-        if areas is not None:
-            areas.show([sys.executable, *ENTRY[:2], "resilrun.worker_template", str(keep)], dict(env))
-        worker_template.main([str(keep)])
-    finally:
-        os._exit(1)
 
 
 def uses_template(config: Config) -> bool:
@@ -208,9 +112,14 @@ class WorkerTemplate:
         env: Mapping[str, str],
         prctl: Prctl | None,
         child_setup: Callable[[], None],
+        *,
+        handled: tuple[signal.Signals, ...] = (),
+        before_devices: bool = False,
     ) -> None:
         """``prctl``: libc's, resolved by the caller (None: not Linux, no template);
-        ``child_setup``: what runs in the template between its fork and exec (the spawn path's)."""
+        ``child_setup``: what runs in the template between its fork and exec (the spawn path's);
+        ``handled``: the agent's signals; ``before_devices``: started before the agent looked for
+        accelerators (only then may it be forked from the agent: template_fork.py)."""
         self.python = python
         self.env = dict(env)
         self._prctl = prctl
@@ -219,27 +128,27 @@ class WorkerTemplate:
         self._broken: str | None = None if prctl is not None else "no prctl (not Linux)"
         self._said: set[str] = set()
         self._sock: socket.socket | None = None
-        self._process: subprocess.Popen[bytes] | _ForkedTemplate | None = None
+        self._process: subprocess.Popen[bytes] | template_fork.ForkedTemplate | None = None
         if self._broken is None:
-            self._start(child_setup)
+            self._start(child_setup, handled, before_devices)
 
-    def _start(self, child_setup: Callable[[], None]) -> None:
+    def _start(
+        self, child_setup: Callable[[], None], handled: tuple[signal.Signals, ...], before_devices: bool
+    ) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        why_not = why_not_fork_here(self.python, self.env)
-        if why_not is not None and _PRELOADED_START_ENV is not None:
-            logger.info("worker template started as a new process: %s", why_not)
+        why_not = template_fork.why_not_fork_here(self.python, self.env, before_devices=before_devices)
         if why_not is None:
             try:
-                self._process = _fork_template(theirs, self.env, child_setup)
-                logger.info("worker template forked from this process (its imports were done)")
+                self._process = template_fork.fork_template(theirs, self.env, child_setup, handled)
             except OSError as exc:
-                ours.close()
-                self._broken = f"the template could not be forked: {exc}"
-                return
-            finally:
+                logger.info("worker template: could not fork it here (%s); starting it as a new process", exc)
+            else:
+                logger.info("worker template forked from this process (its imports were done)")
                 theirs.close()
-            self._sock = ours
-            return
+                self._sock = ours
+                return
+        elif template_fork.declared():
+            logger.info("worker template started as a new process: %s", why_not)
         try:
             self._process = subprocess.Popen(
                 [self.python, *ENTRY[:2], "resilrun.worker_template", str(theirs.fileno()), " " * TEMPLATE_ROOM_BYTES],
