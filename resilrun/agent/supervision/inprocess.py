@@ -215,7 +215,7 @@ class InProcessRecovery:
             self._control.begin_generation([w.pid for w in workers])
             self._control.publish_generation(new.round, envs)
             round_.state = new
-        round_.store = store  # the previous generation's store goes; its clients have moved on
+        round_.replace_store(store)
         self._membership.enter(new)
         self._telemetry.generation_entered(new, round_.node_rank, round_.workers)
         if replacements:

@@ -145,6 +145,11 @@ class Round:
         self._spares = spares
         self.node_rank = node_rank
         self.store = store
+        # The worker store of the generation before, kept open until the next one replaces it: a
+        # survivor still connecting to it when its generation was superseded (a spare failing its
+        # check at once, a loaded node) must reach it and fail in the set-up it abandons, not retry
+        # a closed port until its setup guard ends the process (exit 75) and a spare takes its rank.
+        self._previous_store: Any = None
         self.spare_index = 0
         self.respawn_at: float | None = None
         self.killed: set[int] = set()  # pids SIGKILLed as hung, not yet reaped
@@ -163,6 +168,14 @@ class Round:
     def state(self, state: RdzvState) -> None:
         with self._lock:
             self._state = state
+
+    def replace_store(self, store: Any) -> None:
+        """Owner only: ``store`` serves the generation being entered; the one it replaces stays open
+        until the next replacement, and the one before that is closed now."""
+        older, self._previous_store = self._previous_store, self.store
+        self.store = store
+        if older is not None and older is not store:
+            older.close()
 
     @property
     def workers(self) -> list[procs.WorkerProcess]:
