@@ -215,9 +215,10 @@ class InProcessRecovery:
             self._control.begin_generation([w.pid for w in workers])
             self._control.publish_generation(new.round, envs)
             round_.state = new
-        round_.store = store  # the previous generation's store goes; its clients have moved on
+        round_.replace_store(store, self._clock.monotonic())
         self._membership.enter(new)
         self._telemetry.generation_entered(new, round_.node_rank, round_.workers)
+        round_.close_retired(self._clock.monotonic())
         if replacements:
             round_.respawn_at = self._clock.monotonic() + RESPAWN_DELAY_S
         return True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -121,6 +121,11 @@ class RoundSnapshot:
     spares: tuple[procs.WorkerSnapshot, ...]
 
 
+# How long a superseded generation's worker store stays open: longer than a worker's setup guard
+# waits for an abandoned set-up (resilrun/worker/_abort.py, SUPERSEDED_SETUP_GRACE_S).
+RETIRED_STORE_S = 10.0
+
+
 class Round:
     """What this node runs in the current round; in-process recoveries update it in place.
 
@@ -145,6 +150,12 @@ class Round:
         self._spares = spares
         self.node_rank = node_rank
         self.store = store
+        # Worker stores of superseded generations and when they were replaced, kept open for
+        # RETIRED_STORE_S: a survivor still connecting to one when its generation was superseded (a
+        # spare failing its check at once, a loaded node) must reach it and fail in the set-up it
+        # abandons, not retry a closed port until its setup guard ends the process (exit 75) and a
+        # spare takes its rank.
+        self._retired: list[tuple[Any, float]] = []
         self.spare_index = 0
         self.respawn_at: float | None = None
         self.killed: set[int] = set()  # pids SIGKILLed as hung, not yet reaped
@@ -163,6 +174,26 @@ class Round:
     def state(self, state: RdzvState) -> None:
         with self._lock:
             self._state = state
+
+    def replace_store(self, store: Any, now: float) -> None:
+        """Owner only: ``store`` serves the generation entered at ``now`` (monotonic); the one it
+        replaces stays open until ``close_retired`` finds it older than ``RETIRED_STORE_S``."""
+        old, self.store = self.store, store
+        if old is not None and old is not store:
+            self._retired.append((old, now))
+
+    def close_retired(self, now: float | None = None) -> None:
+        """Owner only: close the superseded stores retired ``RETIRED_STORE_S`` before ``now``, or all
+        of them (``now`` None: the round is over). Off a recovery's critical path: a close waits for
+        its server thread."""
+        kept = []
+        for store, since in self._retired:
+            if now is not None and now - since < RETIRED_STORE_S:
+                kept.append((store, since))
+                continue
+            with suppress(Exception):  # a store that fails to close is no reason to stop the agent
+                store.close()
+        self._retired = kept
 
     @property
     def workers(self) -> list[procs.WorkerProcess]:

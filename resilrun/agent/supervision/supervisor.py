@@ -203,6 +203,7 @@ class Supervisor:
             self._processes.stop([w for w in everyone if w.poll() is None], signal.SIGKILL, 0.0)
             for worker in everyone:
                 worker.finish_output()
+            round_.close_retired()
 
     def _monitor(self, round_: Round) -> RoundEnd:
         interval = self.config.monitor_interval_s
