@@ -333,8 +333,11 @@ def server_for(argv: list[str], env: dict[str, str]) -> LaunchServer | None:
         server = _SERVERS[omp] = LaunchServer(omp)
     if server.broken is not None:
         return None
+    # OpenMP's setting was matched by choosing the server (the launcher gives its workers that value;
+    # the launch itself does not read it): any other difference must be read after start.
     start = server.start_env
-    if any(env.get(k) != start.get(k) and not read_after_start(k) for k in env.keys() | start.keys()):
+    keys = (env.keys() | start.keys()) - {"OMP_NUM_THREADS"}
+    if any(env.get(k) != start.get(k) and not read_after_start(k) for k in keys):
         return None
     return server
 
