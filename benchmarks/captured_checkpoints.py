@@ -16,7 +16,10 @@ A. One host, ``--standalone --nproc-per-node 2 --max-restarts 1``, the model wid
    (``--hidden``) so that a snapshot is ``--mib`` MiB and its save takes measurable time. The
    benchmark SIGKILLs rank 1 (the worker process whose RANK is 1, found under the launcher) the
    moment its "Epoch ``--kill-after`` done" line arrives, between two saves. Reported: recovered
-   (exit 0, both ranks finished), kill -> the next "Epoch E done" after the restart, epochs
+   (exit 0, both ranks finished), kill -> training again (both ranks printed the tutorial's
+   "Epoch E | Batchsize" line of the epoch they resumed at: its first batch runs next; the
+   tutorial's granularity is an epoch, this is its "next step"), kill -> the next "Epoch E done"
+   after the restart (one whole epoch more), epochs
    redone (epochs done before the kill minus the epoch it resumed at; the tutorial saves
    ``EPOCHS_RUN = epoch`` after an epoch, so it redoes the saved one), the save time (median of
    the script's "saved in X s" lines) and, for reference, a memcpy of as many bytes as the
@@ -70,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from launch_overhead import clean_env, fmt
+from launch_overhead import clean_env, fmt, median
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -96,6 +99,7 @@ PORT = 29400  # the rendezvous port in scenario C: every host has a network of i
 BYTES_PER_HIDDEN = 22 * 4
 
 DONE = re.compile(r"\[rank (\d+)\] Epoch (\d+) done")
+STARTED = re.compile(r"\[rank (\d+)\] Epoch (\d+) \| Batchsize")  # the tutorial's line as an epoch starts
 SAVED = re.compile(r"Epoch (\d+) \| Training snapshot saved at \S+ in ([\d.]+) s")
 RESUMED = re.compile(r"\[rank (\d+)\] Resuming training from snapshot at Epoch (\d+)")
 FINISHED = re.compile(r"\[rank (\d+)\] finished at epoch \d+ checksum (\w+)")
@@ -228,10 +232,11 @@ def parse(lines: list[tuple[float, str]]) -> dict[str, list[tuple[float, int, An
     """The script's lines, stamped: done/resumed/loading (t, rank, epoch), saved (t, epoch, seconds),
     finished (t, rank, checksum). Workers share one pipe, so two lines may arrive glued together."""
     found: dict[str, list[tuple[float, int, Any]]] = {
-        k: [] for k in ("done", "resumed", "loading", "saved", "finished")
+        k: [] for k in ("done", "started", "resumed", "loading", "saved", "finished")
     }
     for at, line in lines:
         found["done"] += [(at, int(m[1]), int(m[2])) for m in DONE.finditer(line)]
+        found["started"] += [(at, int(m[1]), int(m[2])) for m in STARTED.finditer(line)]
         found["resumed"] += [(at, int(m[1]), int(m[2])) for m in RESUMED.finditer(line)]
         found["loading"] += [(at, int(m[1]), None) for m in LOADING.finditer(line)]
         found["saved"] += [(at, int(m[1]), float(m[2])) for m in SAVED.finditer(line)]
@@ -332,7 +337,7 @@ def run_a(name: str, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     res["snapshot_bytes"] = snapshot.stat().st_size if snapshot.exists() else None
     shutil.rmtree(work, ignore_errors=True)
     _analyze_a(res, parse(launch.out), args)
-    summary(tag, res, ("to_next", "resumed_at", "redone", "save_s"))
+    summary(tag, res, ("to_training", "to_next", "resumed_at", "redone", "save_s"))
     return res
 
 
@@ -359,6 +364,14 @@ def _analyze_a(res: dict[str, Any], seen: dict[str, list[tuple[float, int, Any]]
     after = [t for t, _, epoch in seen["done"] if t > start and (resumes or epoch < args.kill_after)]
     if after:
         res["to_next"] = after[0] - kill
+    # Training again: every rank has started the epoch it resumed at (its first batch runs next).
+    again = {
+        rank: min((t for t, r, epoch in seen["started"] if r == rank and t > start and epoch == res["resumed_at"]),
+                  default=None)
+        for rank in (0, 1)
+    }  # fmt: skip
+    if all(t is not None for t in again.values()):
+        res["to_training"] = max(t for t in again.values() if t is not None) - kill
 
 
 def memcpy_s(nbytes: int, reps: int = 5) -> float:
@@ -564,9 +577,10 @@ def report_a(runs: list[dict[str, Any]], memcpy: dict[int, float], args: argpars
         f"epochs), snapshot {sizes[0] / 2**20 if sizes else float('nan'):.1f} MiB, memcpy of as many bytes "
         f"{copy * 1e3:.1f} ms; targets: save <= 1.5x memcpy, redone <= {args.save_every}",
         "",
-        "| launcher | recovered | kill → next epoch done (s) | epochs done before kill | resumed at | epochs redone | "
-        "save (ms) | save / memcpy | epoch before kill (s) | leftover procs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| launcher | recovered | kill → training again (s) | ÷ torchrun | kill → next epoch done (s) | ÷ torchrun | "
+        "epochs done before kill | resumed at | epochs redone | save (ms) | save / memcpy | epoch before kill (s) | "
+        "leftover procs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in LAUNCHERS:
         rows = [r for r in runs if r["launcher"] == name]
@@ -574,9 +588,13 @@ def report_a(runs: list[dict[str, Any]], memcpy: dict[int, float], args: argpars
         bad = ", ".join(r["status"] for r in rows if r["status"] != "ok")
         saves = [r["save_s"] for r in rows if r.get("save_s") is not None]
         ratio = [r["save_s"] / memcpy[r["snapshot_bytes"]] for r in rows if r.get("save_s") and r.get("snapshot_bytes")]
+        again, nxt = ([r[key] for r in ok if key in r] for key in ("to_training", "to_next"))
+        theirs = {key: median([r[key] for r in runs if r["launcher"] == "torchrun" and key in r])
+                  for key in ("to_training", "to_next")}  # fmt: skip
         md.append(
             f"| {name} | {len(ok)}/{len(rows)}{f' ({bad})' if bad else ''} | "
-            f"{fmt([r['to_next'] for r in ok if 'to_next' in r])} | {_set(rows, 'done_before')} | "
+            f"{fmt(again)} | {median(again) / theirs['to_training']:.2f}x | "
+            f"{fmt(nxt)} | {median(nxt) / theirs['to_next']:.2f}x | {_set(rows, 'done_before')} | "
             f"{_set(ok, 'resumed_at')} | {_set(ok, 'redone')} | {fmt(saves, 1e3, 0)} | {fmt(ratio, 1, 1)} | "
             f"{fmt([r['epoch_s'] for r in rows if r.get('epoch_s')])} | {sum(r['leftovers'] for r in rows)} |"
         )

@@ -92,6 +92,8 @@ class Trainer:
         self.optimizer.step()
 
     def _run_epoch(self, epoch: int) -> None:
+        batch, steps = self.train_data.batch_size, len(self.train_data)
+        print(f"[rank {self.global_rank}] Epoch {epoch} | Batchsize: {batch} | Steps: {steps}", flush=True)
         self.train_data.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         for source, targets in self.train_data:
             self._run_batch(source.to(self.device), targets.to(self.device))

@@ -21,7 +21,7 @@ not answer is given up and later launches are new processes. It dies with its xd
 ``RESILRUN_TEST_LAUNCH_SERVER=0`` in the tests' environment starts every launch as a new process.
 
 Protocol (SOCK_SEQPACKET, one JSON message per packet, each request answered in turn):
-``{"ready": true}`` once the imports are done; ``{"start": {"argv", "env", "cwd"}}`` with stdin, stdout
+``{"ready": true}`` once the imports are done; ``{"start": {"argv", "env", "cwd", "host"}}`` with stdin, stdout
 and stderr as SCM_RIGHTS descriptors -> ``{"pid": N}`` or ``{"error": "why"}``; ``{"poll": N}`` ->
 ``{"code": exit status or null}``; ``{"release": N}`` -> ``{"released": N}``.
 Usage: ``python -m tests.helpers.launch_zygote FD ROOM``
@@ -48,6 +48,7 @@ from typing import Any
 from resilrun.env import TEMPLATE_ROOM_BYTES, TEMPLATE_ROOM_ENV, read_after_start
 from resilrun.prctl import PR_SET_PDEATHSIG, resolve_prctl
 from resilrun.worker_template import PRELOAD, StartAreas, threads
+from tests.helpers.netns_cluster import enter_host
 
 # What a launch imports besides the template's: the command line and the agent.
 LAUNCHER = ("resilrun.cli", "resilrun.agent", "resilrun.agent.node", "resilrun.agent.workers.procs")
@@ -59,14 +60,21 @@ _ANSWER_S = 60.0
 def _become_launch(
     request: dict[str, Any], fds: list[int], areas: StartAreas | None, start_env: dict[str, str]
 ) -> None:
-    """In the forked child: the launch's session, streams, directory, environment and command line,
-    then ``python -m resilrun`` as the interpreter runs it. Raises SystemExit to end as Python does."""
+    """In the forked child: the launch's host (a network-namespace host's ``[ns, name]``, if given),
+    session, streams, directory, environment and command line, then ``python -m resilrun`` as the
+    interpreter runs it. Raises SystemExit to end as Python does."""
     os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in fds:
         if fd > 2:
             os.close(fd)
+    if request.get("host"):
+        try:
+            enter_host(*request["host"])
+        except OSError as exc:
+            os.write(2, f"launch server: cannot put the launch on host {request['host'][1]}: {exc}\n".encode())
+            os._exit(1)
     os.chdir(request["cwd"])
     sys.path[0] = os.getcwd()  # as ``python -m`` puts it first
     os.environ.clear()
@@ -282,10 +290,13 @@ class LaunchServer:
                 self._give_up(str(exc))
                 raise ServerGone(str(exc)) from exc
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: str, streams: list[int]) -> LaunchedProcess | None:
-        """The launch forked by the server, or None (the caller starts it as a new process)."""
+    def start(  # noqa: PLR0913
+        self, argv: list[str], env: dict[str, str], cwd: str, streams: list[int], host: tuple[str, str] | None = None
+    ) -> LaunchedProcess | None:
+        """The launch forked by the server, or None (the caller starts it as a new process). ``host``:
+        the network namespace and name of the host to run it on (tests/helpers/netns_cluster.py)."""
         try:
-            reply = self.ask({"start": {"argv": argv, "env": env, "cwd": cwd}}, streams)
+            reply = self.ask({"start": {"argv": argv, "env": env, "cwd": cwd, "host": host}}, streams)
         except ServerGone:
             return None
         if "pid" not in reply:

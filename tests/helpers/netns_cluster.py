@@ -9,7 +9,9 @@ range: only ever inside these namespaces, never routed anywhere), loopback up, a
 the way Debian and Ubuntu write it: its own name on 127.0.1.1, the other hosts by their addresses
 (the cluster's DNS). Nothing is added to the machine's own namespace. A process runs on a host
 through ``command()``: ``ip netns exec`` (which bind-mounts /etc/netns/NS/hosts over /etc/hosts)
-and a new UTS namespace carrying the host's name.
+and a new UTS namespace carrying the host's name. ``enter_host()`` does the same to the calling
+process itself (a process forked for it: the tests' launch server moves its launches onto their
+hosts this way instead of starting a new interpreter).
 
 Faults: ``cut(host)`` takes the host off the network (its link down: every peer sees silence, as
 on a lost node or a pulled cable); ``heal(host)`` puts it back. With nftables (``nft``; see
@@ -22,6 +24,7 @@ host receives (random loss on every link); ``clear()`` removes them all.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import shutil
@@ -88,11 +91,51 @@ def _await_carrier(ns: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
+_MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = 0x1000, 0x4000, 1 << 19, 2
+
+
+def enter_host(ns: str, name: str) -> None:
+    """Put the calling process on a host, as ``command()``'s ``ip netns exec`` and ``unshare --uts``
+    put a new one: the host's network namespace, a mount namespace of its own (a slave of the
+    machine's) with a sysfs of that network and /etc/netns/NS's files bound over /etc's, and a UTS
+    namespace carrying the host's name. Only for a single-threaded process (``setns`` and
+    ``unshare`` of a mount namespace refuse otherwise); raises OSError when a step fails."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        check(libc.setns(fd, _CLONE_NEWNET), f"setns {ns}")
+    finally:
+        os.close(fd)
+    check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWUTS), "unshare")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+    check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
+    check(libc.mount(ns.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
+    etc = Path("/etc/netns") / ns
+    for entry in sorted(etc.iterdir()) if etc.is_dir() else []:
+        target = f"/etc/{entry.name}".encode()
+        check(libc.mount(str(entry).encode(), target, None, _MS_BIND, None), f"bind {entry}")
+    encoded = name.encode()
+    check(libc.sethostname(encoded, len(encoded)), "sethostname")
+
+
 @dataclass(frozen=True)
 class Host:
     name: str  # its hostname
     ns: str  # its network namespace
     addr: str  # its eth0 address
+
+
+def host_command(host: Host, argv: Sequence[str]) -> list[str]:
+    """``argv`` as run on ``host``: its network, its /etc/hosts, its hostname."""
+    script = 'hostname "$0" && exec "$@"'
+    return ["ip", "netns", "exec", host.ns, "unshare", "--uts", "--", "sh", "-c", script, host.name, *argv]
 
 
 class Cluster:
@@ -145,9 +188,7 @@ class Cluster:
 
     def command(self, host: Host | str, argv: Sequence[str]) -> list[str]:
         """``argv`` as run on ``host``: its network, its /etc/hosts, its hostname."""
-        h = self.host(host) if isinstance(host, str) else host
-        script = 'hostname "$0" && exec "$@"'
-        return ["ip", "netns", "exec", h.ns, "unshare", "--uts", "--", "sh", "-c", script, h.name, *argv]
+        return host_command(self.host(host) if isinstance(host, str) else host, argv)
 
     def daemon_command(self, host: Host | str, argv: Sequence[str]) -> list[str]:
         """As ``command``, but keeping the machine's /sys (``ip netns exec`` mounts a fresh one, which

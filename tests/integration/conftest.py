@@ -8,18 +8,20 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.helpers import launch_zygote
-from tests.helpers.netns_cluster import Cluster, available, nft_available
+from tests.helpers.netns_cluster import Cluster, Host, available, host_command, nft_available
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_TINY = ROOT / "tests" / "helpers" / "train_tiny.py"
@@ -32,7 +34,10 @@ class Launch:
     no new interpreter, no ``import torch`` for the launcher or its template); anything else, or with
     ``RESILRUN_TEST_LAUNCH_SERVER=0``, is a new process."""
 
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT) -> None:
+    def __init__(
+        self, argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT, host: Host | None = None
+    ) -> None:
+        """``host``: a network-namespace host to run it on (forked into it, or through ``ip netns exec``)."""
         self.log = log
         self._out = open(log.with_suffix(".out"), "wb")  # noqa: SIM115 - closed in close()
         self._err = open(log.with_suffix(".err"), "wb")  # noqa: SIM115
@@ -43,13 +48,15 @@ class Launch:
         server = launch_zygote.server_for(argv, full_env)
         forked = None
         if server is not None:
+            streams = [self._out.fileno(), self._err.fileno()]
+            place = (host.ns, host.name) if host is not None else None
             with open(os.devnull, "rb") as null:
-                forked = server.start(argv, full_env, str(cwd), [null.fileno(), self._out.fileno(), self._err.fileno()])
+                forked = server.start(argv, full_env, str(cwd), [null.fileno(), *streams], place)
         if forked is not None:
             self.popen = forked
         else:
             self.popen = subprocess.Popen(
-                argv,
+                argv if host is None else host_command(host, argv),
                 stdout=self._out,
                 stderr=self._err,
                 stdin=subprocess.DEVNULL,
@@ -170,32 +177,46 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - an
     raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
 
 
-def clean_checksum(launcher, tmp_path: Path, nproc: int, *args: str) -> str:  # noqa: ANN001 - the fixture
-    """The checksum of a failure-free ``--standalone`` run of examples/train_checkpointless.py with
-    ``nproc`` workers and ``args``: what a recovered run must equal, bit for bit.
+def made_once(tmp_path: Path, key: object, make: Callable[[Path], None]) -> Path:
+    """The folder ``make`` filled for ``key`` (JSON-able), made once per test session.
 
-    Many tests compare against the same few reference runs, so each is run once per test session
-    and kept in a file that the pytest-xdist workers share (next to their base temporary
-    directories), under a lock: a second worker needing it waits for the first one's run. The
-    example's ``--sleep`` only paces its steps (a recovery needs time to happen in), so it is left
-    out of the reference run."""
-    args = _without_sleep(args)
-    key = hashlib.sha256(json.dumps([nproc, *args]).encode()).hexdigest()[:16]
+    Many tests compare against the same few failure-free reference runs, so each is run once and
+    kept in a folder that the pytest-xdist workers share (next to their base temporary
+    directories), under a lock: a second worker needing it waits for the first one's run. A run
+    that failed leaves no folder behind (the next test to need it runs it again)."""
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     base = tmp_path.parent  # the session's (or this xdist worker's) base temporary directory
     shared = (base.parent if base.name.startswith("popen-gw") else base) / "clean-runs"
     shared.mkdir(exist_ok=True)
-    with open(shared / f"{key}.lock", "w") as lock:  # noqa: PTH123 - held for the block
+    with open(shared / f"{digest}.lock", "w") as lock:  # noqa: PTH123 - held for the block
         fcntl.flock(lock, fcntl.LOCK_EX)
-        kept = shared / f"{key}.sha"
-        if kept.exists():
-            return kept.read_text()
-        target = tmp_path / f"clean-{key}.sha"
-        argv = ["--standalone", "--nproc-per-node", str(nproc), str(EXAMPLE), *args, "--checksum-file", str(target)]
-        run = launcher("resilrun", *argv)
+        kept = shared / digest
+        if (kept / ".done").exists():
+            return kept
+        shutil.rmtree(kept, ignore_errors=True)
+        kept.mkdir()
+        try:
+            make(kept)
+        except BaseException:
+            shutil.rmtree(kept, ignore_errors=True)
+            raise
+        (kept / ".done").touch()
+        return kept
+
+
+def clean_checksum(launcher, tmp_path: Path, nproc: int, *args: str) -> str:  # noqa: ANN001 - the fixture
+    """The checksum of a failure-free ``--standalone`` run of examples/train_checkpointless.py with
+    ``nproc`` workers and ``args``: what a recovered run must equal, bit for bit (run once per
+    session: ``made_once``). The example's ``--sleep`` only paces its steps (a recovery needs time
+    to happen in), so it is left out of the reference run."""
+    args = _without_sleep(args)
+
+    def run_it(folder: Path) -> None:
+        argv = ["--standalone", "--nproc-per-node", str(nproc), str(EXAMPLE), *args]
+        run = launcher("resilrun", *argv, "--checksum-file", str(folder / "checksum"))
         assert run.wait(150) == 0, run.stderr()[-3000:]
-        checksum = target.read_text()
-        kept.write_text(checksum)
-        return checksum
+
+    return (made_once(tmp_path, [nproc, *args], run_it) / "checksum").read_text()
 
 
 def require_modules(*names: str) -> None:
@@ -245,36 +266,41 @@ def train_unmodified(  # noqa: PLR0913 - as launch_unmodified
     return launch_unmodified(launcher, script, out, faults, *extra, env=env, flags=flags).stderr()
 
 
-def assert_a_spare_node_replaces_a_lost_one(  # noqa: PLR0913 - the fixtures, the script, and how to see it train
+@dataclass(frozen=True)
+class NodeLoss:
+    """What ``replace_a_lost_node`` saw: the two nodes left, the rank the lost node ran, and the
+    step every rank resumed at."""
+
+    survivor: Launch
+    spare: Launch
+    lost_rank: int
+    step: int
+
+
+def replace_a_lost_node(  # noqa: PLR0913 - the fixture, the command, and how to see it train
     launcher,  # noqa: ANN001 - the fixture
-    tmp_path: Path,
-    script: Path,
-    script_args: tuple[str, ...],
-    training: str,
+    command: list[str],
     rdzv_id: str,
-) -> None:
-    """An unmodified framework script on 2 nodes x 1 worker replicating to each other, a third agent
-    standing by as a spare node; once the script prints ``training``, the node that does not host
-    the store loses its agent and its worker (SIGKILL). The spare node must take its node rank
-    in-process, the lost rank restoring from its peer replica and the survivor from node memory, at
-    the same step, with no restart; the saved weights must be bitwise a failure-free run's of 2 ranks
-    (one OpenMP thread each, as the launcher gives 2 workers on one node: the thread count changes
-    the order of float sums)."""
+    training: Callable[[str], bool],
+    env: dict[str, str],
+    cwd: Path = ROOT,
+) -> NodeLoss:
+    """``command`` (a script and its arguments, or ``-m module ...``) on 2 nodes x 1 worker
+    replicating to each other, a third agent standing by as a spare node; once ``training`` holds
+    for a node's stdout, the node that does not host the store loses its agent and its worker
+    (SIGKILL). The spare node must take its node rank in-process, the lost rank restoring from its
+    peer replica and the survivor from node memory, at the same step, with no restart."""
     from tests.conftest import free_port
 
-    port = free_port()
-    env = {"OMP_NUM_THREADS": "1"}
-    out = tmp_path / "faulty"
     flags = [
-        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
-        "--replicas", "1", "--heartbeat-timeout", "3", "--max-restarts", "0",
-        str(script), "--out", str(out), *script_args,
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", rdzv_id,
+        "--replicas", "1", "--heartbeat-timeout", "3", "--max-restarts", "0", *command,
     ]  # fmt: skip
-    nodes = [launcher("resilrun", *flags, env=env) for _ in range(2)]
+    nodes = [launcher("resilrun", *flags, env=env, cwd=cwd) for _ in range(2)]
     wait_for(lambda: any("round 0 formed" in n.stderr() for n in nodes), 150, "the round to form")
-    spare = launcher("resilrun", *flags, env=env)
+    spare = launcher("resilrun", *flags, env=env, cwd=cwd)
     wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare node")
-    wait_for(lambda: any(training in n.stdout() for n in nodes), 150, f"the script to print {training!r}")
+    wait_for(lambda: any(training(n.stdout()) for n in nodes), 200, "the script to train")
     doomed = next(n for n in nodes if "hosting store" not in n.stderr())
     survivor = next(n for n in nodes if n is not doomed)
     os.killpg(doomed.pid, signal.SIGKILL)
@@ -289,6 +315,24 @@ def assert_a_spare_node_replaces_a_lost_one(  # noqa: PLR0913 - the fixtures, th
     steps = resumed(survivor, spare)
     step = steps[lost][0]
     assert steps == {lost: (step, "peer"), 1 - lost: (step, "memory")}, steps
+    return NodeLoss(survivor, spare, lost, step)
+
+
+def assert_a_spare_node_replaces_a_lost_one(  # noqa: PLR0913 - the fixtures, the script, and how to see it train
+    launcher,  # noqa: ANN001 - the fixture
+    tmp_path: Path,
+    script: Path,
+    script_args: tuple[str, ...],
+    training: str,
+    rdzv_id: str,
+) -> None:
+    """An unmodified framework script loses a node to a spare one (``replace_a_lost_node``) once it
+    prints ``training``; the saved weights must be bitwise a failure-free run's of 2 ranks (one
+    OpenMP thread each, as the launcher gives 2 workers on one node: the thread count changes the
+    order of float sums)."""
+    out = tmp_path / "faulty"
+    command = [str(script), "--out", str(out), *script_args]
+    replace_a_lost_node(launcher, command, rdzv_id, lambda text: training in text, {"OMP_NUM_THREADS": "1"})
     train_unmodified(launcher, script, tmp_path / "clean", "", *script_args)
     assert weights(out) == weights(tmp_path / "clean")
 
@@ -394,10 +438,8 @@ def cluster_of(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
 
         def start(host: str, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Launch:
             """``cwd``: the host's own working folder (a host without a shared file system)."""
-            settings = [f"{name}={value}" for name, value in (env or {}).items()]
-            chdir = ["--chdir", str(cwd)] if cwd is not None else []
-            argv = cluster.command(host, ["env", *chdir, *settings, sys.executable, "-m", "resilrun", *args])
-            launch = Launch(argv, tmp_path / f"{host}_{len(launches)}.log")
+            argv = [sys.executable, "-m", "resilrun", *args]
+            launch = Launch(argv, tmp_path / f"{host}_{len(launches)}.log", env, cwd or ROOT, cluster.host(host))
             launches.append(launch)
             return launch
 

@@ -13,6 +13,7 @@ recovered in-process: a failure restarts the job, as under torchrun.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,14 +23,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import free_port
 from tests.integration.conftest import (
     ROOT,
     Launch,
     assert_nothing_left,
-    events,
+    made_once,
     recorded,
-    resumed,
+    replace_a_lost_node,
     resumed_from,
     wait_for,
 )
@@ -65,7 +65,7 @@ class Layout:
 
 LAYOUTS = {
     "llama3-fsdp2": Layout(2, LLAMA3, steps=12, kill_at=6),
-    "gpt_oss-moe-fsdp2": Layout(2, GPT_OSS, steps=10, kill_at=4, env=SMALL_EXPERTS),
+    "gpt_oss-moe-fsdp2": Layout(2, GPT_OSS, steps=10, kill_at=5, env=SMALL_EXPERTS),
     "llama3-tp2-fsdp2-4-ranks": Layout(4, (*LLAMA3, "--parallelism.tensor_parallel_degree", "2"), steps=8, kill_at=4),
 }
 LOSS = re.compile(r"step:\s+(\d+)\s+\S*loss:\s+([0-9.]+)")
@@ -95,13 +95,13 @@ def _start(  # noqa: PLR0913
     launcher,  # noqa: ANN001 - the fixture
     tmp_path: Path,
     env: dict[str, str],
-    name: str,
+    out: Path,
     layout: Layout,
     *flags: str,
     faults: str = "",
 ) -> Launch:
-    out = tmp_path / name
-    out.mkdir()
+    """``out``: where each rank writes its weights' digest at the end."""
+    out.mkdir(exist_ok=True)
     return launcher(
         "resilrun", "--standalone", "--nproc-per-node", str(layout.ranks), *flags, "-m", "torchtitan.train",
         *layout.model, *COMMON, "--training.steps", str(layout.steps),
@@ -114,12 +114,12 @@ def _train(  # noqa: PLR0913
     launcher,  # noqa: ANN001 - the fixture
     tmp_path: Path,
     env: dict[str, str],
-    name: str,
+    out: Path,
     layout: Layout,
     *flags: str,
     faults: str = "",
 ) -> Launch:
-    run = _start(launcher, tmp_path, env, name, layout, *flags, faults=faults)
+    run = _start(launcher, tmp_path, env, out, layout, *flags, faults=faults)
     assert run.wait(300) == 0, run.stderr()[-4000:]
     assert_nothing_left(run)
     return run
@@ -134,13 +134,33 @@ def _digests(folder: Path) -> dict[str, str]:
     return {path.name: path.read_text() for path in sorted(folder.glob("digest_rank*"))}
 
 
+def _clean(
+    launcher,  # noqa: ANN001 - the fixture
+    tmp_path: Path,
+    env: dict[str, str],
+    layout: Layout,
+) -> tuple[list[tuple[int, str]], dict[str, str]]:
+    """Every step's loss and every rank's weights in a failure-free ``--standalone`` run of
+    ``layout``: run once per session and shared by the tests that compare with it (``made_once``);
+    where the kill lands is no part of it."""
+
+    def run_it(folder: Path) -> None:
+        run = _train(launcher, tmp_path, env, folder, layout)
+        (folder / "losses.json").write_text(json.dumps(_losses(run)))
+
+    key = [layout.ranks, layout.model, layout.steps, sorted(layout.env.items()), COMMON]
+    folder = made_once(tmp_path, key, run_it)
+    losses = [(step, loss) for step, loss in json.loads((folder / "losses.json").read_text())]
+    return losses, _digests(folder)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_a_killed_rank_is_replaced_by_the_spare_in_process_and_training_ends_bitwise_equal(
     launcher, tmp_path: Path, titan: dict[str, str], layout: Layout
 ) -> None:
     # Given torchtitan training on its ranks with a hot spare, rank 1 SIGKILLed as a step starts
     faulty = _train(
-        launcher, tmp_path, titan, "faulty", layout, "--spares", "1", "--max-restarts", "0",
+        launcher, tmp_path, titan, tmp_path / "faulty", layout, "--spares", "1", "--max-restarts", "0",
         faults=f"kill:rank=1,step={layout.kill_at}",
     )  # fmt: skip
     # Then the spare took rank 1 and every rank resumed from node memory at the step before, with no restart
@@ -152,16 +172,13 @@ def test_a_killed_rank_is_replaced_by_the_spare_in_process_and_training_ends_bit
     losses = _losses(faulty)
     assert [step for step, _ in losses] == [step for step in range(1, layout.steps + 1) for _ in range(layout.ranks)]
     # and the run equals a failure-free one bitwise: every loss, and every rank's weights
-    clean = _train(launcher, tmp_path, titan, "clean", layout)
-    assert losses == _losses(clean)
-    assert _digests(tmp_path / "faulty") == _digests(tmp_path / "clean")
-    assert len(_digests(tmp_path / "clean")) == layout.ranks
+    clean_losses, clean_digests = _clean(launcher, tmp_path, titan, layout)
+    assert losses == clean_losses
+    assert _digests(tmp_path / "faulty") == clean_digests
+    assert len(clean_digests) == layout.ranks
 
 
-LOST_NODE = {
-    "llama3-fsdp2": Layout(2, LLAMA3, steps=24, kill_at=-1),
-    "gpt_oss-moe-fsdp2": Layout(2, GPT_OSS, steps=20, kill_at=-1, env=SMALL_EXPERTS),
-}
+LOST_NODE = {name: LAYOUTS[name] for name in ("llama3-fsdp2", "gpt_oss-moe-fsdp2")}  # the same references
 
 
 @pytest.mark.parametrize("layout", LOST_NODE.values(), ids=LOST_NODE.keys())
@@ -169,37 +186,21 @@ def test_a_lost_node_is_replaced_by_a_spare_node_in_process_and_training_ends_bi
     launcher, tmp_path: Path, titan: dict[str, str], layout: Layout
 ) -> None:
     # Given torchtitan (FSDP2) on 2 nodes x 1 rank replicating to each other, a third agent standing
-    # by as a spare node
+    # by as a spare node; when the node that does not host the store loses its agent and its worker
+    # once torchtitan's step kill_at - 1 is logged
     out = tmp_path / "faulty"
     out.mkdir()
-    flags = [
-        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-        "--rdzv-id", "titan", "--replicas", "1", "--heartbeat-timeout", "3", "--max-restarts", "0",
-        "-m", "torchtitan.train", *layout.model, *COMMON, "--training.steps", str(layout.steps),
-    ]  # fmt: skip
+    command = ["-m", "torchtitan.train", *layout.model, *COMMON, "--training.steps", str(layout.steps)]
     env = {**titan, **layout.env, "TORCHTITAN_TEST_DIGESTS": str(out)}
-    nodes = [launcher("resilrun", *flags, env=env, cwd=tmp_path / "work") for _ in range(2)]
-    wait_for(lambda: any("round 0 formed" in n.stderr() for n in nodes), 150, "the round to form")
-    spare = launcher("resilrun", *flags, env=env, cwd=tmp_path / "work")
-    wait_for(lambda: "standing by as a spare node" in spare.stderr(), 150, "the spare node")
-    # When the node that does not host the store loses its agent and its worker once step 5 is logged
-    wait_for(lambda: any(re.search(r"step:\s+5\s", n.stdout()) for n in nodes), 200, "step 5")
-    doomed = next(n for n in nodes if "hosting store" not in n.stderr())
-    survivor = next(n for n in nodes if n is not doomed)
-    os.killpg(doomed.pid, signal.SIGKILL)
-    for node in (survivor, spare):
-        assert node.wait(300) == 0, node.stderr()[-4000:]
-        assert_nothing_left(node)
+    trigger = re.compile(rf"step:\s+{layout.kill_at - 1}\s")
+
+    def training(text: str) -> bool:
+        return trigger.search(text) is not None
+
+    loss = replace_a_lost_node(launcher, command, "titan", training, env, cwd=tmp_path / "work")
     # Then the spare node took its node rank in-process, with no restart: the lost rank restored from
-    # its peer replica, the survivor from node memory, at the same step
-    assert "spare node takes node rank" in spare.stderr()
-    assert events(survivor, spare, kind="restart") == []
-    found = re.search(r"this node rank \d+ runs ranks? (\d+)", doomed.stderr())
-    assert found is not None, doomed.stderr()[-2000:]
-    lost = int(found.group(1))
-    steps = resumed(survivor, spare)
-    step = steps[lost][0]
-    assert steps == {lost: (step, "peer"), 1 - lost: (step, "memory")}, steps
+    # its peer replica, the survivor from node memory, at the same step (replace_a_lost_node)
+    survivor, step = loss.survivor, loss.step
     # and the survivor trained again only the steps after that one that it had done before the loss
     # (the lost node's replica of them had not landed), each with the same loss; every loss and every
     # rank's weights are a failure-free run's
@@ -207,9 +208,9 @@ def test_a_lost_node_is_replaced_by_a_spare_node_in_process_and_training_ends_bi
     logged = [s for s, _ in losses]
     assert sorted(set(logged)) == list(range(1, layout.steps + 1)), losses
     assert all(s > step + 1 for s in logged if logged.count(s) > 1), (step, losses)  # torchtitan's = ours + 1
-    clean = _train(launcher, tmp_path, titan, "clean", layout)
-    assert sorted(set(losses)) == sorted(set(_losses(clean)))
-    assert _digests(out) == _digests(tmp_path / "clean")
+    clean_losses, clean_digests = _clean(launcher, tmp_path, titan, layout)
+    assert sorted(set(losses)) == sorted(set(clean_losses))
+    assert _digests(out) == clean_digests
     assert len(_digests(out)) == 2
 
 
@@ -218,7 +219,7 @@ def test_pipeline_parallel_training_is_refused_in_process_and_a_failure_restarts
 ) -> None:
     # Given torchtitan with two pipeline stages on 2 ranks and a hot spare standing by
     layout = Layout(2, (*LLAMA3, "--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"), 6, 3)
-    run = _start(launcher, tmp_path, titan, "pipelined", layout, "--spares", "1", "--max-restarts", "1")
+    run = _start(launcher, tmp_path, titan, tmp_path / "pipelined", layout, "--spares", "1", "--max-restarts", "1")
     # When rank 1 dies once training started (torchtitan 0.3's schedules may fail on their own first:
     # a failure either way)
     refusal = "pipeline parallelism is not recovered in-process"
