@@ -80,6 +80,8 @@ sys.path.insert(0, str(HERE.parent))
 from tests.helpers.netns_cluster import Cluster, available  # noqa: E402 - the test suite's fixture
 
 TUTORIAL = HERE.parent / "examples" / "train_snapshot_torchrun.py"
+NANOGPT = HERE / "_nanogpt_resume.py"
+DCP_LOOP = HERE.parent / "examples" / "train_dcp.py"
 TORN = HERE.parent / "tests" / "helpers" / "torn_save.py"
 CAPTURE = ["--capture-dir", ".", "--capture-pattern", "snapshot.pt"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -568,6 +570,118 @@ def _story(host: str, found: list[dict[str, Any]], launch: Launch, killed: bool)
     return f"{host}: {', '.join(steps) or 'no worker ran'}; {exited}"
 
 
+# -- scenario D: loops that log every step (nanoGPT's shape, a DCP loop) ---------------------------
+# name -> (script and its arguments, the folder its checkpoints go to, its step line, its resume line,
+# its save line with the seconds a save took). Only rank 0 logs its steps, as both loops do.
+STEP_LOOPS: dict[str, tuple[list[str], str, re.Pattern[str], re.Pattern[str], re.Pattern[str]]] = {
+    "nanogpt": (
+        [str(NANOGPT), "--max_iters=50", "--eval_interval=10", "--sleep=0.05"],
+        "out",
+        re.compile(r"^iter (\d+): loss"),
+        re.compile(r"resuming training from \S+ at iter (\d+)"),
+        re.compile(r"saving checkpoint to \S+ in ([\d.]+) s"),
+    ),
+    "dcp": (
+        [str(DCP_LOOP), "--steps", "50", "--save-every", "10", "--hidden", "2048", "--log-every", "1",
+         "--sleep", "0.05"],
+        "ckpt",
+        re.compile(r"^step (\d+) loss"),
+        re.compile(r"\[rank 0\] resumed from \S+ at step (\d+)"),
+        re.compile(r"saved step-\d+ in ([\d.]+) s"),
+    ),
+}  # fmt: skip
+
+
+def launcher_argv(name: str, capture_dir: str) -> list[str]:
+    """A launcher of LAUNCHERS, its captured folder the script's checkpoint folder."""
+    prefix = LAUNCHERS[name][0]
+    if CAPTURE[0] in prefix:
+        at = prefix.index(CAPTURE[0])
+        prefix = [*prefix[:at], "--capture-dir", capture_dir, *prefix[at + len(CAPTURE) :]]
+    return prefix
+
+
+def run_d(name: str, args: argparse.Namespace, tag: str, loop: str) -> dict[str, Any]:
+    """One launch of a step-logging loop, rank 1 killed as rank 0 logs step ``--d-kill-at``."""
+    script, folder, step_line, resume_line, save_line = STEP_LOOPS[loop]
+    run_dir = args.out_dir / tag
+    work = run_dir / "work"
+    work.mkdir(parents=True)
+    cmd = [*launcher_argv(name, folder), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    if name.startswith("resilrun"):
+        cmd += ["--log-dir", str(run_dir / "logs")]
+    res: dict[str, Any] = {"scenario": "D", "loop": loop, "launcher": name, "tag": tag, "kill": None}
+
+    def on_out(launch: Launch, at: float, line: str) -> None:
+        found = step_line.search(line)
+        if res["kill"] is None and "killed_pids" not in res and found and int(found[1]) == args.d_kill_at:
+            victims = launch.workers(1)
+            res["killed_pids"] = [p.pid for p in victims]
+            if victims:
+                res["kill"] = time.time()
+            for proc in victims:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+
+    launch = Launch([*cmd, *script], clean_env({**ENV, **LAUNCHERS[name][1]}), work, run_dir / "launcher", on_out)
+    try:
+        res["status"] = settle([launch], launch.started, args)
+    finally:
+        res["leftovers"] = launch.stop()
+    res["rc"] = launch.proc.returncode
+    shutil.rmtree(work, ignore_errors=True)
+    if res["status"] == "ok" and res["rc"] != 0:
+        res["status"] = "failed"
+    lines = [(t, line) for t, text in launch.out for line in text.split("\n")]
+    steps = [(t, int(m[1])) for t, line in lines if (m := step_line.search(line))]
+    saves = [float(m[1]) for _, line in lines if (m := save_line.search(line))]
+    res["save_s"] = statistics.median(saves) if saves else None
+    kill = res["kill"]
+    if kill is None:
+        res["status"] = "no kill" if res["status"] == "ok" else res["status"]
+    else:
+        newest = max((step for t, step in steps if t <= kill), default=-1)
+        resumes = [(t, int(m[1])) for t, line in lines if t > kill and (m := resume_line.search(line))]
+        res["resumed_at"] = resumes[0][1] if resumes else 0
+        res["redone"] = newest + 1 - res["resumed_at"]
+        start = resumes[0][0] if resumes else kill
+        again = [t for t, step in steps if t > start and (resumes or step <= newest)]
+        if again:
+            res["to_training"] = again[0] - kill
+        beyond = [t for t, step in steps if t > kill and step > newest]
+        if beyond:
+            res["to_progress"] = beyond[0] - kill
+    summary(tag, res, ("to_training", "to_progress", "resumed_at", "redone", "save_s"))
+    return res
+
+
+def report_d(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    md = [
+        f"D. loops that log every step, one host, 2 workers, rank 1 SIGKILLed as rank 0 logs step {args.d_kill_at} "
+        "(a checkpoint every 10 steps)",
+        "",
+        "| loop | launcher | recovered | kill → next step (s) | ÷ torchrun | kill → progress regained (s) "
+        "| ÷ torchrun | resumed at | steps redone | save (ms) | leftover procs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for loop in dict.fromkeys(r["loop"] for r in runs):
+        mine = [r for r in runs if r["loop"] == loop]
+        theirs = torchrun_medians(mine, ("to_training", "to_progress"))
+        for name in LAUNCHERS:
+            rows = [r for r in mine if r["launcher"] == name]
+            ok = [r for r in rows if r["status"] == "ok"]
+            bad = ", ".join(r["status"] for r in rows if r["status"] != "ok")
+            again, progress = ([r[key] for r in ok if key in r] for key in ("to_training", "to_progress"))
+            md.append(
+                f"| {loop} | {name} | {len(ok)}/{len(rows)}{f' ({bad})' if bad else ''} | {fmt(again)} | "
+                f"{median(again) / theirs['to_training']:.2f}x | {fmt(progress)} | "
+                f"{median(progress) / theirs['to_progress']:.2f}x | {_set(ok, 'resumed_at')} | {_set(ok, 'redone')} | "
+                f"{fmt([r['save_s'] for r in rows if r.get('save_s') is not None], 1e3, 0)} | "
+                f"{sum(r['leftovers'] for r in rows)} |"
+            )
+    return "\n".join(md)
+
+
 # -- report --------------------------------------------------------------------------------------
 def report_a(runs: list[dict[str, Any]], memcpy: dict[int, float], args: argparse.Namespace) -> str:
     sizes = sorted({r["snapshot_bytes"] for r in runs if r.get("snapshot_bytes")})
@@ -589,8 +703,7 @@ def report_a(runs: list[dict[str, Any]], memcpy: dict[int, float], args: argpars
         saves = [r["save_s"] for r in rows if r.get("save_s") is not None]
         ratio = [r["save_s"] / memcpy[r["snapshot_bytes"]] for r in rows if r.get("save_s") and r.get("snapshot_bytes")]
         again, nxt = ([r[key] for r in ok if key in r] for key in ("to_training", "to_next"))
-        theirs = {key: median([r[key] for r in runs if r["launcher"] == "torchrun" and key in r])
-                  for key in ("to_training", "to_next")}  # fmt: skip
+        theirs = torchrun_medians(runs, ("to_training", "to_next"))
         md.append(
             f"| {name} | {len(ok)}/{len(rows)}{f' ({bad})' if bad else ''} | "
             f"{fmt(again)} | {median(again) / theirs['to_training']:.2f}x | "
@@ -599,6 +712,12 @@ def report_a(runs: list[dict[str, Any]], memcpy: dict[int, float], args: argpars
             f"{fmt([r['epoch_s'] for r in rows if r.get('epoch_s')])} | {sum(r['leftovers'] for r in rows)} |"
         )
     return "\n".join(md)
+
+
+def torchrun_medians(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, float]:
+    """The median of each figure over torchrun's recovered runs: what the ratios divide by."""
+    ok = [r for r in runs if r["launcher"] == "torchrun" and r["status"] == "ok"]
+    return {key: median([r[key] for r in ok if key in r]) for key in keys}
 
 
 def _set(rows: list[dict[str, Any]], key: str) -> str:
@@ -664,7 +783,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="launches per launcher and scenario")
     parser.add_argument("--quick", action="store_true", help="smoke check: 1 run each, a 16 MiB snapshot")
-    parser.add_argument("--scenarios", default="a,b,c", help="which of a, b, c (comma-separated)")
+    parser.add_argument("--scenarios", default="a,b,c,d", help="which of a, b, c, d (comma-separated)")
     parser.add_argument("--mib", type=float, default=64.0, help="A: snapshot size (sets the script's --hidden)")
     parser.add_argument("--epochs", type=int, default=10, help="A: total epochs")
     parser.add_argument(
@@ -682,6 +801,8 @@ def main() -> int:
     parser.add_argument("--c-drop-at", type=int, default=6, help="C: h1 drops once h0 saved this epoch")
     parser.add_argument("--c-sleep", type=float, default=0.08, help="C: the script's --sleep per batch")
     parser.add_argument("--c-hidden", type=int, default=64, help="C: the script's --hidden")
+    parser.add_argument("--d-loops", default=",".join(STEP_LOOPS), help=f"D: which of {', '.join(STEP_LOOPS)}")
+    parser.add_argument("--d-kill-at", type=int, default=25, help="D: kill rank 1 as rank 0 logs this step")
     parser.add_argument("--timeout", type=float, default=240.0, help="per launch, seconds")
     parser.add_argument("--stall", type=float, default=60.0, help="seconds without an output line = hung")
     parser.add_argument(
@@ -695,8 +816,11 @@ def main() -> int:
     if args.quick:
         args.runs, args.mib = 1, 16.0
     scenarios = [s.strip().lower() for s in args.scenarios.split(",") if s.strip()]
-    if unknown := sorted(set(scenarios) - {"a", "b", "c"}):
-        parser.error(f"--scenarios: unknown {', '.join(unknown)} (choose from a, b, c)")
+    if unknown := sorted(set(scenarios) - {"a", "b", "c", "d"}):
+        parser.error(f"--scenarios: unknown {', '.join(unknown)} (choose from a, b, c, d)")
+    loops = [n.strip() for n in args.d_loops.split(",") if n.strip()]
+    if unknown := sorted(set(loops) - set(STEP_LOOPS)):
+        parser.error(f"--d-loops: unknown {', '.join(unknown)} (choose from {', '.join(STEP_LOOPS)})")
     if not args.save_every <= args.kill_after < args.epochs - 1 or args.kill_after % args.save_every == 0:
         parser.error(f"--kill-after {args.kill_after}: must fall between two saves, before the last epoch")
     if args.launchers:
@@ -722,6 +846,8 @@ def main() -> int:
         plans.append(("b", run_b, list(LAUNCHERS)))
     if "c" in scenarios and skipped is None:
         plans.append(("c", run_c, [n for n in ("torchrun", "resilrun-capture") if n in LAUNCHERS]))
+    for loop in loops if "d" in scenarios else []:
+        plans.append((f"d-{loop}", lambda name, a, tag, loop=loop: run_d(name, a, tag, loop), list(LAUNCHERS)))
     for key, run, names in plans:
         for i in range(args.runs if names else 0):
             for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate who goes first
@@ -735,6 +861,8 @@ def main() -> int:
         texts.append(report_b([r for r in runs if r["scenario"] == "B"], args))
     if "c" in scenarios:
         texts.append(report_c([r for r in runs if r["scenario"] == "C"], args, skipped))
+    if "d" in scenarios:
+        texts.append(report_d([r for r in runs if r["scenario"] == "D"], args))
     print(
         f"{os.cpu_count()} cores, {args.runs} run(s) per launcher and scenario, launchers interleaved; "
         f"total {time.time() - started:.0f} s; logs in {args.out_dir}\n"

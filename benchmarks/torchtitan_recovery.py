@@ -196,33 +196,23 @@ def hosts_run(row: str, args: argparse.Namespace, tag: str, kill: bool) -> dict[
     env = environment(row, args, work)
     if row.startswith("torchrun"):
         env["GLOO_SOCKET_IFNAME"] = "eth0"
-    killed: dict[str, Any] = {}
-    lock = threading.Lock()
+    trigger: list[float] = []  # when the line of step --kill-at - 1 arrived (the readers only note it)
     launches: dict[str, Launch] = {}
-    standing_by = threading.Event()  # the kill waits for it (it comes long before step --kill-at)
     cluster = Cluster(3).__enter__()
 
     def on_out(launch: Launch, at: float, line: str) -> None:
-        if not kill or not is_trigger(line, args):
-            return
-        with lock:
-            if killed:
-                return
-            standing_by.wait(args.timeout)
-            time.sleep(args.kill_delay)
-            cluster.cut("h1")  # silence first, as when a machine loses power
-            launches["h1"].kill_all()
-            cluster.kill_host("h1")
-            killed["at"] = time.time()
+        if kill and not trigger and is_trigger(line, args):
+            trigger.append(at)
 
     def start(host: str) -> Launch:
         argv = cluster.command(host, host_command(row, args.steps, cluster.host(host).addr))
         launches[host] = Launch(argv, env, work, args.out_dir / f"{tag}_{host}", on_out=on_out)
         return launches[host]
 
-    seen: list[tuple[float, int, str]] = []
     code: int | None = None
-    lingered = False
+    killed_at: float | None = None
+    lingered = late = False
+    result: dict[str, Any] = {"row": row, "killed": False, "losses": {}}
     try:
         first = [start("h0"), start("h1")]
         until = time.time() + args.timeout
@@ -239,28 +229,40 @@ def hosts_run(row: str, args: argparse.Namespace, tag: str, kill: bool) -> dict[
             if time.time() > until or spare.poll() is not None:
                 raise TimeoutError("the spare host did not stand by")
             time.sleep(0.2)
-        standing_by.set()
+        late = bool(trigger)  # the kill could not come as step --kill-at started: reported
         trainers = [launches["h0"], launches["h2" if kill else "h1"]]
+        while kill and killed_at is None:  # the loss, from this thread, timed at the link's cut
+            if trigger and time.time() >= trigger[0] + args.kill_delay:
+                cluster.cut("h1")  # silence first, as when a machine loses power
+                killed_at = time.time()
+                launches["h1"].kill_all()
+                cluster.kill_host("h1")
+            elif time.time() > until or any(n.poll() is not None for n in first):
+                raise TimeoutError("no step --kill-at - 1 before the end")
+            time.sleep(0.01)
         code = wait(trainers, args)
         if not kill:  # the host standing by ends with the job (torchrun's waiting agent may not: stopped)
             lingered = wait([spare], argparse.Namespace(timeout=30.0)) is None
     except TimeoutError as exc:
         sys.stderr.write(f"{tag}: {exc}\n")
     finally:
-        standing_by.set()
-        left = sum(launch.stop() for launch in launches.values())
-        cluster.kill_all()
-        cluster.close()
-    for launch in launches.values():
-        seen.extend(steps_seen(launch))
-    seen.sort()
-    result = analyze(row, seen, killed.get("at"), args)
-    result.update(rc=code, left=left)
-    if "at" in killed and "h2" in launches:
-        result["spare_host_trained"] = any(step > 0 for _, step, _ in steps_seen(launches["h2"]))
-    if lingered:
-        result["spare_lingered"] = True  # 30 s after the job ended, then stopped
-    shutil.rmtree(work, ignore_errors=True)
+        try:
+            left = sum(launch.stop() for host, launch in launches.items() if not (lingered and host == "h2"))
+            if lingered:
+                launches["h2"].stop()
+            seen = sorted(step for launch in launches.values() for step in steps_seen(launch))
+            result = analyze(row, seen, killed_at, args)
+            result.update(rc=code, left=left)
+            if killed_at is not None:
+                result["spare_host_trained"] = any(step > 0 for _, step, _ in steps_seen(launches["h2"]))
+            if lingered:
+                result["spare_lingered"] = True  # 30 s after the job ended, then stopped (not counted as left)
+            if late:
+                result["late_kill"] = True
+        finally:
+            cluster.kill_all()
+            cluster.close()
+            shutil.rmtree(work, ignore_errors=True)
     return result
 
 
@@ -318,7 +320,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
         base.setdefault("progress", statistics.median(progress) if progress else float("nan"))
         base.setdefault("step", statistics.median(step_s) if step_s else float("nan"))
         equal = all(r["losses"] == reference for r in mine) if reference else False
-        finished = sum(1 for r in mine if r["rc"] == 0 and r["left"] == 0)
+        finished = sum(1 for r in mine if r.get("rc") == 0 and r.get("left") == 0)
         ratio = statistics.median(progress) / base["progress"] if progress and base["progress"] else float("nan")
         step_ratio = statistics.median(step_s) / base["step"] if step_s and base["step"] else float("nan")
         lines.append(
@@ -326,6 +328,10 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {ratio:.2f}x | {fmt([float(r.get('steps_redone', float('nan'))) for r in faulty], digits=0)} "
             f"| {fmt(step_s, digits=3)} | {step_ratio:.2f}x | {'yes' if equal else 'no'} | {finished}/{len(mine)} |"
         )
+    if late := [r["row"] for r in runs if r.get("late_kill")]:
+        lines.append(f"\nkilled after step {args.kill_at} started (the spare host stood by late): {', '.join(late)}")
+    if lingered := [r["row"] for r in runs if r.get("spare_lingered")]:
+        lines.append(f"a host standing by stayed 30 s after the job ended and was stopped: {', '.join(lingered)}")
     return "\n".join(lines)
 
 
@@ -368,7 +374,7 @@ def main() -> int:
     sys.stdout.write(text + f"\n\noutputs: {args.out_dir}\n")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "table": text}, indent=2))
-    ok = all(r["rc"] == 0 and r["left"] == 0 for r in runs if r["row"] == "resilrun")
+    ok = all(r.get("rc") == 0 and r.get("left") == 0 for r in runs if r["row"].startswith("resilrun"))
     return 0 if ok else 1
 
 

@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--async", dest="use_async", action="store_true", help="dcp.async_save")
     parser.add_argument("--ddp", action="store_true", help="DDP instead of FSDP2")
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (fault tests)")
+    parser.add_argument("--log-every", type=int, default=0, help="rank 0 prints every N steps' loss (0: at saves)")
     return parser.parse_args()
 
 
@@ -115,6 +116,8 @@ def main() -> None:
         optimizer.step()
         if args.sleep:
             time.sleep(args.sleep)
+        if rank == 0 and args.log_every and step % args.log_every == 0:
+            print(f"step {step} loss {loss.item():.5f}", flush=True)
         if step % args.save_every == args.save_every - 1:
             model_state, optim_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optim": optim_state, "step": torch.tensor(step)}

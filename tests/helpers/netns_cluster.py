@@ -92,7 +92,7 @@ def _await_carrier(ns: str, timeout_s: float = 10.0) -> None:
 
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
-_MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = 0x1000, 0x4000, 1 << 19, 2
+_MS_RDONLY, _MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = 1, 0x1000, 0x4000, 1 << 19, 2
 
 
 def enter_host(ns: str, name: str) -> None:
@@ -115,12 +115,16 @@ def enter_host(ns: str, name: str) -> None:
         os.close(fd)
     check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWUTS), "unshare")
     check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
-    check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
-    check(libc.mount(ns.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
+    # As iproute2 does: a /sys that cannot be unmounted gets the new sysfs mounted over it (read-only
+    # if the old one was), and a file of /etc/netns that cannot be bound is only warned about.
+    flags = 0
+    if libc.umount2(b"/sys", _MNT_DETACH) != 0 and os.statvfs("/sys").f_flag & os.ST_RDONLY:
+        flags = _MS_RDONLY  # a read-only sysfs cannot be shadowed by a read-write one
+    check(libc.mount(ns.encode(), b"/sys", b"sysfs", flags, None), "mount sysfs")
     etc = Path("/etc/netns") / ns
     for entry in sorted(etc.iterdir()) if etc.is_dir() else []:
-        target = f"/etc/{entry.name}".encode()
-        check(libc.mount(str(entry).encode(), target, None, _MS_BIND, None), f"bind {entry}")
+        if libc.mount(str(entry).encode(), f"/etc/{entry.name}".encode(), None, _MS_BIND, None) != 0:
+            os.write(2, f"Bind {entry} -> /etc/{entry.name} failed: {os.strerror(ctypes.get_errno())}\n".encode())
     encoded = name.encode()
     check(libc.sethostname(encoded, len(encoded)), "sethostname")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,10 @@ LAYOUTS = {
 LOSS = re.compile(r"step:\s+(\d+)\s+\S*loss:\s+([0-9.]+)")
 
 
+def _make_assets(root: Path) -> None:
+    make(root)
+
+
 @pytest.fixture
 def titan(tmp_path: Path) -> dict[str, str]:
     """The environment torchtitan runs in: its own site folder, offline, one thread per rank; the
@@ -81,7 +86,10 @@ def titan(tmp_path: Path) -> dict[str, str]:
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    make(tmp_path / "work")
+    # The tokenizer and dataset, made once per session: the failure-free references other tests made
+    # (``_clean``) trained on these very files.
+    assets = made_once(tmp_path, ["torchtitan-assets"], _make_assets)
+    shutil.copytree(assets / "tests", tmp_path / "work" / "tests")
     return {
         "PYTHONPATH": f"{site}{os.pathsep}{SHIM}",
         "HF_HOME": str(tmp_path / "hf"),
