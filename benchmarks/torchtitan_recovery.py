@@ -20,7 +20,9 @@ is over):
 - ``resilrun-restart``: ``resilrun --no-integrations --max-restarts 1``, a checkpoint every 10 steps
   (what resilrun did before the integration);
 - ``resilrun``: ``resilrun --spares 1 --max-restarts 0`` with the integration, the user's checkpoint
-  every 10 steps left on.
+  every 10 steps left on;
+- ``resilrun-auto``: the same with ``--snapshot-every auto`` (a snapshot as often as the
+  ``--max-overhead`` budget allows: 3 % of step time by default).
 
 Columns: kill -> next step (the first step line after the kill), kill -> progress regained (the
 first line of a step beyond the newest before the kill), steps redone (the newest step before the
@@ -77,7 +79,7 @@ SHIM = ROOT / "tests" / "helpers" / "torchtitan_on_cpu"  # a sitecustomize (what
 PY = sys.executable
 STEP = re.compile(r"step:\s+(\d+)\s+(?:\x1b\[[0-9;]*m)?loss:\s+([0-9.]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-ROWS = ("torchrun-dcp10", "torchrun-dcp1", "resilrun-restart", "resilrun")
+ROWS = ("torchrun-dcp10", "torchrun-dcp1", "resilrun-restart", "resilrun", "resilrun-auto")
 # --host-loss: torchrun's restart against the spare host, with a replica every step or as ``auto`` chooses
 HOST_ROWS = ("torchrun-dcp10", "resilrun", "resilrun-auto")
 NPROC = 2
@@ -104,6 +106,8 @@ def command(row: str, steps: int) -> list[str]:
         if row == "resilrun-restart"
         else ["--spares", "1", "--max-restarts", "0"]
     )
+    if row == "resilrun-auto":
+        flags += ["--snapshot-every", "auto"]
     return [PY, "-m", "resilrun", "--standalone", "--nproc-per-node", "2", *flags, *titan(row, steps)]
 
 
