@@ -16,7 +16,14 @@ from collections.abc import Sequence
 
 from resilrun.agent.observability.telemetry import Telemetry
 from resilrun.agent.supervision.rounds import Round, RoundEnd
-from resilrun.agent.workers.failures import FailureLedger, ProcessFailure, collect_failure, format_report, root_cause
+from resilrun.agent.workers.failures import (
+    FailureLedger,
+    ProcessFailure,
+    collect_failure,
+    ending_cause,
+    format_report,
+    root_cause,
+)
 from resilrun.agent.workers.procs import Processes, WorkerProcess, WorkerState
 from resilrun.agent.workers.specs import NodeSetup
 from resilrun.config import Config
@@ -139,7 +146,7 @@ class Restarts:
         failures = self._ledger.read(state.round)
         if not failures and state.failure:
             failures = [ProcessFailure.from_dict(state.failure)]
-        cause = root_cause(failures)
+        cause = ending_cause(failures)
         if cause is not None and cause.state is WorkerState.STATE_REFUSED:
             return StateRefusedError(
                 f"the job's state was refused: {cause.message.splitlines()[0] if cause.message else '?'}",

@@ -143,6 +143,21 @@ def root_cause(failures: list[ProcessFailure]) -> ProcessFailure | None:
     return min(failures, key=lambda f: f.timestamp) if failures else None
 
 
+_STOPPING = (WorkerState.STATE_REFUSED, WorkerState.STATE_LOST)
+
+
+def ending_cause(failures: list[ProcessFailure]) -> ProcessFailure | None:
+    """The failure that says how a failed job ends: the earliest rank that found the state refused
+    or lost, if any did, else the root cause.
+
+    Why not always the root cause: a rank that refused a step writes its error and is on its way out
+    with the refusal's code when a rank it told exits with that code first and the agent stops the
+    rest; the first failure on record is then the refusing rank's own, with the agent's signal as its
+    exit code, and the job would end as an ordinary failure instead of a refused (or lost) state."""
+    stopping = [f for f in failures if f.state in _STOPPING]
+    return root_cause(stopping) or root_cause(failures)
+
+
 def format_report(title: str, failures: list[ProcessFailure]) -> str:
     """A readable block in the spirit of torchrun's ChildFailedError summary."""
     cause = root_cause(failures)
