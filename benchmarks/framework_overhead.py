@@ -1,7 +1,7 @@
 """An unmodified framework script: resilrun's per-step cost and a failure's cost vs torchrun.
 
     python benchmarks/framework_overhead.py [--framework transformers|lightning|accelerate] [--runs 2] [--steps 60]
-        [--kill-step 25] [--snapshot-every 1|N|auto] [--steady-from 5] [--steady-only] [--json out.json]
+        [--kill-step 25] [--snapshot-every 1|N|auto] [--steady-from 5] [--steady-only] [--spares-0] [--json out.json]
 
 Why this shape (issue 18): the integration snapshots model, optimizer, scheduler, RNG and the
 framework's loop state after every optimizer step, which is what a user pays on every step; and it
@@ -73,6 +73,12 @@ def _redone(stamps: list[tuple[int, float]], kill_step: int) -> int:
     return 0
 
 
+SPARES_0 = {
+    "resilrun --spares 0, killed": ["--spares", "0"],
+    "resilrun --spares 0 --no-worker-template, killed": ["--spares", "0", "--no-worker-template"],
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--framework", choices=sorted(WORKERS), default="transformers")
@@ -88,6 +94,7 @@ def main() -> None:
     )
     parser.add_argument("--steady-from", type=int, default=5, help="first step of the steady-state mean")
     parser.add_argument("--steady-only", action="store_true", help="leave out the runs with a worker killed")
+    parser.add_argument("--spares-0", action="store_true", help="also kill under --spares 0, forked and spawned")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args()
@@ -115,6 +122,10 @@ def main() -> None:
         "torchrun + checkpoints, killed": [*saves, *kill],
         "resilrun --spares 1, killed": kill,
     }
+    if opts.spares_0:
+        for name, flags in SPARES_0.items():
+            cases[name] = ([*resilrun, *flags, "--max-restarts", "0"], {})
+            extra[name] = kill
     if opts.steady_only:
         cases = {name: case for name, case in cases.items() if "killed" not in name}
     if not 1 <= opts.steady_from < opts.steps:
@@ -193,7 +204,9 @@ def _report(
         "| --- | ---: | ---: | ---: |",
     ]
     cost: dict[str, dict[str, float]] = {}
-    for name in ("torchrun + checkpoints, killed", "resilrun --spares 1, killed"):
+    for name in ("torchrun + checkpoints, killed", "resilrun --spares 1, killed", *SPARES_0):
+        if name not in results:
+            continue
         redone = statistics.median(_redone(s, kill_step) for _, s in results[name])
         lost = statistics.median(_lost(s, kill_step) for _, s in results[name])
         cost[name] = {"wall_s": walls[name], "cost_s": lost, "redone": redone}
@@ -201,6 +214,11 @@ def _report(
     t, r = cost["torchrun + checkpoints, killed"], cost["resilrun --spares 1, killed"]
     lines.append("")
     lines.append(f"failure cost, resilrun / torchrun + the framework's resume: {r['cost_s'] / t['cost_s']:.2f}x")
+    for name in SPARES_0:
+        if name in cost:
+            ratio = cost[name]["cost_s"] / t["cost_s"]
+            label = name.removesuffix(", killed")
+            lines.append(f"failure cost, {label} / torchrun + the framework's resume: {ratio:.2f}x")
     report.update(wall_s=walls, failure=cost, markdown="\n".join(lines))
     return report
 

@@ -8,7 +8,7 @@ environments, so a diff of this module is a diff of the contract.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 # --snapshot-every auto, as Config and the worker contract hold it (RESILRUN_SNAPSHOT_EVERY=auto).
@@ -286,9 +286,23 @@ def _snapshot_every(value: str) -> int:
     return SNAPSHOT_AUTO if value.strip().lower() == "auto" else max(1, int(value))
 
 
+# What runs after each assignment is adopted (``on_assignment``).
+_ON_ASSIGNMENT: list[Callable[[], None]] = []
+
+
+def on_assignment(callback: Callable[[], None]) -> None:
+    """Run ``callback`` each time this process adopts an assignment: for what a library computed
+    from the environment as it was imported (the process may have imported it with no rank yet:
+    a spare, or the node's worker template it was forked from)."""
+    if callback not in _ON_ASSIGNMENT:
+        _ON_ASSIGNMENT.append(callback)
+
+
 def apply_assignment(env: Mapping[str, str]) -> None:
     """Adopt the environment the agent gave this process (a promoted spare, a new generation)."""
     os.environ.update(env)
+    for callback in list(_ON_ASSIGNMENT):
+        callback()
 
 
 # Single values of the contract a worker process reads (the entry point, resilrun/worker_main.py,
@@ -337,7 +351,12 @@ def integrations_wanted(environ: Mapping[str, str] | None = None) -> bool:
     """Whether frameworks are to be adapted: only in a worker resilrun started (a plain python or
     torchrun run must find every framework untouched), unless ``--no-integrations`` was given."""
     env = os.environ if environ is None else environ
-    return bool(env.get("RESILRUN_AGENT_SOCKET")) and env.get(NO_INTEGRATIONS_ENV, "").lower() not in _TRUE_WORDS
+    return bool(env.get("RESILRUN_AGENT_SOCKET")) and not integrations_turned_off(env)
+
+
+def integrations_turned_off(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` turns the framework integrations off (``RESILRUN_NO_INTEGRATIONS``)."""
+    return environ.get(NO_INTEGRATIONS_ENV, "").lower() in _TRUE_WORDS
 
 
 def any_set_true(*names: str) -> bool:

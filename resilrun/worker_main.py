@@ -53,6 +53,7 @@ from resilrun.env import (
     error_file,
     head_start_wanted,
     is_spare,
+    on_assignment,
     recovery_wait_s,
     rerun_wanted,
 )
@@ -94,12 +95,6 @@ def _run(target: str, args: list[str], as_module: bool) -> None:
     else:
         sys.path[0] = os.path.dirname(os.path.abspath(target))
         runpy.run_path(target, run_name="__main__")
-
-
-# Packages that capture the process's rank from the environment when imported (Lightning's
-# ``rank_zero_only.rank``): loaded in a spare, they would keep the spare's rank-less view after it
-# takes a rank. The script imports them itself, with its rank set.
-_RANK_AT_IMPORT = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
 
 
 def script_imports(target: str, as_module: bool) -> list[str]:
@@ -158,7 +153,7 @@ def script_imports(target: str, as_module: bool) -> list[str]:
     found = []
     for name in dict.fromkeys(names):
         top = name.partition(".")[0]
-        if top == "__future__" or top in _RANK_AT_IMPORT or _is_local(top, local_dir):
+        if top == "__future__" or _is_local(top, local_dir):
             continue
         found.append(name)
     return found
@@ -324,7 +319,7 @@ def _next_generation(exc: BaseException) -> dict[str, str] | None:
     return reply.env
 
 
-def _install_rerun_hook() -> None:
+def install_rerun_hook() -> None:
     """``--rerun-in-process``: once the plain script's own ``init_process_group`` succeeds, the
     process tells the agent it can re-run the script (``membership.join_for_rerun``).
 
@@ -429,9 +424,13 @@ def main(argv: list[str]) -> None:
     from resilrun import integrations
 
     integrations.install_import_hooks()  # before a spare preloads the script's imports, too
+    # Packages imported before this process had its environment (in the template it was forked from)
+    # take their rank from it again now, and whenever an assignment changes it.
+    integrations.refresh_ranks_read_at_import()
+    on_assignment(integrations.refresh_ranks_read_at_import)
     rerun = rerun_wanted()
     if rerun:
-        _install_rerun_hook()
+        install_rerun_hook()
     if is_spare():
         try:
             if not _run_ahead(target, as_module):

@@ -22,7 +22,7 @@ Protocol (a SOCK_SEQPACKET socket pair, one JSON message per packet): the templa
 SCM_RIGHTS descriptors and gets ``{"pid": N}`` or ``{"error": "why"}``. The worker runs what
 ``python -u -m resilrun.worker_main ARGS`` runs. End of file on the socket ends the template.
 
-Usage: ``python -u -m resilrun.worker_template FD [ROOM]``
+Usage: ``python -u -m resilrun.worker_template FD [--script JSON | --without-script REASON] [ROOM]``
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from resilrun.env import TEMPLATE_ROOM_ENV
+from resilrun.env import TEMPLATE_ROOM_BYTES, TEMPLATE_ROOM_ENV
 from resilrun.prctl import PR_SET_PDEATHSIG, Prctl, resolve_prctl
 
 # What a worker imports before its script's first line: torch (and what torch.distributed's
@@ -52,11 +52,27 @@ _MAX_REQUEST = 1 << 22
 _ADOPTION_TIMEOUT_S = 10.0
 
 
+# Native threads that a fork cannot hurt: jemalloc's background purger (pyarrow's allocator, loaded
+# by datasets and torchtitan), whose library takes every lock of its own before a fork and resets
+# them, with its threads stopped, in the child (its pthread_atfork handlers).
+FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
+
+
 def threads() -> int:
+    """How many threads this process runs, not counting those in ``FORK_SAFE_THREADS``."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        tasks = os.listdir("/proc/self/task")
     except OSError:
         return threading.active_count()
+    return sum(1 for task in tasks if _thread_name(task) not in FORK_SAFE_THREADS)
+
+
+def _thread_name(task: str) -> str | None:
+    try:
+        with open(f"/proc/self/task/{task}/comm", encoding="utf-8", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:  # it ended meanwhile
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +137,49 @@ def why_not_fork() -> str | None:
     return None
 
 
-def _preload() -> list[str]:
+@dataclass(frozen=True, slots=True)
+class ScriptImports:
+    """The job's script, whose top-level imports of installed packages the template imports too
+    (``worker_main.script_imports``: what a hot spare preloads), after the import hooks its workers
+    install first (the agent decides which: the template's environment lacks the workers' own).
+
+    Why: a framework's import (transformers, torchtitan) costs seconds of CPU beyond torch's, paid
+    by every replacement, restarted worker and spare; imported once here, forked workers have it.
+    Where it cannot hold (an import started a thread, or queried CUDA: torch then marks every
+    forked process unable to use the GPU), the template starts again without them and says why.
+    """
+
+    target: str
+    as_module: bool
+    integrations: bool
+    rerun: bool
+
+    def to_arg(self) -> str:
+        return json.dumps([self.target, self.as_module, self.integrations, self.rerun])
+
+    @classmethod
+    def from_arg(cls, arg: str) -> ScriptImports:
+        target, as_module, integrations, rerun = json.loads(arg)
+        return cls(str(target), bool(as_module), bool(integrations), bool(rerun))
+
+
+@dataclass(slots=True)
+class Preloaded:
+    """What the template imported: ``failed``, left to the workers; ``script``, the script's own
+    imports done here; ``unsafe``: why the template may not fork with them loaded (None: it may)."""
+
+    failed: list[str]
+    script: list[str]
+    unsafe: str | None = None
+
+
+# torch.cuda.is_available() asks NVML instead of initialising the driver when this is set: a library
+# that checks for a GPU as it is imported then leaves the template fit to fork.
+_NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+_POISONED = 3  # the throwaway fork's exit code when CUDA is unusable in a forked process
+
+
+def _preload(script: ScriptImports | None) -> Preloaded:
     """Imports what every worker imports; what fails is left to the worker (it fails there, with its
     own traceback in its own log)."""
     failed = []
@@ -130,15 +188,68 @@ def _preload() -> list[str]:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the worker's own import will report it
             failed.append(name)
+    done = Preloaded(failed, [])
+    if script is not None and not failed:
+        done.script, script_failed = _preload_script(script)
+        done.failed.extend(script_failed)
     # What was imported lives as long as the workers: kept out of their garbage collections, whose
     # visits would otherwise copy every page of it into each worker (copy-on-write).
     gc.freeze()
     # OpenBLAS (numpy's, torch's) starts a thread pool at import and stops it in its fork handler.
+    # The child also says whether CUDA would still work in a process forked from here.
     pid = os.fork()
     if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-    return failed
+        os._exit(_POISONED if _cuda_unusable_after_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    if done.script:
+        if os.waitstatus_to_exitcode(status) == _POISONED:
+            done.unsafe = "one of them queried CUDA, which a forked worker then cannot use"
+        else:
+            reason = why_not_fork()
+            done.unsafe = f"after them {reason}" if reason else None
+    return done
+
+
+def _preload_script(script: ScriptImports) -> tuple[list[str], list[str]]:
+    """The script's imports (done, failed), with the workers' import hooks installed first."""
+    from resilrun import integrations, worker_main
+    from resilrun.worker import _torch_compat
+
+    if _torch_compat.cuda_unusable_after_fork() is None:  # this torch could not tell the template's state
+        return [], []
+    if script.integrations:
+        integrations.hook_frameworks()
+    if script.rerun:
+        worker_main.install_rerun_hook()
+    names = worker_main.script_imports(script.target, script.as_module)
+    done, failed = [], []
+    nvml_was = os.environ.get(_NVML_CHECK_ENV)
+    os.environ[_NVML_CHECK_ENV] = "1"
+    try:
+        for name in names:
+            if name in sys.modules:  # torch, the standard library: nothing to say
+                continue
+            try:
+                importlib.import_module(name)
+            except (Exception, SystemExit):  # noqa: BLE001 - the worker imports it again, with its rank, and reports it
+                failed.append(name)
+            else:
+                done.append(name)
+    finally:
+        if nvml_was is None:
+            os.environ.pop(_NVML_CHECK_ENV, None)
+        else:
+            os.environ[_NVML_CHECK_ENV] = nvml_was
+    return done, failed
+
+
+def _cuda_unusable_after_fork() -> bool:
+    """In the throwaway fork: whether torch marked this process unable to use CUDA."""
+    if "resilrun.worker._torch_compat" not in sys.modules:  # only imported once torch imported whole
+        return False
+    from resilrun.worker import _torch_compat
+
+    return bool(_torch_compat.cuda_unusable_after_fork())
 
 
 def _exit_code(exc: BaseException) -> int:
@@ -235,11 +346,24 @@ def _fork_worker(
     return {"pid": int(said)} if said else {"error": "the intermediate process failed to fork"}
 
 
-def serve(sock: socket.socket, agent_pid: int, areas: StartAreas | None) -> None:
+def serve(
+    sock: socket.socket,
+    agent_pid: int,
+    areas: StartAreas | None,
+    script: ScriptImports | None = None,
+    without_script: str | None = None,
+) -> None:
+    """``script``: the job's script, whose imports the template does too; ``without_script``: why
+    this template started again without them (for the agent's log)."""
     prctl = resolve_prctl()
-    failed = _preload()
+    done = _preload(script)
+    if done.unsafe is not None:
+        _start_again_without_script(sock, f"the script's imports ({', '.join(done.script)}): {done.unsafe}")
+    hello = {"ready": True, "pid": os.getpid(), "not_preloaded": done.failed, "script_imports": done.script}
+    if without_script is not None:
+        hello["without_script"] = without_script
     try:
-        sock.send(json.dumps({"ready": True, "pid": os.getpid(), "not_preloaded": failed}).encode())
+        sock.send(json.dumps(hello).encode())
     except OSError:  # the agent is gone, or stopped before its first worker: nothing to serve
         return
     while True:
@@ -267,12 +391,35 @@ def serve(sock: socket.socket, agent_pid: int, areas: StartAreas | None) -> None
             return
 
 
+def _start_again_without_script(sock: socket.socket, reason: str) -> NoReturn:
+    """A new interpreter in this process (its pid, its parent, its socket, its room for the workers'
+    command lines) that imports only what every worker imports: what the script's imports did to
+    this one (a thread, CUDA's fork handler) cannot be undone."""
+    fd = sock.fileno()
+    os.set_inheritable(fd, True)
+    env = {**os.environ, TEMPLATE_ROOM_ENV: "." * TEMPLATE_ROOM_BYTES * 8}
+    args = [str(fd), _WITHOUT, reason, " " * TEMPLATE_ROOM_BYTES]
+    os.execve(sys.executable, [sys.executable, "-u", "-m", "resilrun.worker_template", *args], env)
+
+
+_SCRIPT = "--script"
+_WITHOUT = "--without-script"
+
+
+def command_args(fd: int, script: ScriptImports | None) -> list[str]:
+    """The template's arguments after ``-m resilrun.worker_template``, but for the room."""
+    return [str(fd), *([_SCRIPT, script.to_arg()] if script is not None else [])]
+
+
 def main(argv: list[str]) -> None:
+    """``argv``: ``FD [--script JSON | --without-script REASON] [ROOM]``."""
     # Started by the agent in a session of its own: a Ctrl-C at the terminal is the agent's to handle.
     areas = StartAreas.of_this_process()  # before anything moves libc's environment
     os.environ.pop(TEMPLATE_ROOM_ENV, None)
     sock = socket.socket(fileno=int(argv[0]))
-    serve(sock, os.getppid(), areas)
+    options = {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i] in (_SCRIPT, _WITHOUT)}
+    script = ScriptImports.from_arg(options[_SCRIPT]) if _SCRIPT in options else None
+    serve(sock, os.getppid(), areas, script, options.get(_WITHOUT))
     os._exit(0)  # nothing to tear down: the interpreter's finalisation with torch loaded takes a second
 
 

@@ -43,14 +43,15 @@ def _early_template(config: Config) -> WorkerTemplate | None:
     """The worker template, started before the agent imports torch, where its environment is
     known without torch (``--nproc-per-node`` a number or ``cpu``); else build_node starts it."""
     from resilrun.agent.workers.procs import start_template
-    from resilrun.agent.workers.template import uses_template
+    from resilrun.agent.workers.template import script_imports, uses_template
     from resilrun.env import agent_environ, worker_base_env
     from resilrun.option_values import nproc_without_devices
 
     nproc = nproc_without_devices(config.nproc_per_node)
     if not uses_template(config) or nproc is None:
         return None
-    return start_template(worker_base_env(agent_environ(), nproc), before_devices=True)
+    env = worker_base_env(agent_environ(), nproc)
+    return start_template(env, before_devices=True, script=script_imports(config, env))
 
 
 def run(config: Config) -> RunResult:

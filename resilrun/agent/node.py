@@ -47,7 +47,7 @@ from resilrun.agent.workers.fault_hooks import PERSIST_DELAY_ENV, delay_s
 from resilrun.agent.workers.procs import Processes, start_template
 from resilrun.agent.workers.specs import NodeSetup, process_env
 from resilrun.agent.workers.step_fence import StepFence
-from resilrun.agent.workers.template import WorkerTemplate, uses_template
+from resilrun.agent.workers.template import WorkerTemplate, script_imports, uses_template
 from resilrun.config import Config
 from resilrun.env import CAPTURE_DIR_ENV, NO_HEAD_START_ENV, RERUN_ENV, agent_environ, agent_secrets
 from resilrun.errors import (
@@ -455,7 +455,8 @@ def build_node(
         # A node's silence in the store is confirmed on its replica server before it counts as lost.
         liveness = PeerLiveness(peer_key, config.heartbeat_interval_s) if replicated else None
         if template is None and uses_template(config):
-            template = start_template(process_env(setup))
+            env = process_env(setup)
+            template = start_template(env, script=script_imports(config, env))
         if template is not None:
             opened_so_far.callback(template.close)
         supervisor = Supervisor(

@@ -17,12 +17,14 @@ Light on purpose (no torch, no framework): the worker entry point imports it for
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
 from resilrun.env import integrations_wanted
 
-__all__ = ["enabled", "install_import_hooks"]
+__all__ = ["enabled", "hook_frameworks", "install_import_hooks", "refresh_ranks_read_at_import"]
 
 # The framework module whose import triggers each integration, and the integration's function.
 _HOOKS: dict[str, tuple[str, str]] = {
@@ -45,10 +47,17 @@ def install_import_hooks(environ: Mapping[str, str] | None = None) -> bool:
     """Adapt each supported framework when the script imports it; False when integrations are off."""
     if not enabled(environ):
         return False
+    hook_frameworks()
+    return True
+
+
+def hook_frameworks() -> None:
+    """Adapt each supported framework when it is imported (or now, if it is), whatever the
+    environment says: for the node's worker template, whose environment lacks the workers' own
+    (the agent decides for it). Adapting one twice is a no-op."""
     from resilrun.integrations import import_hooks
 
     import_hooks.install({module: _deferred(*target) for module, target in _HOOKS.items()})
-    return True
 
 
 def _deferred(module: str, function: str) -> Callable[[ModuleType], None]:
@@ -56,3 +65,28 @@ def _deferred(module: str, function: str) -> Callable[[ModuleType], None]:
         getattr(importlib.import_module(module), function)(framework_module)
 
     return hook
+
+
+# The environment variables Lightning reads its process's rank from, in its order (RANK first: SLURM_PROCID
+# may be set when SLURM does not manage the processes).
+_LIGHTNING_RANK_KEYS = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
+def refresh_ranks_read_at_import() -> None:
+    """Set again, from this process's environment as it is now, what a package took from it once,
+    as it was imported: ``lightning_utilities``' ``rank_zero_only.rank`` (set by the first of
+    Lightning and torchmetrics imported, kept after; each strategy sets it again at its set-up).
+
+    Why: a worker may have its packages imported before it had a rank (forked from the node's
+    worker template, or a hot spare), and would otherwise log as rank 0 on every rank until its
+    Trainer is set up. Whatever the package set it from, this sets it as Lightning does.
+    """
+    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
+    only = getattr(rank_zero, "rank_zero_only", None)
+    if only is None or not hasattr(only, "rank"):
+        return
+    found = next((os.environ[key] for key in _LIGHTNING_RANK_KEYS if key in os.environ), None)
+    try:
+        only.rank = int(found) if found is not None else 0
+    except ValueError:
+        return  # not a number: as Lightning, which would have failed at import, leave it

@@ -21,6 +21,9 @@ What resilrun does when a probe fails:
   iterator that started them is garbage-collected (a framework's reference cycle can delay that).
 - ``ddp_hook_removal``: a failed generation's DDP keeps its gradient hooks on the parameters; a
   model kept across a re-run (``@resilrun.once``) then depends on that DDP being garbage-collected.
+- ``cuda_fork_state``: the node's worker template does not import the script's packages (each worker
+  imports them itself, as before): it could not tell whether one of them touched CUDA, which would
+  leave every worker forked from it unable to use the GPU.
 - ``default_group_read``: a hot spare gets no head start (it waits for its rank before the script's
   first line, as it did before the head start existed).
 
@@ -67,6 +70,7 @@ _FALLBACKS = {
     "ddp_hook_removal": "a failed generation's DDP keeps its hooks on a model kept across a re-run until collected",
     "default_group_read": "hot spares wait for their rank before the script's first line (no head start)",
     "default_store": "a spare's hand-off budget starts at its group's set-up, not once every rank arrived",
+    "cuda_fork_state": "the worker template does not import the script's packages (each worker imports them)",
 }
 _WARNED: set[str] = set()
 
@@ -152,6 +156,13 @@ def _default_store_probe() -> bool:
     return callable(getattr(dist.distributed_c10d, "_get_default_store", None))
 
 
+@functools.cache
+def _bad_fork_probe() -> bool:
+    """torch marks a process forked after CUDA was queried (its fork handler, armed by the first
+    device count); a CPU-only build has no such state, and then a function that says False."""
+    return callable(getattr(torch.cuda, "_is_in_bad_fork", None))
+
+
 _PROBES: dict[str, Callable[[], Any]] = {
     "deferred_ddp_sync": _sync_helpers,
     "ddp_bucket_rebuild": _bucket_rebuild_probe,
@@ -163,6 +174,7 @@ _PROBES: dict[str, Callable[[], Any]] = {
     "ddp_hook_removal": _hook_removal_probe,
     "default_group_read": _default_group_probe,
     "default_store": _default_store_probe,
+    "cuda_fork_state": _bad_fork_probe,
 }
 
 
@@ -188,6 +200,16 @@ def _fall_back(name: str) -> None:
             TESTED_TORCH,
             _FALLBACKS[name],
         )
+
+
+def cuda_unusable_after_fork() -> bool | None:
+    """In a forked process: whether CUDA can no longer be used here because the parent had queried
+    it (torch then raises "Cannot re-initialize CUDA in forked subprocess"); None when this torch
+    cannot say."""
+    if not _bad_fork_probe():
+        _fall_back("cuda_fork_state")
+        return None
+    return bool(torch.cuda._is_in_bad_fork())
 
 
 def can_defer_ddp_sync() -> bool:

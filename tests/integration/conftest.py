@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -105,6 +106,27 @@ class Launch:
             self.popen.release()
         self._out.close()
         self._err.close()
+
+
+def run_resilrun(
+    *args: str, timeout: float = 60.0, cwd: Path = ROOT, host: Host | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m resilrun ARGS`` run to its end, as a user runs it from a shell (``resilrun status``
+    while a job runs): a process of its own, forked from the launch server like a launch (its
+    ``import torch`` done there once, not paid by every status read a test polls with). Its output as
+    ``subprocess.run(..., capture_output=True, text=True)`` returns it."""
+    argv = [sys.executable, "-m", "resilrun", *args]
+    with tempfile.TemporaryDirectory(prefix="resilrun-cli-") as folder:
+        run = Launch(argv, Path(folder) / "cli.log", env=env, cwd=cwd, host=host)
+        try:
+            deadline = time.monotonic() + timeout
+            while (code := run.popen.poll()) is None:
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(argv, timeout)
+                time.sleep(0.02)
+            return subprocess.CompletedProcess(argv, code, run.stdout(), run.stderr())
+        finally:
+            run.close()
 
 
 def alive(pids: set[int]) -> set[int]:

@@ -10,8 +10,6 @@ credential stops at once with one line saying why.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ import pytest
 from tests.conftest import _require_etcd
 from tests.etcd_server import EtcdCluster
 from tests.helpers.tls_certs import make_certs
-from tests.integration.conftest import ROOT, TRAIN_TINY
+from tests.integration.conftest import TRAIN_TINY, run_resilrun
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -50,11 +48,8 @@ def _job(launcher: Any, endpoint: str, run_id: str, conf: str, out: Path) -> lis
 
 
 def _status(endpoint: str, run_id: str, conf: str) -> dict[str, Any]:
-    argv = [
-        sys.executable, "-m", "resilrun", "status", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint,
-        "--rdzv-id", run_id, "--rdzv-conf", conf, "--json",
-    ]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    args = ["status", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", conf]
+    done = run_resilrun(*args, "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout)["data"]
 

@@ -9,8 +9,6 @@ required secret that is missing stops the launch at once.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from torch.distributed import TCPStore
 
 from resilrun import keys
 from tests.conftest import free_port
-from tests.integration.conftest import EXAMPLE, ROOT, assert_nothing_left, clean_checksum, wait_for
+from tests.integration.conftest import EXAMPLE, assert_nothing_left, clean_checksum, run_resilrun, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -42,8 +40,7 @@ def _flags(port: int, run_id: str) -> list[str]:
 
 def _peer_lag(port: int, run_id: str) -> list[int | None]:
     """Every node's ``tiers.peer.lag_steps`` in ``resilrun status --json``, as a user reads it."""
-    argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
-    done = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    done = run_resilrun("status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--json")
     document = json.loads(done.stdout).get("data") if done.stdout.strip() else None
     return [n["tiers"]["peer"].get("lag_steps") for n in (document or {}).get("nodes", [])]
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from tests.integration.conftest import (
     needs_nft,
     newest_step,
     resumed,
+    run_resilrun,
     wait_for,
 )
 from tests.integration.test_tier1_restore import EXAMPLE
@@ -260,8 +259,7 @@ def _spare_took_over(survivor: Launch, spare: Launch, node_rank: int) -> None:
 
 def _peer_lag(cluster: Cluster, node_rank: int) -> int | None:
     """``tiers.peer.lag_steps`` of a node in ``resilrun status --json``, run as a user would on h0."""
-    argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"h0:{PORT}", "--json"]
-    done = subprocess.run(cluster.command("h0", argv), capture_output=True, text=True, timeout=60)
+    done = run_resilrun("status", "--rdzv-endpoint", f"h0:{PORT}", "--json", host=cluster.host("h0"))
     document = json.loads(done.stdout).get("data") if done.stdout.strip() else None
     nodes = [n for n in (document or {}).get("nodes", []) if n.get("node_rank") == node_rank]
     return nodes[0]["tiers"]["peer"].get("lag_steps") if nodes else None

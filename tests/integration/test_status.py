@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -18,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from resilrun.agent.observability.events import read_events
 from tests.conftest import free_port
-from tests.integration.conftest import ROOT, wait_for
+from tests.integration.conftest import ROOT, run_resilrun, wait_for
 from tests.integration.test_tier1_restore import EXAMPLE
 from tests.unit.test_status_view import assert_matches_documented
 
@@ -27,9 +25,8 @@ pytestmark = pytest.mark.integration
 
 def status(port: int, run_id: str = "") -> dict[str, Any] | None:
     """``resilrun status --json`` as a user runs it (a separate process); None while not answerable."""
-    argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--json"]
-    out = subprocess.run(argv + (["--rdzv-id", run_id] if run_id else []), capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)  # fmt: skip
+    args = ["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--json", *(["--rdzv-id", run_id] if run_id else [])]
+    out = run_resilrun(*args)
     document = json.loads(out.stdout) if out.stdout.strip() else {}
     return document.get("data")
 
@@ -257,10 +254,7 @@ def test_with_snapshot_every_auto_status_and_metrics_show_the_interval_and_the_s
     (overhead,) = metrics["resilrun_snapshot_overhead_ratio"]
     assert 0 < overhead.value <= 0.01
     # and the text view says it in words
-    text = subprocess.run(
-        [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"127.0.0.1:{port}"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    ).stdout  # fmt: skip
+    text = run_resilrun("status", "--rdzv-endpoint", f"127.0.0.1:{port}").stdout
     assert "at risk" in text and "auto: every" in text and "budget 1%" in text, text
     os.kill(node.pid, signal.SIGTERM)
     node.wait(60)
@@ -283,8 +277,5 @@ def test_a_rank_slowed_down_is_named_a_straggler_and_the_others_are_not(launcher
     straggler = doc["stragglers"][0]
     assert straggler["ratio"] >= 1.5 and straggler["compute_s"] >= 0.04 > straggler["others_median_s"]
     assert straggler["node_rank"] == 0
-    text = subprocess.run(
-        [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", f"127.0.0.1:{port}"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "NO_COLOR": "1"},
-    ).stdout  # fmt: skip
+    text = run_resilrun("status", "--rdzv-endpoint", f"127.0.0.1:{port}", env={"NO_COLOR": "1"}).stdout
     assert "stragglers: rank 2 (node 0, " in text, text

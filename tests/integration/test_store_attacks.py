@@ -39,6 +39,7 @@ from tests.integration.conftest import (
     clean_checksum,
     events,
     newest_step,
+    run_resilrun,
     wait_for,
 )
 
@@ -101,9 +102,9 @@ class _Watch:
 
 
 def _status(cluster: Cluster, host: str, endpoint: str, run_id: str, secret: Path) -> dict:
-    argv = [sys.executable, "-m", "resilrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--json", "--timeout", "10", "--job-secret-file", str(secret)]  # fmt: skip
-    done = subprocess.run(cluster.command(host, argv), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    args = ["status", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--json", "--timeout", "10",
+            "--job-secret-file", str(secret)]  # fmt: skip
+    done = run_resilrun(*args, host=cluster.host(host))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)["data"]
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -184,6 +185,31 @@ def test_a_template_never_forks_while_it_runs_a_second_thread() -> None:
         thread.join()
 
 
+def test_a_thread_known_to_be_safe_across_a_fork_does_not_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (a thread named as jemalloc names its background purger: pyarrow's, loaded by datasets)
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    renamed, release = threading.Event(), threading.Event()
+
+    def purger() -> None:
+        libc.prctl(15, b"jemalloc_bg_thd", 0, 0, 0)  # PR_SET_NAME: this thread's comm
+        renamed.set()
+        release.wait()
+
+    thread = threading.Thread(target=purger)
+    thread.start()
+    try:
+        assert renamed.wait(10)
+        # (counted against this process's other threads: a test process may run some of its own)
+        counted = worker_template.threads()
+        monkeypatch.setattr(worker_template, "FORK_SAFE_THREADS", frozenset())
+        assert worker_template.threads() == counted + 1
+    finally:
+        release.set()
+        thread.join()
+
+
 def test_no_python_commands_are_never_forked(template: WorkerTemplate, tmp_path: Path) -> None:
     spec = procs.WorkerSpec(
         local_rank=0,
@@ -210,6 +236,7 @@ from resilrun.agent.workers.template import AdoptedProcess
 from resilrun.agent.workers.template_fork import declare_preloaded
 from resilrun.env import python_exec
 from resilrun.option_values import Std
+from dataclasses import replace
 from pathlib import Path
 for name in worker_template.PRELOAD:
     importlib.import_module(name)
@@ -290,3 +317,55 @@ def test_a_launcher_that_declared_its_imports_forks_its_template_unless_the_star
     assert said["forked_worker"] and said["code"] == 0, done.stderr[-2000:]
     # (and the launcher's logging set-up not: a new worker's root logger has no handler)
     assert (tmp_path / "rank0" / "stdout.log").read_text() == f"{said['me']} True 0 0\n"
+
+
+# Installed packages a script imports at its top (on PYTHONPATH, outside the script's folder), each
+# writing the pid of the process that imported it: one that behaves, one that starts a thread as it
+# loads, and one that leaves CUDA unusable in forked processes (as torch's fork handler does once a
+# library queried a device at import; a CPU build cannot arm it, so the package says so itself).
+_PACKAGES = {
+    "quiet_pkg": "",
+    "threaded_pkg": "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n",
+    "cuda_pkg": "import torch\ntorch.cuda._is_in_bad_fork = lambda: True\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("package", "unsafe"),
+    [("quiet_pkg", None), ("threaded_pkg", "2 threads"), ("cuda_pkg", "queried CUDA")],
+    ids=["imported-once", "a-thread-at-import", "cuda-queried-at-import"],
+)
+def test_the_template_imports_the_scripts_packages_once_unless_they_leave_it_unfit_to_fork(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, package: str, unsafe: str | None
+) -> None:
+    site = tmp_path / "site"
+    (site / package).mkdir(parents=True)
+    marks = tmp_path / "imported_by"
+    (site / package / "__init__.py").write_text(
+        f"import os\nopen({str(marks)!r}, 'a').write(f'{{os.getpid()}}\\n')\n{_PACKAGES[package]}"
+    )
+    script = _script(tmp_path, f"import os\nimport {package}\nprint(os.environ['RANK'])\n")
+    env = {**_BASE, "PYTHONPATH": str(site)}
+    imports = worker_template.ScriptImports(str(script), as_module=False, integrations=True, rerun=False)
+    template = procs.start_template(env, script=imports)
+    try:
+        with caplog.at_level(logging.INFO):
+            workers = [procs.spawn(replace(_spec(tmp_path, script, rank), env={**env, "RANK": str(rank)}), template)
+                       for rank in (0, 1)]  # fmt: skip
+            codes = [_wait(worker) for worker in workers]
+        assert template._process is not None
+        template_pid = template._process.pid
+    finally:
+        template.close()
+    # Every worker was forked from the template and ran the script
+    assert codes == [0, 0] and all(isinstance(w.popen, AdoptedProcess) for w in workers), caplog.text
+    assert [(tmp_path / f"rank{rank}" / "stdout.log").read_text() for rank in (0, 1)] == ["0\n", "1\n"]
+    imported_by = [int(pid) for pid in marks.read_text().split()]
+    if unsafe is None:
+        # and found the package imported already: only the template imported it
+        assert imported_by == [template_pid], imported_by
+        assert f"imported the script's packages too: {package}" in caplog.text
+    else:
+        # or the template started again without it (same process), said why, and each worker imported it
+        assert imported_by[0] == template_pid and sorted(imported_by[1:]) == sorted(w.pid for w in workers)
+        assert "started again without the script's imports" in caplog.text and unsafe in caplog.text, caplog.text

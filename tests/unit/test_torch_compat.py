@@ -64,6 +64,7 @@ def test_the_report_names_every_probe_with_its_fallback() -> None:
         "ddp_hook_removal",
         "default_group_read",
         "default_store",
+        "cuda_fork_state",
     ]
     assert [p.name for p in probes] == names
     assert all(p.fallback for p in probes)
@@ -292,3 +293,18 @@ def test_without_the_iterator_interface_workers_are_left_to_garbage_collection(
     assert len(_warnings(caplog)) == 1 and "DataLoader workers" in _warnings(caplog)[0]
     monkeypatch.undo()
     _torch_compat.forget_probes()
+
+
+def test_without_torchs_fork_state_the_template_cannot_tell_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert _torch_compat.cuda_unusable_after_fork() is False  # this process was not forked after a CUDA query
+    monkeypatch.delattr(torch.cuda, "_is_in_bad_fork")
+    _torch_compat.forget_probes()
+    try:
+        with caplog.at_level(logging.WARNING, logger=_LOGGER):
+            assert _torch_compat.cuda_unusable_after_fork() is None
+        assert any("cuda_fork_state" in w and "does not import the script" in w for w in _warnings(caplog))
+    finally:
+        monkeypatch.undo()
+        _torch_compat.forget_probes()

@@ -33,6 +33,7 @@ from resilrun.errors import ConfigError
 from resilrun.option_values import Std
 from resilrun.prctl import PR_SET_PDEATHSIG, Prctl, resolve_prctl
 from resilrun.private_file import open_private_output
+from resilrun.worker_template import ScriptImports
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 # Built before any fork so the child converts nothing (a set of plain ints for pthread_sigmask).
@@ -298,11 +299,20 @@ def child_setup() -> Callable[[], None]:
     return lambda: _child_setup(agent_pid, prctl)
 
 
-def start_template(env: Mapping[str, str], *, before_devices: bool = False) -> WorkerTemplate:
+def start_template(
+    env: Mapping[str, str], *, before_devices: bool = False, script: ScriptImports | None = None
+) -> WorkerTemplate:
     """The node's worker template, started as the agent starts its other processes.
-    ``before_devices``: the agent has not looked for accelerators yet (template_fork.py)."""
+    ``before_devices``: the agent has not looked for accelerators yet (template_fork.py);
+    ``script``: the job's script, whose imports the template does too."""
     return WorkerTemplate(
-        python_exec(), env, resolve_prctl(), child_setup(), handled=HANDLED_SIGNALS, before_devices=before_devices
+        python_exec(),
+        env,
+        resolve_prctl(),
+        child_setup(),
+        handled=HANDLED_SIGNALS,
+        before_devices=before_devices,
+        script=script,
     )
 
 

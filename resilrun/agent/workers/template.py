@@ -30,8 +30,9 @@ from typing import IO
 
 from resilrun.agent.workers import template_fork
 from resilrun.config import Config
-from resilrun.env import TEMPLATE_ROOM_BYTES, TEMPLATE_ROOM_ENV, read_after_start
+from resilrun.env import TEMPLATE_ROOM_BYTES, TEMPLATE_ROOM_ENV, integrations_turned_off, read_after_start
 from resilrun.prctl import PR_SET_CHILD_SUBREAPER, Prctl
+from resilrun.worker_template import ScriptImports, command_args
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,18 @@ def uses_template(config: Config) -> bool:
     """Whether the node forks its workers from a template: not for --no-python (no Python to
     preload) or --no-worker-template."""
     return not (config.no_python or config.no_worker_template)
+
+
+def script_imports(config: Config, env: Mapping[str, str]) -> ScriptImports:
+    """What the template imports of the job's script, as the workers of ``config`` with ``env``
+    would: after the framework integrations' import hooks unless they are off, and after the
+    re-run's hook on ``init_process_group`` with --rerun-in-process."""
+    return ScriptImports(
+        target=config.script,
+        as_module=config.module,
+        integrations=not config.no_integrations and not integrations_turned_off(env),
+        rerun=config.rerun_in_process,
+    )
 
 
 class AdoptedProcess:
@@ -115,13 +128,16 @@ class WorkerTemplate:
         *,
         handled: tuple[signal.Signals, ...] = (),
         before_devices: bool = False,
+        script: ScriptImports | None = None,
     ) -> None:
         """``prctl``: libc's, resolved by the caller (None: not Linux, no template);
         ``child_setup``: what runs in the template between its fork and exec (the spawn path's);
         ``handled``: the agent's signals; ``before_devices``: started before the agent looked for
-        accelerators (only then may it be forked from the agent: template_fork.py)."""
+        accelerators (only then may it be forked from the agent: template_fork.py); ``script``: the
+        job's script, whose imports the template does too (worker_template.ScriptImports)."""
         self.python = python
         self.env = dict(env)
+        self.script = script
         self._prctl = prctl
         self._lock = threading.Lock()
         self._ready = False
@@ -139,7 +155,7 @@ class WorkerTemplate:
         why_not = template_fork.why_not_fork_here(self.python, self.env, before_devices=before_devices)
         if why_not is None:
             try:
-                self._process = template_fork.fork_template(theirs, self.env, child_setup, handled)
+                self._process = template_fork.fork_template(theirs, self.env, child_setup, handled, self.script)
             except OSError as exc:
                 logger.info("worker template: could not fork it here (%s); starting it as a new process", exc)
             else:
@@ -151,7 +167,13 @@ class WorkerTemplate:
             logger.info("worker template started as a new process: %s", why_not)
         try:
             self._process = subprocess.Popen(
-                [self.python, *ENTRY[:2], "resilrun.worker_template", str(theirs.fileno()), " " * TEMPLATE_ROOM_BYTES],
+                [
+                    self.python,
+                    *ENTRY[:2],
+                    "resilrun.worker_template",
+                    *command_args(theirs.fileno(), self.script),
+                    " " * TEMPLATE_ROOM_BYTES,
+                ],  # fmt: skip
                 env={**self.env, TEMPLATE_ROOM_ENV: "." * TEMPLATE_ROOM_BYTES * 8},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -201,6 +223,13 @@ class WorkerTemplate:
             self._ready = True
             if hello.get("not_preloaded"):
                 logger.info("worker template: not preloaded (the workers import them): %s", hello["not_preloaded"])
+            if hello.get("script_imports"):
+                said = ", ".join(hello["script_imports"])
+                logger.info("worker template: imported the script's packages too: %s", said)
+            if hello.get("without_script"):
+                logger.warning(
+                    "worker template started again without %s; each worker imports them itself", hello["without_script"]
+                )
         request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": os.getcwd()}).encode()
         if self._prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
             raise _Unusable("the agent cannot adopt forked workers (PR_SET_CHILD_SUBREAPER refused)")

@@ -38,8 +38,12 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from resilrun.env import TEMPLATE_ROOM_ENV, read_after_start
+
+if TYPE_CHECKING:
+    from resilrun.worker_template import ScriptImports
 
 # The flags a plain ``python -u`` starts with, where its environment does not say otherwise.
 _PLAIN_FLAGS = ("inspect", "interactive", "isolated", "ignore_environment", "no_site", "no_user_site", "safe_path")
@@ -139,6 +143,7 @@ def fork_template(
     env: Mapping[str, str],
     child_setup: Callable[[], None],
     handled: tuple[signal.Signals, ...],
+    script: ScriptImports | None = None,
 ) -> ForkedTemplate:
     """Fork this process into the template (``why_not_fork_here`` said it may). ``handled``: the
     agent's signals, blocked across the fork as for every process it starts, so that none is
@@ -156,12 +161,14 @@ def fork_template(
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         return ForkedTemplate(pid)
     try:
-        _become_template(sock.fileno(), env, child_setup)
+        _become_template(sock.fileno(), env, child_setup, script)
     finally:
         os._exit(1)
 
 
-def _become_template(fd: int, env: Mapping[str, str], child_setup: Callable[[], None]) -> None:
+def _become_template(
+    fd: int, env: Mapping[str, str], child_setup: Callable[[], None], script: ScriptImports | None
+) -> None:
     """In the forked child: the process a new template would be, then the template's own main."""
     gc.freeze()  # the agent's objects are never collected here: their finalizers would close fds reused below
     declared = _DECLARED
@@ -185,10 +192,11 @@ def _become_template(fd: int, env: Mapping[str, str], child_setup: Callable[[], 
 
     # What ps and /proc show of it: its own command line and environment (the agent's secrets
     # withheld, as from a new template), not the agent's it was forked with.
+    args = worker_template.command_args(fd, script)
     areas = worker_template.StartAreas.of_this_process()
     if areas is not None:
-        areas.show([sys.executable, "-u", "-m", "resilrun.worker_template", str(fd)], dict(env))
-    worker_template.main([str(fd)])
+        areas.show([sys.executable, "-u", "-m", "resilrun.worker_template", *args], dict(env))
+    worker_template.main(args)
 
 
 def _default_signals() -> None:
