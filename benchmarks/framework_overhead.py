@@ -1,7 +1,8 @@
 """An unmodified framework script: resilrun's per-step cost and a failure's cost vs torchrun.
 
     python benchmarks/framework_overhead.py [--framework transformers|lightning|accelerate] [--runs 2] [--steps 60]
-        [--kill-step 25] [--snapshot-every 1|N|auto] [--steady-from 5] [--steady-only] [--spares-0] [--json out.json]
+        [--kill-step 25] [--snapshot-every 1|N|auto] [--steady-from 5] [--steady-only | --failures-only]
+        [--spares-0] [--json out.json]
 
 Why this shape (issue 18): the integration snapshots model, optimizer, scheduler, RNG and the
 framework's loop state after every optimizer step, which is what a user pays on every step; and it
@@ -73,6 +74,7 @@ def _redone(stamps: list[tuple[int, float]], kill_step: int) -> int:
     return 0
 
 
+STEADY = ("torchrun", "torchrun + own checkpoints", "resilrun, integrations off", "resilrun")
 SPARES_0 = {
     "resilrun --spares 0, killed": ["--spares", "0"],
     "resilrun --spares 0 --no-worker-template, killed": ["--spares", "0", "--no-worker-template"],
@@ -94,6 +96,7 @@ def main() -> None:
     )
     parser.add_argument("--steady-from", type=int, default=5, help="first step of the steady-state mean")
     parser.add_argument("--steady-only", action="store_true", help="leave out the runs with a worker killed")
+    parser.add_argument("--failures-only", action="store_true", help="only the runs with a worker killed")
     parser.add_argument("--spares-0", action="store_true", help="also kill under --spares 0, forked and spawned")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path)
@@ -128,6 +131,8 @@ def main() -> None:
             extra[name] = kill
     if opts.steady_only:
         cases = {name: case for name, case in cases.items() if "killed" not in name}
+    if opts.failures_only:
+        cases = {name: case for name, case in cases.items() if "killed" in name}
     if not 1 <= opts.steady_from < opts.steps:
         parser.error(f"--steady-from must be in 1..{opts.steps - 1} (--steps {opts.steps})")
     results: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {name: [] for name in cases}
@@ -177,23 +182,26 @@ def _launch(
 def _report(
     results: dict[str, list[tuple[float, list[tuple[int, float]]]]], kill_step: int, steady_from: int
 ) -> dict[str, Any]:
-    steady = ["torchrun", "torchrun + own checkpoints", "resilrun, integrations off", "resilrun"]
+    steady = [name for name in STEADY if name in results]
     means = {name: [_mean_step(s, steady_from) for _, s in results[name]] for name in steady}
     step_ms = {name: statistics.median(m) * 1000 for name, m in means.items()}
     # Each round's ratio against that round's torchrun (runs of one round are interleaved, so they
     # share the machine's drift): the spread a single median hides.
-    rounds = [{name: means[name][i] / means["torchrun"][i] for name in steady} for i in range(len(means["torchrun"]))]
+    count = len(means.get("torchrun", []))
+    rounds = [{name: means[name][i] / means["torchrun"][i] for name in steady} for i in range(count)]
     walls = {name: statistics.median(w for w, _ in runs) for name, runs in results.items()}
-    base = step_ms["torchrun"]
-    lines = [
-        f"| steady state (no fault), steps {steady_from}+ | ms per optimizer step | vs torchrun | rounds |",
-        "| --- | ---: | ---: | --- |",
-        *(
-            f"| {name} | {step_ms[name]:.1f} | {step_ms[name] / base:.3f}x | "
-            f"{', '.join(f'{r[name]:.3f}' for r in rounds)} |"
-            for name in steady
-        ),
-    ]
+    lines = []
+    if steady:
+        base = step_ms["torchrun"]
+        lines = [
+            f"| steady state (no fault), steps {steady_from}+ | ms per optimizer step | vs torchrun | rounds |",
+            "| --- | ---: | ---: | --- |",
+            *(
+                f"| {name} | {step_ms[name]:.1f} | {step_ms[name] / base:.3f}x | "
+                f"{', '.join(f'{r[name]:.3f}' for r in rounds)} |"
+                for name in steady
+            ),
+        ]
     report: dict[str, Any] = {"step_ms": step_ms, "rounds": rounds, "wall_s": {}, "failure": {}}
     if "resilrun --spares 1, killed" not in results:
         report["markdown"] = "\n".join(lines)

@@ -33,6 +33,7 @@ import faulthandler
 import functools
 import gc
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -106,8 +107,13 @@ def script_imports(target: str, as_module: bool) -> list[str]:
     environment variable set, a library patched, a path added): importing it first would run the
     package in a world the script has not made yet, so the script imports it itself. Importing one
     of the script's own modules (a file beside it, a relative import) is running its code: the
-    preload stops there too.
+    preload stops there too. Only packages a package installer put where they are found (the
+    standard library, or a folder holding the distribution's record: site-packages, a ``pip
+    --target`` folder): a project's own package, on ``PYTHONPATH``, in the working folder or
+    installed editable, is the user's code, and may read the rank as it is imported.
     """
+    if as_module and not installed(target.partition(".")[0]):
+        return []  # finding it would run its package's __init__: the user's code
     path = _script_path(target) if as_module else target
     if path is None:
         return []
@@ -153,10 +159,44 @@ def script_imports(target: str, as_module: bool) -> list[str]:
     found = []
     for name in dict.fromkeys(names):
         top = name.partition(".")[0]
-        if top == "__future__" or _is_local(top, local_dir):
+        if top == "__future__" or _is_local(top, local_dir) or not installed(top):
             continue
         found.append(name)
     return found
+
+
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    return dict(importlib.metadata.packages_distributions())
+
+
+def installed(top: str) -> bool:
+    """Whether the top-level module ``top`` is one a package installer put where Python finds it
+    (or the standard library's): a distribution's record lists it at the very place it is found."""
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        return True
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported to find it
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    locations = list(spec.submodule_search_locations or [])
+    if len(locations) > 1 or (not locations and not spec.origin):
+        return False  # a namespace package spread over folders: whose is not one answer
+    where = os.path.realpath(locations[0] if locations else str(spec.origin))
+    for name in _distributions().get(top, []):
+        try:
+            distribution = importlib.metadata.distribution(name)
+            # (a wheel's record: a project's own egg-info beside its code, from an editable install, has none)
+            if distribution.read_text("RECORD") is None:
+                continue
+            located = distribution.locate_file(os.path.basename(where))
+        except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
+            continue
+        if os.path.realpath(str(located)) == where:
+            return True
+    return False
 
 
 def _runs_nothing(node: ast.stmt) -> bool:
@@ -245,6 +285,10 @@ def _run_ahead(target: str, as_module: bool) -> bool:
     of a rank-dependent value waits for the assignment. Returns False where it cannot (the script's
     kind, the option, or this torch): the spare then stands by before the script's first line."""
     if not head_start_wanted() or not uses_resilrun_api(target, as_module):
+        return False
+    from resilrun import integrations
+
+    if integrations.rank_read_at_import():  # imported by the template it was forked from: see there
         return False
     import torch  # noqa: F401 - before the membership module, which needs it anyway
     import torch.distributed  # noqa: F401

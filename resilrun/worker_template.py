@@ -173,15 +173,33 @@ class Preloaded:
     unsafe: str | None = None
 
 
-# torch.cuda.is_available() asks NVML instead of initialising the driver when this is set: a library
-# that checks for a GPU as it is imported then leaves the template fit to fork.
-_NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+@dataclass(frozen=True, slots=True)
+class EnvChanges:
+    """What the script's imports did to the environment (a package that sets a variable as it loads):
+    done again in each forked worker after it takes its own environment, as its own import would."""
+
+    set: dict[str, str]
+    removed: tuple[str, ...]
+
+    @classmethod
+    def between(cls, before: dict[str, str], after: dict[str, str]) -> EnvChanges:
+        changed = {key: value for key, value in after.items() if before.get(key) != value}
+        return cls(changed, tuple(key for key in before if key not in after))
+
+    def apply(self) -> None:
+        os.environ.update(self.set)
+        for key in self.removed:
+            os.environ.pop(key, None)
+
+
 _POISONED = 3  # the throwaway fork's exit code when CUDA is unusable in a forked process
+_ENV_CHANGES = EnvChanges({}, ())  # what the script's imports did to this template's environment
 
 
 def _preload(script: ScriptImports | None) -> Preloaded:
     """Imports what every worker imports; what fails is left to the worker (it fails there, with its
     own traceback in its own log)."""
+    global _ENV_CHANGES
     failed = []
     for name in PRELOAD:
         try:
@@ -189,9 +207,15 @@ def _preload(script: ScriptImports | None) -> Preloaded:
         except Exception:  # noqa: BLE001 - the worker's own import will report it
             failed.append(name)
     done = Preloaded(failed, [])
+    attempted = False
     if script is not None and not failed:
-        done.script, script_failed = _preload_script(script)
-        done.failed.extend(script_failed)
+        before = dict(os.environ)
+        try:
+            attempted, done.script, script_failed = _preload_script(script)
+            done.failed.extend(script_failed)
+        except Exception as exc:  # noqa: BLE001 - the machinery itself (finding them): none kept
+            attempted, done.unsafe = True, f"finding them failed: {type(exc).__name__}: {exc}"
+        _ENV_CHANGES = EnvChanges.between(before, dict(os.environ))
     # What was imported lives as long as the workers: kept out of their garbage collections, whose
     # visits would otherwise copy every page of it into each worker (copy-on-write).
     gc.freeze()
@@ -199,10 +223,15 @@ def _preload(script: ScriptImports | None) -> Preloaded:
     # The child also says whether CUDA would still work in a process forked from here.
     pid = os.fork()
     if pid == 0:
-        os._exit(_POISONED if _cuda_unusable_after_fork() else 0)
+        code = 1
+        try:
+            code = _POISONED if _cuda_unusable_after_fork() else 0
+        finally:
+            os._exit(code)
     _, status = os.waitpid(pid, 0)
-    if done.script:
-        if os.waitstatus_to_exitcode(status) == _POISONED:
+    # Even imports that failed may have queried CUDA or started a thread before they raised.
+    if attempted and done.unsafe is None:
+        if os.waitstatus_to_exitcode(status) != 0:
             done.unsafe = "one of them queried CUDA, which a forked worker then cannot use"
         else:
             reason = why_not_fork()
@@ -210,37 +239,33 @@ def _preload(script: ScriptImports | None) -> Preloaded:
     return done
 
 
-def _preload_script(script: ScriptImports) -> tuple[list[str], list[str]]:
-    """The script's imports (done, failed), with the workers' import hooks installed first."""
+def _preload_script(script: ScriptImports) -> tuple[bool, list[str], list[str]]:
+    """The script's imports (whether any was tried, those done, those failed), with the workers'
+    import hooks installed first."""
     from resilrun import integrations, worker_main
     from resilrun.worker import _torch_compat
 
     if _torch_compat.cuda_unusable_after_fork() is None:  # this torch could not tell the template's state
-        return [], []
+        return False, [], []
+    names = [name for name in worker_main.script_imports(script.target, script.as_module) if name not in sys.modules]
+    if not names:  # torch, the standard library: nothing to import or say
+        return False, [], []
     if script.integrations:
         integrations.hook_frameworks()
     if script.rerun:
         worker_main.install_rerun_hook()
-    names = worker_main.script_imports(script.target, script.as_module)
     done, failed = [], []
-    nvml_was = os.environ.get(_NVML_CHECK_ENV)
-    os.environ[_NVML_CHECK_ENV] = "1"
-    try:
+    # A library that checks for a GPU as it is imported asks NVML, not the driver: the template
+    # stays fit to fork (the workers check the usual way).
+    with _torch_compat.device_checks_through_nvml():
         for name in names:
-            if name in sys.modules:  # torch, the standard library: nothing to say
-                continue
             try:
                 importlib.import_module(name)
             except (Exception, SystemExit):  # noqa: BLE001 - the worker imports it again, with its rank, and reports it
                 failed.append(name)
             else:
                 done.append(name)
-    finally:
-        if nvml_was is None:
-            os.environ.pop(_NVML_CHECK_ENV, None)
-        else:
-            os.environ[_NVML_CHECK_ENV] = nvml_was
-    return done, failed
+    return True, done, failed
 
 
 def _cuda_unusable_after_fork() -> bool:
@@ -280,6 +305,7 @@ def _become_worker(
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _ENV_CHANGES.apply()
         if areas is not None:
             areas.show(request["argv"], request["env"])
         deadline = time.monotonic() + _ADOPTION_TIMEOUT_S
@@ -393,15 +419,20 @@ def serve(
 
 def _start_again_without_script(sock: socket.socket, reason: str) -> NoReturn:
     """A new interpreter in this process (its pid, its parent, its socket, its room for the workers'
-    command lines) that imports only what every worker imports: what the script's imports did to
-    this one (a thread, CUDA's fork handler) cannot be undone."""
+    command lines, the environment it started with) that imports only what every worker imports:
+    what the script's imports did to this one (a thread, CUDA's fork handler) cannot be undone."""
     fd = sock.fileno()
-    os.set_inheritable(fd, True)
-    env = {**os.environ, TEMPLATE_ROOM_ENV: "." * TEMPLATE_ROOM_BYTES * 8}
-    args = [str(fd), _WITHOUT, reason, " " * TEMPLATE_ROOM_BYTES]
-    os.execve(sys.executable, [sys.executable, "-u", "-m", "resilrun.worker_template", *args], env)
+    try:
+        os.set_inheritable(fd, True)
+        env = {**_START_ENV, TEMPLATE_ROOM_ENV: "." * TEMPLATE_ROOM_BYTES * 8}
+        args = [str(fd), _WITHOUT, reason, " " * TEMPLATE_ROOM_BYTES]
+        os.execve(sys.executable, [sys.executable, "-u", "-m", "resilrun.worker_template", *args], env)
+    except OSError as exc:  # the agent reads the socket's end: workers then start as new processes
+        sys.stderr.write(f"resilrun: worker template could not start again without {reason}: {exc}\n")
+    os._exit(1)
 
 
+_START_ENV: dict[str, str] = {}  # this template's environment before any import of the script's
 _SCRIPT = "--script"
 _WITHOUT = "--without-script"
 
@@ -416,6 +447,7 @@ def main(argv: list[str]) -> None:
     # Started by the agent in a session of its own: a Ctrl-C at the terminal is the agent's to handle.
     areas = StartAreas.of_this_process()  # before anything moves libc's environment
     os.environ.pop(TEMPLATE_ROOM_ENV, None)
+    _START_ENV.update(os.environ)
     sock = socket.socket(fileno=int(argv[0]))
     options = {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i] in (_SCRIPT, _WITHOUT)}
     script = ScriptImports.from_arg(options[_SCRIPT]) if _SCRIPT in options else None

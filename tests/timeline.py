@@ -28,21 +28,27 @@ _CPU_FILE: Path | None = None  # this worker's cgroup's CPU counter, once it has
 
 
 def _cgroup_roots() -> list[tuple[Path, str]]:
-    """Where a cgroup with a CPU counter can be made: the cgroup v2 mount (``cpu.stat``) or v1's
-    cpuacct (``cpuacct.usage``)."""
-    roots = []
+    """Where a cgroup with a CPU counter can be made, below this process's own (its limits still
+    apply): in the cgroup v2 hierarchy (``cpu.stat``) or v1's cpuacct (``cpuacct.usage``)."""
     try:
         mounts = Path("/proc/mounts").read_text(encoding="utf-8").splitlines()
+        own = Path("/proc/self/cgroup").read_text(encoding="utf-8").splitlines()
     except OSError:
         return []
+    where = {}  # controllers ("" for v2) -> this process's cgroup in that hierarchy
+    for line in own:
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(","):
+            where[controller] = path.lstrip("/")
+    roots = []
     for line in mounts:
         fields = line.split()
         if len(fields) < 4:
             continue
-        if fields[2] == "cgroup2":
-            roots.append((Path(fields[1]), "cpu.stat"))
-        elif fields[2] == "cgroup" and "cpuacct" in fields[3].split(","):
-            roots.append((Path(fields[1]), "cpuacct.usage"))
+        if fields[2] == "cgroup2" and "" in where:
+            roots.append((Path(fields[1]) / where[""], "cpu.stat"))
+        elif fields[2] == "cgroup" and "cpuacct" in fields[3].split(",") and "cpuacct" in where:
+            roots.append((Path(fields[1]) / where["cpuacct"], "cpuacct.usage"))
     return roots
 
 

@@ -41,7 +41,7 @@ def report(folder: Path, gaps: int = 10) -> str:
         if not starts:
             continue
         in_tests, open_at, last_end, last_test = 0.0, None, None, "(session start)"
-        opened: dict = {}
+        opened: dict[str, object] = {}
         for event in events:
             if event["kind"] == "start":
                 if last_end is not None:

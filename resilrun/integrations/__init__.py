@@ -24,7 +24,7 @@ from types import ModuleType
 
 from resilrun.env import integrations_wanted
 
-__all__ = ["enabled", "hook_frameworks", "install_import_hooks", "refresh_ranks_read_at_import"]
+__all__ = ["enabled", "hook_frameworks", "install_import_hooks", "rank_read_at_import", "refresh_ranks_read_at_import"]
 
 # The framework module whose import triggers each integration, and the integration's function.
 _HOOKS: dict[str, tuple[str, str]] = {
@@ -54,10 +54,16 @@ def install_import_hooks(environ: Mapping[str, str] | None = None) -> bool:
 def hook_frameworks() -> None:
     """Adapt each supported framework when it is imported (or now, if it is), whatever the
     environment says: for the node's worker template, whose environment lacks the workers' own
-    (the agent decides for it). Adapting one twice is a no-op."""
+    (the agent decides for it). Once per process: a worker forked from the template has them."""
+    global _FINDER
+    if _FINDER is not None and _FINDER in sys.meta_path:
+        return
     from resilrun.integrations import import_hooks
 
-    import_hooks.install({module: _deferred(*target) for module, target in _HOOKS.items()})
+    _FINDER = import_hooks.install({module: _deferred(*target) for module, target in _HOOKS.items()})
+
+
+_FINDER: object | None = None  # the import hook this process installed, while it is installed
 
 
 def _deferred(module: str, function: str) -> Callable[[ModuleType], None]:
@@ -70,6 +76,14 @@ def _deferred(module: str, function: str) -> Callable[[ModuleType], None]:
 # The environment variables Lightning reads its process's rank from, in its order (RANK first: SLURM_PROCID
 # may be set when SLURM does not manage the processes).
 _LIGHTNING_RANK_KEYS = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
+def rank_read_at_import() -> bool:
+    """Whether a package imported already keeps a rank it read as it was imported
+    (``refresh_ranks_read_at_import``): a hot spare that has it gets no head start, since the script's
+    rank-zero-only code would run before the spare has its seat."""
+    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
+    return hasattr(getattr(rank_zero, "rank_zero_only", None), "rank")
 
 
 def refresh_ranks_read_at_import() -> None:

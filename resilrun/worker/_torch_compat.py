@@ -24,6 +24,8 @@ What resilrun does when a probe fails:
 - ``cuda_fork_state``: the node's worker template does not import the script's packages (each worker
   imports them itself, as before): it could not tell whether one of them touched CUDA, which would
   leave every worker forked from it unable to use the GPU.
+- ``nvml_device_check``: a library that checks for a GPU as the worker template imports it
+  initialises the CUDA driver there; the template then starts again without the script's packages.
 - ``default_group_read``: a hot spare gets no head start (it waits for its rank before the script's
   first line, as it did before the head start existed).
 
@@ -32,11 +34,12 @@ Every probe holds on the torch versions ``pyproject.toml`` declares (``TESTED_TO
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +74,7 @@ _FALLBACKS = {
     "default_group_read": "hot spares wait for their rank before the script's first line (no head start)",
     "default_store": "a spare's hand-off budget starts at its group's set-up, not once every rank arrived",
     "cuda_fork_state": "the worker template does not import the script's packages (each worker imports them)",
+    "nvml_device_check": "a library checking for a GPU as it loads leaves the worker template unfit to fork",
 }
 _WARNED: set[str] = set()
 
@@ -163,6 +167,13 @@ def _bad_fork_probe() -> bool:
     return callable(getattr(torch.cuda, "_is_in_bad_fork", None))
 
 
+@functools.cache
+def _nvml_check_probe() -> bool:
+    """torch.cuda.is_available() asks NVML instead of the driver when this says so (what
+    PYTORCH_NVML_BASED_CUDA_CHECK=1 does, without changing the environment)."""
+    return callable(getattr(torch.cuda, "_nvml_based_avail", None))
+
+
 _PROBES: dict[str, Callable[[], Any]] = {
     "deferred_ddp_sync": _sync_helpers,
     "ddp_bucket_rebuild": _bucket_rebuild_probe,
@@ -175,6 +186,7 @@ _PROBES: dict[str, Callable[[], Any]] = {
     "default_group_read": _default_group_probe,
     "default_store": _default_store_probe,
     "cuda_fork_state": _bad_fork_probe,
+    "nvml_device_check": _nvml_check_probe,
 }
 
 
@@ -210,6 +222,23 @@ def cuda_unusable_after_fork() -> bool | None:
         _fall_back("cuda_fork_state")
         return None
     return bool(torch.cuda._is_in_bad_fork())
+
+
+@contextlib.contextmanager
+def device_checks_through_nvml() -> Iterator[None]:
+    """Within: ``torch.cuda.is_available()`` asks NVML, which leaves no CUDA state that a forked
+    process would inherit, instead of initialising the driver. Why not the environment variable
+    that does the same: a package imported meanwhile may set it for itself, and keeps it."""
+    if not _nvml_check_probe():
+        _fall_back("nvml_device_check")
+        yield
+        return
+    original = torch.cuda._nvml_based_avail
+    torch.cuda._nvml_based_avail = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda._nvml_based_avail = original
 
 
 def can_defer_ddp_sync() -> bool:

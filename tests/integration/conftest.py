@@ -112,9 +112,10 @@ def run_resilrun(
     *args: str, timeout: float = 60.0, cwd: Path = ROOT, host: Host | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``python -m resilrun ARGS`` run to its end, as a user runs it from a shell (``resilrun status``
-    while a job runs): a process of its own, forked from the launch server like a launch (its
-    ``import torch`` done there once, not paid by every status read a test polls with). Its output as
-    ``subprocess.run(..., capture_output=True, text=True)`` returns it."""
+    while a job runs): a process of its own, forked from the launch server as a launch is (its
+    ``import torch`` done there once, not paid by every status read a test polls with) unless
+    ``env`` sets what is read at start. Its output as ``subprocess.run(..., capture_output=True,
+    text=True)`` returns it."""
     argv = [sys.executable, "-m", "resilrun", *args]
     with tempfile.TemporaryDirectory(prefix="resilrun-cli-") as folder:
         run = Launch(argv, Path(folder) / "cli.log", env=env, cwd=cwd, host=host)

@@ -14,7 +14,8 @@ rank_zero = pytest.importorskip("lightning_utilities.core.rank_zero")
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "0")  # (recorded, so that what apply_assignment writes is undone after)
+        monkeypatch.delenv(key)
     monkeypatch.setattr(env, "_ON_ASSIGNMENT", [])
     monkeypatch.setattr(rank_zero.rank_zero_only, "rank", 0, raising=False)
 

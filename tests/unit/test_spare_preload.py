@@ -8,8 +8,16 @@ main`` had its spare import torchtitan first, which then trained on the wrong de
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.metadata
+import os
+import sys
 from pathlib import Path
 
+import pytest
+
+from resilrun import worker_main
 from resilrun.worker_main import script_imports
 
 
@@ -80,3 +88,42 @@ def test_a_condition_that_calls_or_a_block_that_runs_code_ends_the_preload(tmp_p
     assert _imports(tmp_path, finally_runs) == ["json", "psutil"]
     handled = "try:\n    import psutil\nexcept ImportError:\n    psutil = None\nimport tokenizers\n"
     assert _imports(tmp_path, handled) == ["psutil", "tokenizers"]
+
+
+def _package(root: Path, name: str, *, record: bool) -> None:
+    """A package in ``root`` whose import leaves a mark; with a record as pip's install writes one."""
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text("import os\nos.environ['RESILRUN_TEST_PACKAGE_RAN'] = '1'\n")
+    (root / name / "train.py").write_text("import json\n")
+    if record:
+        info = root / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (info / "RECORD").write_text(f"{name}/__init__.py,,\n{name}/train.py,,\n")
+
+
+def test_only_packages_an_installer_put_there_are_preloaded_not_a_projects_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a project's package on the path (PYTHONPATH, an editable install's folder) and an installed
+    # one beside it (as pip --target lays it out), outside the script's folder
+    site, project = tmp_path / "site", tmp_path / "project"
+    _package(site, "wheel_pkg", record=True)
+    _package(project, "project_pkg", record=False)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(project))
+    monkeypatch.setattr(worker_main, "_distributions", functools.cache(importlib.metadata.packages_distributions))
+    importlib.invalidate_caches()
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    # Then the installed one is preloaded and the project's is the user's code, imported by the script
+    assert _imports(folder, "import json\nimport wheel_pkg\nimport project_pkg\n") == ["json", "wheel_pkg"]
+    # and a script run as a module of the project's package is not looked into: finding it would run
+    # the package's __init__ without a rank
+    monkeypatch.setenv("RESILRUN_TEST_PACKAGE_RAN", "0")  # (recorded: undone after the test)
+    monkeypatch.delenv("RESILRUN_TEST_PACKAGE_RAN")
+    assert script_imports("project_pkg.train", as_module=True) == []
+    assert "RESILRUN_TEST_PACKAGE_RAN" not in os.environ
+    assert script_imports("wheel_pkg.train", as_module=True) == ["json"]
+    for name in ("wheel_pkg", "wheel_pkg.train"):
+        monkeypatch.delitem(sys.modules, name, raising=False)

@@ -65,6 +65,7 @@ def test_the_report_names_every_probe_with_its_fallback() -> None:
         "default_group_read",
         "default_store",
         "cuda_fork_state",
+        "nvml_device_check",
     ]
     assert [p.name for p in probes] == names
     assert all(p.fallback for p in probes)
