@@ -8,16 +8,13 @@ main`` had its spare import torchtitan first, which then trained on the wrong de
 
 from __future__ import annotations
 
-import functools
 import importlib
-import importlib.metadata
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from resilrun import worker_main
 from resilrun.worker_main import script_imports
 
 
@@ -112,7 +109,6 @@ def test_only_packages_an_installer_put_there_are_preloaded_not_a_projects_own(
     _package(project, "project_pkg", record=False)
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.syspath_prepend(str(project))
-    monkeypatch.setattr(worker_main, "_distributions", functools.cache(importlib.metadata.packages_distributions))
     importlib.invalidate_caches()
     folder = tmp_path / "scripts"
     folder.mkdir()
