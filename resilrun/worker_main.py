@@ -41,6 +41,7 @@ import sys
 import sysconfig
 import time
 import traceback
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -97,7 +98,37 @@ def _run(target: str, args: list[str], as_module: bool) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
-def script_imports(target: str, as_module: bool) -> list[str]:
+@dataclass(frozen=True)
+class TopImport:
+    """One module a script imports at its top, and the names it takes from it (``from M import a``).
+
+    Why the names too: ``from M import a`` reads ``M.a``, and a package that loads its contents
+    lazily (transformers, whose ``Trainer`` and models are submodules imported on first access)
+    does most of its importing then: seconds of a replacement's start that the module's own
+    import leaves undone."""
+
+    module: str
+    names: tuple[str, ...] = ()
+
+    def run(self) -> None:
+        """Import as the script's statement would (a name that is a submodule is imported, as
+        ``from M import sub`` does); raises what that statement would."""
+        importlib.import_module(self.module)
+        for name in self.names:
+            __import__(self.module, fromlist=(name,))
+            module = sys.modules[self.module]
+            if not hasattr(module, name) and f"{self.module}.{name}" not in sys.modules:
+                raise ImportError(f"cannot import name {name!r} from {self.module!r}")
+
+    def done(self) -> bool:
+        """Whether this process has it already: the module imported and every name bound in it
+        (read from the module's namespace: reading the attribute could import it)."""
+        module = sys.modules.get(self.module)
+        bound = getattr(module, "__dict__", {})
+        return module is not None and all(name in bound for name in self.names)
+
+
+def script_imports(target: str, as_module: bool) -> list[TopImport]:
     """The installed packages a script imports at its top level, in order (what a spare preloads).
 
     Only statements at the top level (also inside top-level ``try``/``if`` blocks), only those
@@ -122,7 +153,13 @@ def script_imports(target: str, as_module: bool) -> list[str]:
     except (OSError, SyntaxError, ValueError):
         return []
     local_dir = os.path.dirname(os.path.abspath(path))
-    names: list[str] = []
+    names: dict[str, list[str]] = {}  # module -> the names taken from it, both in order of first use
+
+    def add(module: str, taken: list[str]) -> None:
+        known = names.setdefault(module, [])
+        for name in taken:
+            if name not in known:
+                known.append(name)
 
     def own(module: str) -> bool:
         return _is_local(module.partition(".")[0], local_dir)
@@ -134,11 +171,13 @@ def script_imports(target: str, as_module: bool) -> list[str]:
             if isinstance(node, ast.Import):
                 if any(own(alias.name) for alias in node.names):
                     return False
-                names.extend(alias.name for alias in node.names if collect)
+                for alias in node.names if collect else ():
+                    add(alias.name, [])
             elif isinstance(node, ast.ImportFrom):
                 if node.level or not node.module or own(node.module):
                     return False
-                names.extend([node.module] if collect else [])
+                if collect:  # a star import takes what the module says it exports: the module's own import
+                    add(node.module, [alias.name for alias in node.names if alias.name != "*"])
             elif isinstance(node, ast.If):
                 if any(isinstance(part, ast.Call) for part in ast.walk(node.test)):
                     return False
@@ -156,11 +195,11 @@ def script_imports(target: str, as_module: bool) -> list[str]:
 
     visit(tree.body)
     found = []
-    for name in dict.fromkeys(names):
-        top = name.partition(".")[0]
+    for module, taken in names.items():
+        top = module.partition(".")[0]
         if top == "__future__" or _is_local(top, local_dir) or not installed(top):
             continue
-        found.append(name)
+        found.append(TopImport(module, tuple(taken)))
     return found
 
 
@@ -266,11 +305,11 @@ def _stand_by(target: str, as_module: bool) -> None:
 
     from resilrun.worker import membership
 
-    for name in script_imports(target, as_module):
+    for imported in script_imports(target, as_module):
         try:
-            importlib.import_module(name)
+            imported.run()
         except BaseException as exc:  # noqa: BLE001 - the script imports it again, with its rank, and reports then
-            sys.stderr.write(f"resilrun: spare could not preload {name}: {type(exc).__name__}: {exc}\n")
+            sys.stderr.write(f"resilrun: spare could not preload {imported.module}: {type(exc).__name__}: {exc}\n")
     membership.stand_by()
 
 

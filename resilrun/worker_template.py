@@ -247,8 +247,8 @@ def _preload_script(script: ScriptImports) -> tuple[bool, list[str], list[str]]:
 
     if _torch_compat.cuda_unusable_after_fork() is None:  # this torch could not tell the template's state
         return False, [], []
-    names = [name for name in worker_main.script_imports(script.target, script.as_module) if name not in sys.modules]
-    if not names:  # torch, the standard library: nothing to import or say
+    imports = [each for each in worker_main.script_imports(script.target, script.as_module) if not each.done()]
+    if not imports:  # torch, the standard library: nothing to import or say
         return False, [], []
     if script.integrations:
         integrations.hook_frameworks()
@@ -258,13 +258,13 @@ def _preload_script(script: ScriptImports) -> tuple[bool, list[str], list[str]]:
     # A library that checks for a GPU as it is imported asks NVML, not the driver: the template
     # stays fit to fork (the workers check the usual way).
     with _torch_compat.device_checks_through_nvml():
-        for name in names:
+        for each in imports:
             try:
-                importlib.import_module(name)
+                each.run()
             except (Exception, SystemExit):  # noqa: BLE001 - the worker imports it again, with its rank, and reports it
-                failed.append(name)
+                failed.append(each.module)
             else:
-                done.append(name)
+                done.append(each.module)
     return True, done, failed
 
 

@@ -13,6 +13,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -66,18 +67,25 @@ class Snapshotter:
         self.group = tuple(group)
         self.slots: list[SharedBuffer | None] = []
         self._layout: Layout | None = None
+        self._specs: list[tuple[str, str, tuple[int, ...]]] | None = None  # what _layout was last found for
         self._layout_crc = 0
         self._plan: tuple[Layout, frozenset[str], frozenset[str], Borrowed, tuple[tuple[int, int], ...]] | None = None
         self._whole = False  # the agent asked for a snapshot without borrowed bytes next
         # (step, borrowed ranges, owner rank -> its slot) mapped by borrow() for the next load
         self._lent: tuple[int, Borrowed, dict[int, SharedBuffer]] | None = None
         self._pinned = False
+        # Per slot: the typed views of its buffer that the tensors of ``layout`` are copied into,
+        # and those of ``skipped`` left out. Made once per buffer and layout: slicing and viewing a
+        # uint8 buffer per tensor per step cost more than the copies of a model's many small
+        # tensors. Dropped before their buffer is closed (a live view keeps a mapping alive).
+        self._targets: dict[int, _Targets] = {}
         self._next = 0  # the slot the agent said the next snapshot goes to
         self.attach()
 
     def attach(self) -> None:
         """(Re)map this rank's buffers as the agent holds them now (after a fetch from another tier)."""
         attached, fds = self._request(Attach(rank=self.rank))
+        self._targets.clear()
         for buffer in [*self.slots, getattr(self, "ctl", None)]:
             if buffer is not None:
                 buffer.close()
@@ -269,20 +277,16 @@ class Snapshotter:
         slot, buffer = self._slot_for(layout.total_bytes)
         self.held.pop(slot, None)
         self.seq.begin(slot)
-        header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
-        buffer.tensor[: layout.data_start].copy_(header)
-        base = layout.data_start
+        targets = self._targets_for(slot, buffer, layout, skipped)
+        targets.header.copy_(targets.header_bytes)
         asynchronous = False
-        copied = layout.data_start
-        for entry in layout.entries:
-            if entry.name in skipped:
-                continue
-            copied += entry.nbytes
-            source = tensors[entry.name].detach()
-            target = buffer.tensor[base + entry.begin : base + entry.end].view(source.dtype).view(source.shape)
-            non_blocking = source.is_cuda and self._pinned
-            target.copy_(source, non_blocking=non_blocking)
-            asynchronous = asynchronous or non_blocking
+        with torch.no_grad():  # a parameter is copied as it is; nothing of the copy is recorded
+            for name, target in targets.views:
+                source = tensors[name]
+                non_blocking = self._pinned and source.is_cuda
+                target.copy_(source, non_blocking=non_blocking)
+                asynchronous = asynchronous or non_blocking
+        copied = targets.nbytes
         if asynchronous:
             torch.cuda.current_stream().synchronize()
         self.seq.end(slot)
@@ -335,18 +339,28 @@ class Snapshotter:
         with contextlib.suppress(CheckpointError):
             self._settle()
         self.unborrow()
+        self._targets.clear()
         for buffer in [*self.slots, self.ctl]:
             if buffer is not None:
                 buffer.close()
         self.slots = [None] * len(self.slots)
         self.client.close()
 
+    def _targets_for(self, slot: int, buffer: SharedBuffer, layout: Layout, skipped: frozenset[str]) -> _Targets:
+        targets = self._targets.get(slot)
+        if targets is None or not targets.holds(buffer, layout, skipped):
+            targets = self._targets[slot] = _Targets.of(buffer, layout, skipped)
+        return targets
+
     def _layout_for(self, tensors: dict[str, torch.Tensor]) -> Layout:
         specs = [(name, dtype_code(t), tuple(t.shape)) for name, t in tensors.items()]
+        if specs == self._specs:  # the same state dicts as at the last commit, in the same order
+            return self._layout  # type: ignore[return-value]  # set with _specs
         signature = tuple(sorted(specs))
         if self._layout is None or tuple(sorted(self._layout.signature())) != signature:
             self._layout = build_layout(specs)
             self._layout_crc = zlib.crc32(self._layout.header)  # once per layout, not per step
+        self._specs = specs
         return self._layout
 
     def _borrowing(
@@ -371,6 +385,7 @@ class Snapshotter:
     def _shrink(self, slots: int) -> None:
         """The agent keeps fewer slots for this rank now: forget the others."""
         for slot in range(slots, len(self.slots)):
+            self._targets.pop(slot, None)
             buffer = self.slots[slot]
             if buffer is not None:
                 buffer.close()
@@ -406,6 +421,7 @@ class Snapshotter:
             self._shrink(int(allocated.slots or 0))
             return None
         old = self.slots[slot]
+        self._targets.pop(slot, None)
         self.slots[slot] = SharedBuffer.attach(fds[0])
         if old is not None:
             old.close()
@@ -432,6 +448,36 @@ def _views(
         dtype = getattr(torch, DTYPES[entry.dtype][0])
         tensors[entry.name] = raw.view(dtype).view(entry.shape)
     return tensors
+
+
+@dataclass(frozen=True, eq=False)
+class _Targets:
+    """Where one slot's buffer takes a snapshot of one layout: its header and each copied tensor's
+    typed view, in the layout's order; ``nbytes``: the bytes a commit of it writes."""
+
+    buffer: SharedBuffer
+    layout: Layout
+    skipped: frozenset[str]
+    header: torch.Tensor
+    header_bytes: torch.Tensor
+    views: tuple[tuple[str, torch.Tensor], ...]
+    nbytes: int
+
+    def holds(self, buffer: SharedBuffer, layout: Layout, skipped: frozenset[str]) -> bool:
+        return self.buffer is buffer and self.layout is layout and self.skipped == skipped
+
+    @classmethod
+    def of(cls, buffer: SharedBuffer, layout: Layout, skipped: frozenset[str]) -> _Targets:
+        base, whole = layout.data_start, buffer.tensor
+        views, nbytes = [], layout.data_start
+        for entry in layout.entries:
+            if entry.name in skipped:
+                continue
+            dtype = getattr(torch, DTYPES[entry.dtype][0])
+            views.append((entry.name, whole[base + entry.begin : base + entry.end].view(dtype).view(entry.shape)))
+            nbytes += entry.nbytes
+        header_bytes = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+        return cls(buffer, layout, skipped, whole[:base], header_bytes, tuple(views), nbytes)
 
 
 def _pin(buffer: SharedBuffer) -> bool:

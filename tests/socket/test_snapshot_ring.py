@@ -142,3 +142,34 @@ def test_after_a_rollback_the_abandoned_steps_keep_nothing_and_the_resumed_timel
         # Then the ring keeps the resumed timeline's replicated step 9 and its newest steps, and
         # lets go of the abandoned 14, replicated though it was
         assert _held(memory) == [9, 10, 11]
+
+
+def test_commits_whose_tensors_change_shape_or_number_or_whose_slots_are_mapped_again_load_back_exactly(
+    ring: tuple[NodeMemoryTier, Snapshotter],
+) -> None:
+    # Given a rank whose state changes between commits (a tensor added, one grown past its slot,
+    # then the first state again), with a parameter that requires grad among them
+    memory, snapshotter = ring
+    weight = torch.nn.Parameter(torch.arange(256, dtype=torch.float32))
+    states = [
+        {"w": weight},
+        {"w": weight, "b": torch.arange(4, dtype=torch.int64)},
+        {"w": torch.arange(4096, dtype=torch.float32), "s": torch.tensor(7, dtype=torch.int32)},
+        {"w": weight},
+        {"w": weight * 2},
+    ]
+    for step, state in enumerate(states, start=1):
+        snapshotter.save(step, state, {"step": step})
+        snapshotter.flush()
+        # Then every step loads back as it was saved, whichever slot and layout it went to
+        tensors, values = snapshotter.load(step)
+        assert values == {"step": step}
+        assert set(tensors) == set(state)
+        for name, tensor in state.items():
+            assert torch.equal(tensors[name], tensor.detach()), (step, name)
+    # and after the slots are mapped again (as after a fetch from another tier) commits still land
+    snapshotter.attach()
+    snapshotter.save(6, {"w": weight}, {"step": 6})
+    snapshotter.flush()
+    tensors, _ = snapshotter.load(6)
+    assert torch.equal(tensors["w"], weight.detach())

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from resilrun.worker_main import script_imports
+from resilrun.worker_main import TopImport, script_imports
 
 
 def _imports(tmp_path: Path, source: str) -> list[str]:
+    """The modules preloaded (the names taken from them: see the tests of ``TopImport``)."""
     script = tmp_path / "train.py"
     script.write_text(source)
-    return script_imports(str(script), as_module=False)
+    return [each.module for each in script_imports(str(script), as_module=False)]
 
 
 def test_the_leading_imports_are_preloaded_in_order(tmp_path: Path) -> None:
@@ -120,6 +121,60 @@ def test_only_packages_an_installer_put_there_are_preloaded_not_a_projects_own(
     monkeypatch.delenv("RESILRUN_TEST_PACKAGE_RAN")
     assert script_imports("project_pkg.train", as_module=True) == []
     assert "RESILRUN_TEST_PACKAGE_RAN" not in os.environ
-    assert script_imports("wheel_pkg.train", as_module=True) == ["json"]
+    assert script_imports("wheel_pkg.train", as_module=True) == [TopImport("json")]
     for name in ("wheel_pkg", "wheel_pkg.train"):
         monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_the_names_a_script_takes_from_a_module_are_preloaded_with_it(tmp_path: Path) -> None:
+    source = """import json
+from torch.utils.data import DataLoader, Dataset
+from json import dumps, loads as parse
+from torch.utils.data import DataLoader, Sampler
+from os.path import *
+"""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    assert script_imports(str(script), as_module=False) == [
+        TopImport("json", ("dumps", "loads")),
+        TopImport("torch.utils.data", ("DataLoader", "Dataset", "Sampler")),
+        TopImport("os.path"),
+    ]
+
+
+def _lazy_package(root: Path) -> None:
+    """A package that imports its contents on first access (PEP 562), as transformers does."""
+    (root / "lazy_pkg").mkdir(parents=True)
+    (root / "lazy_pkg" / "__init__.py").write_text(
+        "import importlib\n"
+        "def __getattr__(name):\n"
+        "    if name == 'Trainer':\n"
+        "        value = importlib.import_module('lazy_pkg.trainer').Trainer\n"
+        "        globals()[name] = value\n"
+        "        return value\n"
+        "    raise AttributeError(name)\n"
+    )
+    (root / "lazy_pkg" / "trainer.py").write_text("class Trainer:\n    pass\n")
+    (root / "lazy_pkg" / "models.py").write_text("")
+
+
+def test_preloading_a_from_import_does_the_lazy_imports_the_statement_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a package that loads its classes on first access and a submodule taken by name
+    _lazy_package(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    for name in ("lazy_pkg", "lazy_pkg.trainer", "lazy_pkg.models"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    wanted = TopImport("lazy_pkg", ("Trainer", "models"))
+    # When it is preloaded (``from lazy_pkg import Trainer, models``)
+    wanted.run()
+    # Then what the statement imports is imported: the lazily loaded class's module and the submodule
+    assert "lazy_pkg.trainer" in sys.modules
+    assert "lazy_pkg.models" in sys.modules
+    assert wanted.done()
+    assert not TopImport("lazy_pkg", ("Missing",)).done()
+    # and a name the package does not have fails as the statement would
+    with pytest.raises(ImportError, match="Missing"):
+        TopImport("lazy_pkg", ("Missing",)).run()
