@@ -54,21 +54,27 @@ demo: install
 	$(PY) examples/demo/resilient_demo.py
 
 # Every test's time goes to build/test-times.xml (JUnit XML) and each worker's timeline to
-# build/test-timeline (python -m tools.suite_timeline): where the suite's budget goes.
-# --dist worksteal: with xdist's default (load), one worker took the integration tests in one chunk
-# and ran all of them alone while the other had finished and stood idle for most of the suite.
+# build/test-timeline (python -m tools.suite_timeline): where the suite's budget goes, with each
+# test's CPU. --dist worksteal: with xdist's default (load), one worker took the integration tests
+# in one chunk and ran all of them alone while the other had finished and stood idle for most of
+# the suite. Three workers on 2 cores: with 2, the cores were 17 % idle (tests that wait for a
+# timeout, a heartbeat or a slowed replica); since workers are forked from a node's template, a
+# third worker fills that time instead of competing for imports (21:17 -> 17:46 with this stop's
+# other changes; before the template it made the suite slower). Bytecode is written (the machine's
+# environment may say not to): otherwise every fresh interpreter the suite starts, a node's worker
+# template above all, compiles resilrun's sources again (half a CPU-second each).
 test: install test-tools test-torchtitan
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
 	rm -rf build/test-timeline
-	TEST_TIMELINE_DIR=build/test-timeline $(PY) -m pytest -n 2 --dist worksteal -q -p no:cacheprovider -p no:benchmark --durations=25 --junitxml=build/test-times.xml
+	env -u PYTHONDONTWRITEBYTECODE TEST_TIMELINE_DIR=build/test-timeline $(PY) -m pytest -n 3 --dist worksteal -q -p no:cacheprovider -p no:benchmark --durations=25 --junitxml=build/test-times.xml
 
 # The quick subset: unit, contract, socket and CLI tests, no launcher started (a minute and a half on
 # 2 cores). Four xdist workers on 2 cores: these tests mostly wait (sockets, leases, timeouts; 62 % of
-# 2 cores busy with 2 workers), so two more workers fill the idle time (120 s -> 95 s here). Not for
-# `make test`: the integration tests are CPU-bound, and a third worker there made them slower.
+# 2 cores busy with 2 workers), so two more workers fill the idle time (120 s -> 95 s here). `make
+# test` has three: its integration tests use the cores far more (see above).
 quick: install test-tools
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
-	$(PY) -m pytest -n 4 --dist worksteal -q -p no:cacheprovider -p no:benchmark tests/unit tests/contract tests/socket tests/cli
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -n 4 --dist worksteal -q -p no:cacheprovider -p no:benchmark tests/unit tests/contract tests/socket tests/cli
 
 lint: $(PY)
 	$(PY) -m ruff check resilrun tests examples benchmarks tools

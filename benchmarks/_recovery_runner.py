@@ -15,7 +15,10 @@ Why more than ``subprocess.run(timeout=...)``:
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,14 +62,14 @@ def _alive(seen: dict[tuple[int, float], psutil.Process]) -> list[psutil.Process
 def _py_spy(procs: list[psutil.Process]) -> str:
     """Stacks of every live Python process of the run, for the report of a hang."""
     out = []
+    # The one installed into the benchmark's own environment when that is not on PATH (a venv).
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy"
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             if "python" not in " ".join(proc.cmdline()[:1]).lower():
                 continue
             try:
-                res = subprocess.run(
-                    ["py-spy", "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=30
-                )
+                res = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=30)
                 text = res.stdout + res.stderr
             except (OSError, subprocess.TimeoutExpired) as exc:
                 text = f"py-spy failed: {exc}"

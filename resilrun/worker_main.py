@@ -100,7 +100,9 @@ def _run(target: str, args: list[str], as_module: bool) -> None:
 
 @dataclass(frozen=True)
 class TopImport:
-    """One module a script imports at its top, and the names it takes from it (``from M import a``).
+    """One import statement at a script's top: the module, and the names it takes from it
+    (``from M import a, b``). One per statement, in the script's order: a name that fails (a
+    class of a newer version, in a ``try``) fails its statement only, as in the script.
 
     Why the names too: ``from M import a`` reads ``M.a``, and a package that loads its contents
     lazily (transformers, whose ``Trainer`` and models are submodules imported on first access)
@@ -126,6 +128,9 @@ class TopImport:
         module = sys.modules.get(self.module)
         bound = getattr(module, "__dict__", {})
         return module is not None and all(name in bound for name in self.names)
+
+    def __str__(self) -> str:
+        return f"from {self.module} import {', '.join(self.names)}" if self.names else self.module
 
 
 def script_imports(target: str, as_module: bool) -> list[TopImport]:
@@ -153,13 +158,12 @@ def script_imports(target: str, as_module: bool) -> list[TopImport]:
     except (OSError, SyntaxError, ValueError):
         return []
     local_dir = os.path.dirname(os.path.abspath(path))
-    names: dict[str, list[str]] = {}  # module -> the names taken from it, both in order of first use
+    statements: list[TopImport] = []
 
     def add(module: str, taken: list[str]) -> None:
-        known = names.setdefault(module, [])
-        for name in taken:
-            if name not in known:
-                known.append(name)
+        statement = TopImport(module, tuple(taken))
+        if statement not in statements:
+            statements.append(statement)
 
     def own(module: str) -> bool:
         return _is_local(module.partition(".")[0], local_dir)
@@ -195,11 +199,11 @@ def script_imports(target: str, as_module: bool) -> list[TopImport]:
 
     visit(tree.body)
     found = []
-    for module, taken in names.items():
-        top = module.partition(".")[0]
+    for statement in statements:
+        top = statement.module.partition(".")[0]
         if top == "__future__" or _is_local(top, local_dir) or not installed(top):
             continue
-        found.append(TopImport(module, tuple(taken)))
+        found.append(statement)
     return found
 
 
@@ -309,7 +313,7 @@ def _stand_by(target: str, as_module: bool) -> None:
         try:
             imported.run()
         except BaseException as exc:  # noqa: BLE001 - the script imports it again, with its rank, and reports then
-            sys.stderr.write(f"resilrun: spare could not preload {imported.module}: {type(exc).__name__}: {exc}\n")
+            sys.stderr.write(f"resilrun: spare could not preload {imported}: {type(exc).__name__}: {exc}\n")
     membership.stand_by()
 
 

@@ -262,10 +262,10 @@ def _preload_script(script: ScriptImports) -> tuple[bool, list[str], list[str]]:
             try:
                 each.run()
             except (Exception, SystemExit):  # noqa: BLE001 - the worker imports it again, with its rank, and reports it
-                failed.append(each.module)
+                failed.append(str(each))
             else:
                 done.append(each.module)
-    return True, done, failed
+    return True, list(dict.fromkeys(done)), failed
 
 
 def _cuda_unusable_after_fork() -> bool:

@@ -464,7 +464,7 @@ class _Targets:
     nbytes: int
 
     def holds(self, buffer: SharedBuffer, layout: Layout, skipped: frozenset[str]) -> bool:
-        return self.buffer is buffer and self.layout is layout and self.skipped == skipped
+        return self.buffer is buffer and self.layout is layout and (self.skipped is skipped or self.skipped == skipped)
 
     @classmethod
     def of(cls, buffer: SharedBuffer, layout: Layout, skipped: frozenset[str]) -> _Targets:

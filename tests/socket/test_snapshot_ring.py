@@ -173,3 +173,27 @@ def test_commits_whose_tensors_change_shape_or_number_or_whose_slots_are_mapped_
     snapshotter.flush()
     tensors, _ = snapshotter.load(6)
     assert torch.equal(tensors["w"], weight.detach())
+
+
+def test_commits_of_state_changed_in_place_reuse_their_slots_and_load_back_as_each_step_was(
+    ring: tuple[NodeMemoryTier, Snapshotter],
+) -> None:
+    # Given one state trained in place (as an optimizer does) and committed more times than the ring
+    # has slots, so that every slot is written again with the layout it held
+    memory, snapshotter = ring
+    weight = torch.nn.Parameter(torch.zeros(64))
+    moment = torch.zeros(8, 8, dtype=torch.float64)
+    count = torch.tensor(0, dtype=torch.int64)
+    for step in range(1, 3 * REPLICATED_SLOTS + 2):
+        with torch.no_grad():
+            weight.add_(1.5)
+        moment.mul_(0.5).add_(step)
+        count.add_(1)
+        snapshotter.save(step, {"w": weight, "m": moment, "c": count}, {"step": step})
+        snapshotter.flush()
+        # Then each step loads back with that step's values, not an earlier step's left in the slot
+        tensors, values = snapshotter.load(step)
+        assert values == {"step": step}
+        assert torch.equal(tensors["w"], weight.detach())
+        assert torch.equal(tensors["m"], moment)
+        assert int(tensors["c"]) == step

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ def _imports(tmp_path: Path, source: str) -> list[str]:
     """The modules preloaded (the names taken from them: see the tests of ``TopImport``)."""
     script = tmp_path / "train.py"
     script.write_text(source)
-    return [each.module for each in script_imports(str(script), as_module=False)]
+    return list(dict.fromkeys(each.module for each in script_imports(str(script), as_module=False)))
 
 
 def test_the_leading_imports_are_preloaded_in_order(tmp_path: Path) -> None:
@@ -132,12 +133,16 @@ from torch.utils.data import DataLoader, Dataset
 from json import dumps, loads as parse
 from torch.utils.data import DataLoader, Sampler
 from os.path import *
+from json import dumps, loads
 """
     script = tmp_path / "train.py"
     script.write_text(source)
+    # one per statement, in order, the same statement once: a name that fails fails its own only
     assert script_imports(str(script), as_module=False) == [
+        TopImport("json"),
+        TopImport("torch.utils.data", ("DataLoader", "Dataset")),
         TopImport("json", ("dumps", "loads")),
-        TopImport("torch.utils.data", ("DataLoader", "Dataset", "Sampler")),
+        TopImport("torch.utils.data", ("DataLoader", "Sampler")),
         TopImport("os.path"),
     ]
 
@@ -156,18 +161,28 @@ def _lazy_package(root: Path) -> None:
     )
     (root / "lazy_pkg" / "trainer.py").write_text("class Trainer:\n    pass\n")
     (root / "lazy_pkg" / "models.py").write_text("")
+    (root / "lazy_pkg-1.0.dist-info").mkdir()  # installed, as pip --target lays it out
 
 
-def test_preloading_a_from_import_does_the_lazy_imports_the_statement_would(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Given a package that loads its classes on first access and a submodule taken by name
+@pytest.fixture
+def lazy_pkg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``lazy_pkg`` importable for the test, and gone from ``sys.modules`` after it."""
     _lazy_package(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    for name in ("lazy_pkg", "lazy_pkg.trainer", "lazy_pkg.models"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    names = ("lazy_pkg", "lazy_pkg.trainer", "lazy_pkg.models")
+    try:
+        yield
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+@pytest.mark.usefixtures("lazy_pkg")
+def test_preloading_a_from_import_does_the_lazy_imports_the_statement_would() -> None:
+    # Given a package that loads its classes on first access and a submodule taken by name
     wanted = TopImport("lazy_pkg", ("Trainer", "models"))
+    assert not wanted.done()
     # When it is preloaded (``from lazy_pkg import Trainer, models``)
     wanted.run()
     # Then what the statement imports is imported: the lazily loaded class's module and the submodule
@@ -178,3 +193,22 @@ def test_preloading_a_from_import_does_the_lazy_imports_the_statement_would(
     # and a name the package does not have fails as the statement would
     with pytest.raises(ImportError, match="Missing"):
         TopImport("lazy_pkg", ("Missing",)).run()
+
+
+@pytest.mark.usefixtures("lazy_pkg")
+def test_a_statement_whose_name_fails_leaves_the_other_statements_preloaded(tmp_path: Path) -> None:
+    # Given a script that takes a class a newer version has, in a try, then the one it needs
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    script = folder / "train.py"
+    script.write_text(
+        "try:\n    from lazy_pkg import NewerClass\nexcept ImportError:\n    NewerClass = None\n"
+        "from lazy_pkg import Trainer\n"
+    )
+    statements = script_imports(str(script), as_module=False)
+    assert [str(each) for each in statements] == ["from lazy_pkg import NewerClass", "from lazy_pkg import Trainer"]
+    # When each is preloaded as a spare does: the first fails, the second still loads its class
+    with pytest.raises(ImportError, match="NewerClass"):
+        statements[0].run()
+    statements[1].run()
+    assert "lazy_pkg.trainer" in sys.modules
