@@ -59,10 +59,10 @@ demo: install
 # in one chunk and ran all of them alone while the other had finished and stood idle for most of
 # the suite. Three workers on 2 cores: with 2, the cores were 17 % idle (tests that wait for a
 # timeout, a heartbeat or a slowed replica); since workers are forked from a node's template, a
-# third worker fills that time instead of competing for imports (21:17 -> 17:46 with this stop's
-# other changes; before the template it made the suite slower). Bytecode is written (the machine's
-# environment may say not to): otherwise every fresh interpreter the suite starts, a node's worker
-# template above all, compiles resilrun's sources again (half a CPU-second each).
+# third worker fills that time instead of competing for imports (before the template it made the
+# suite slower). Bytecode is written (the machine's environment may say not to): otherwise every
+# fresh interpreter the suite starts, a node's worker template above all, compiles resilrun's
+# sources again (half a CPU-second each). Together 21:17 -> 15:44 on a fresh clone (2026-12-08).
 test: install test-tools test-torchtitan
 	$(PY) -m ruff check resilrun tests examples benchmarks tools
 	rm -rf build/test-timeline
